@@ -1,0 +1,1 @@
+"""jaxserve: an LLM inference server on JAX/XLA."""

@@ -1,0 +1,298 @@
+"""One config module: frozen dataclasses checked in ``__post_init__``, CLI flags derived from fields.
+
+``EngineArgs`` is the flat set of user-facing knobs (vLLM's flag names: ``--max-num-batched-tokens``,
+``--long-prefill-token-threshold``, ...). The server, the batch CLI and ``LLM(**kwargs)`` all build an
+``EngineArgs`` and turn it into the per-component configs once the model's own config is known
+(``EngineArgs.create_engine_config``). Defaults are the design card's starting values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any, Literal
+
+AttentionBackend = Literal["auto", "pallas", "reference"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+def _default_compilation_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxserve", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to serve and how.
+
+    Attributes:
+      model: path of a HF model directory or of our orbax layout (see jaxserve.model.loader).
+      dtype: "auto" (the checkpoint's torch_dtype), "float32" or "bfloat16".
+      load_format: "auto", "safetensors", "orbax" or "dummy" (random weights of the config).
+      served_model_name: the name clients send as ``model``; defaults to the directory name.
+      max_model_len: longest sequence (prompt + output) in tokens.
+      seed: engine seed for requests without their own.
+    """
+
+    model: str
+    dtype: str = "auto"
+    load_format: str = "auto"
+    served_model_name: str = ""
+    max_model_len: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "orbax", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors, orbax or dummy, got {self.load_format!r}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache (PagedAttention, Kwon et al. 2023; vLLM's CacheConfig).
+
+    Attributes:
+      block_size: tokens per KV block.
+      gpu_memory_utilization: fraction of device memory the engine may use (weights, peak
+        activations and the KV pool together).
+      num_gpu_blocks_override: use exactly this many blocks instead of sizing from memory.
+      enable_prefix_caching: reuse cached blocks of identical prefixes.
+      watermark: fraction of blocks kept free against newly admitted requests.
+      num_gpu_blocks: resolved pool size (set by the runner after profiling); 0 = unknown yet.
+    """
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    watermark: float = 0.0
+    num_gpu_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """The token-budget scheduler (vLLM V1's SchedulerConfig).
+
+    Attributes:
+      max_num_batched_tokens: tokens computed per step, all requests together.
+      max_num_seqs: requests per step.
+      long_prefill_token_threshold: most tokens one request may take in one step (chunked
+        prefill); 0 means no cap beyond the budget.
+      enable_chunked_prefill: cut prompts longer than the budget into chunks; when off, a
+        waiting prompt must fit the budget whole.
+      policy: "fcfs" or "priority" (by (priority, arrival time); smaller priority is more urgent).
+      max_model_len: longest sequence (prompt + output) in tokens.
+      max_waiting_requests: the server answers 503 above this many waiting requests (0 = no cap).
+    """
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    long_prefill_token_threshold: int = 4096
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    max_model_len: int = 2048
+    max_waiting_requests: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+
+    @property
+    def chunk_limit(self) -> int:
+        """Most tokens one request may be scheduled in one step."""
+        limit = self.max_num_batched_tokens
+        if self.long_prefill_token_threshold > 0:
+            limit = min(limit, self.long_prefill_token_threshold)
+        return limit
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """The model runner: attention backend, shape buckets, compilation cache.
+
+    Attributes:
+      attention_backend: "auto" (Pallas kernel on GPU/TPU, jnp reference on CPU), "pallas" or
+        "reference".
+      token_buckets: padded step sizes in tokens (ascending); empty = derived from the budget.
+      compilation_cache_dir: persistent JAX compilation cache ("" disables it).
+      warmup: compile every bucket before serving.
+    """
+
+    attention_backend: str = "auto"
+    token_buckets: tuple[int, ...] = ()
+    compilation_cache_dir: str = dataclasses.field(default_factory=_default_compilation_cache_dir)
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "pallas", "reference"):
+            raise ValueError(
+                f"attention_backend must be auto, pallas or reference, got {self.attention_backend!r}")
+        if list(self.token_buckets) != sorted(set(self.token_buckets)) or any(b < 1 for b in self.token_buckets):
+            raise ValueError(f"token_buckets must be ascending positive integers, got {self.token_buckets}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """All resolved configs of one engine."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    runner: RunnerConfig
+
+
+def _meta(help_text: str, **kw: Any) -> dict[str, Any]:
+    return {"help": help_text, **kw}
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """User-facing engine knobs; each field is a CLI flag (``--field-name``) and an ``LLM`` kwarg.
+
+    ``model=None`` means the bundled checkpoint. ``max_model_len=None`` means the model's
+    ``max_position_embeddings``.
+    """
+
+    model: str | None = dataclasses.field(default=None, metadata=_meta(
+        "model directory (HF or our orbax layout); default: the bundled checkpoint", positional=True))
+    dtype: str = dataclasses.field(default="auto", metadata=_meta(
+        "weights and activations dtype", choices=["auto", "float32", "bfloat16"]))
+    load_format: str = dataclasses.field(default="auto", metadata=_meta(
+        "weights format; dummy = random weights of the config", choices=["auto", "safetensors", "orbax", "dummy"]))
+    served_model_name: str | None = dataclasses.field(default=None, metadata=_meta(
+        "model name clients send; default: the model directory's name"))
+    max_model_len: int | None = dataclasses.field(default=None, metadata=_meta(
+        "longest sequence (prompt + output), tokens; default: the model's max_position_embeddings"))
+    seed: int = dataclasses.field(default=0, metadata=_meta("engine sampling seed"))
+    block_size: int = dataclasses.field(default=16, metadata=_meta("tokens per KV block"))
+    gpu_memory_utilization: float = dataclasses.field(default=0.9, metadata=_meta(
+        "fraction of device memory for weights, activations and the KV cache"))
+    num_gpu_blocks_override: int | None = dataclasses.field(default=None, metadata=_meta(
+        "KV blocks to allocate, instead of sizing from memory"))
+    enable_prefix_caching: bool = dataclasses.field(default=True, metadata=_meta(
+        "reuse KV blocks of identical prompt prefixes"))
+    max_num_batched_tokens: int = dataclasses.field(default=8192, metadata=_meta("token budget per step"))
+    max_num_seqs: int = dataclasses.field(default=256, metadata=_meta("most requests per step"))
+    long_prefill_token_threshold: int = dataclasses.field(default=4096, metadata=_meta(
+        "most tokens one request may take per step (chunked prefill)"))
+    enable_chunked_prefill: bool = dataclasses.field(default=True, metadata=_meta(
+        "cut long prompts into chunks across steps"))
+    scheduling_policy: str = dataclasses.field(default="fcfs", metadata=_meta(
+        "request order", choices=["fcfs", "priority"]))
+    max_waiting_requests: int = dataclasses.field(default=0, metadata=_meta(
+        "answer 503 above this many waiting requests (0: no cap)"))
+    attention_backend: str = dataclasses.field(default="auto", metadata=_meta(
+        "attention implementation", choices=["auto", "pallas", "reference"]))
+    compilation_cache_dir: str | None = dataclasses.field(default=None, metadata=_meta(
+        "persistent XLA compilation cache ('' disables); default: ~/.cache/jaxserve/xla"))
+    token_buckets: str | None = dataclasses.field(default=None, metadata=_meta(
+        "comma-separated padded step sizes in tokens; default: powers of two up to the budget"))
+    warmup: bool = dataclasses.field(default=True, metadata=_meta("compile every bucket before serving"))
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
+        """Adds one flag per field (``--max-num-batched-tokens`` ...); bools get ``--no-`` forms."""
+        for field in dataclasses.fields(cls):
+            meta = dict(field.metadata)
+            help_text = meta.pop("help", None)
+            positional = meta.pop("positional", False)
+            if positional and positional_model:
+                parser.add_argument(field.name, nargs="?", default=field.default, help=help_text)
+                continue
+            flag = "--" + field.name.replace("_", "-")
+            if field.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+                                    help=help_text)
+                continue
+            kind = {"int": int, "int | None": int, "float": float}.get(str(field.type), str)
+            parser.add_argument(flag, type=kind, default=field.default, help=help_text, **meta)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """Builds EngineArgs from a parsed namespace (extra attributes are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        """Builds EngineArgs from ``LLM(**kwargs)``.
+
+        Raises:
+          ValueError: an unknown keyword (names it).
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def resolved_model_path(self) -> str:
+        """The model directory, or the bundled checkpoint when ``model`` is None."""
+        if self.model:
+            return self.model
+        from jaxserve.model import default_model_path  # local: keeps this module jax-free
+        return str(default_model_path())
+
+    def create_engine_config(self, model_max_len: int) -> EngineConfig:
+        """Resolves the per-component configs once the model's own max length is known.
+
+        Args:
+          model_max_len: the model's ``max_position_embeddings``.
+
+        Raises:
+          ValueError: a knob is out of range (names it), or max_model_len exceeds the model's.
+        """
+        path = self.resolved_model_path()
+        max_len = self.max_model_len or model_max_len
+        if max_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({model_max_len})")
+        name = self.served_model_name or os.path.basename(os.path.normpath(path))
+        buckets: tuple[int, ...] = ()
+        if self.token_buckets:
+            try:
+                buckets = tuple(int(b) for b in self.token_buckets.split(","))
+            except ValueError:
+                raise ValueError(f"token_buckets must be comma-separated integers, got {self.token_buckets!r}") from None
+        cache_dir = (_default_compilation_cache_dir() if self.compilation_cache_dir is None
+                     else self.compilation_cache_dir)
+        return EngineConfig(
+            model=ModelConfig(model=path, dtype=self.dtype, load_format=self.load_format,
+                              served_model_name=name, max_model_len=max_len, seed=self.seed),
+            cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+                              num_gpu_blocks_override=self.num_gpu_blocks_override,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs,
+                                      long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      policy=self.scheduling_policy, max_model_len=max_len,
+                                      max_waiting_requests=self.max_waiting_requests),
+            runner=RunnerConfig(attention_backend=self.attention_backend, token_buckets=buckets,
+                                compilation_cache_dir=cache_dir, warmup=self.warmup),
+        )

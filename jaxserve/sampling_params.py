@@ -1,0 +1,180 @@
+"""Sampling parameters of one request, with OpenAI/vLLM semantics.
+
+Every field is checked in ``__post_init__``; a bad value raises ``ValueError`` whose message
+starts with the field's name, so the server can turn it into an OpenAI-style 400 with ``param``
+set (see :func:`jaxserve.entrypoints.openai.protocol`). Source: the OpenAI API reference for
+completions/chat (ranges of temperature, top_p, penalties, logprobs, logit_bias) and vLLM's
+``SamplingParams`` for the extensions (top_k, min_p, repetition_penalty, min_tokens,
+stop_token_ids, ignore_eos, include_stop_str_in_output).
+
+Order in which the sampler applies the knobs (documented contract, tested against a NumPy
+reference): logit_bias -> repetition, presence, frequency penalties -> (greedy if temperature
+== 0) -> divide by temperature -> top-k -> top-p -> min-p -> sample. ``top_p`` keeps the smallest
+set of most probable tokens whose probability mass reaches ``top_p`` (the most probable token is
+always kept), so ``top_p == 1`` keeps everything (off) and ``top_p == 0`` keeps only the most
+probable token (greedy among ties broken by token id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+MAX_LOGPROBS = 20
+"""Largest ``logprobs`` / ``prompt_logprobs`` (top-n alternatives) a request may ask for."""
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        left = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value}")
+    return value
+
+
+def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+    return value
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick the tokens of one request (OpenAI semantics, vLLM extensions).
+
+    Attributes:
+      n: number of parallel samples (>= 1); the engine fans them out as child requests that
+        share the prompt's KV blocks through prefix caching.
+      temperature: in [0, 2]; 0 means greedy.
+      top_p: nucleus mass in [0, 1]; 1 is off, 0 keeps only the most probable token.
+      top_k: keep the k most probable tokens; 0 or -1 is off.
+      min_p: in [0, 1]; drop tokens whose probability is below min_p times the top one's.
+      presence_penalty: in [-2, 2]; subtracted once from the logit of each token present in the
+        output so far.
+      frequency_penalty: in [-2, 2]; times the count of the token in the output so far.
+      repetition_penalty: > 0 (1 is off); logits of tokens seen in prompt or output are divided
+        by it when positive and multiplied by it when negative (CTRL paper, HF/vLLM behaviour).
+      seed: per-request sampling seed; samples do not depend on which other requests share
+        the step. None draws from the engine's generator.
+      stop: stop strings; generation ends when the output text contains one, and the returned
+        text stops before it (after it with ``include_stop_str_in_output``).
+      stop_token_ids: token ids that end generation (kept in ``output_token_ids``).
+      ignore_eos: keep generating past EOS.
+      max_tokens: most tokens to generate; None means up to max_model_len. 0 is allowed (the
+        request then only scores its prompt, e.g. for ``echo`` + ``logprobs``).
+      min_tokens: EOS and stop_token_ids cannot end generation before this many tokens.
+      logprobs: number of top alternatives (0..20) to return with each sampled token's logprob;
+        None for no logprobs.
+      prompt_logprobs: the same for prompt tokens; None for none.
+      logit_bias: token id -> bias in [-100, 100] added to its logit.
+      include_stop_str_in_output: keep the matched stop string in the text.
+      skip_special_tokens: drop special tokens when detokenizing.
+
+    Raises:
+      ValueError: a field is out of range or of the wrong type; the message starts with its
+        name.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n, 1, 128)
+        self.temperature = _check_float("temperature", self.temperature, 0.0, 2.0)
+        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0)
+        self.top_k = _check_int("top_k", self.top_k, -1)
+        if self.top_k == -1:
+            self.top_k = 0
+        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.repetition_penalty = _check_float(
+            "repetition_penalty", self.repetition_penalty, 0.0, 2.0**31, lo_open=True)
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed, -(2**63), 2**64 - 1)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        self.stop = list(self.stop)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError("stop_token_ids must be a list of integers")
+        self.stop_token_ids = [_check_int("stop_token_ids", t, 0) for t in self.stop_token_ids]
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError("ignore_eos must be a boolean")
+        if self.max_tokens is not None:
+            self.max_tokens = _check_int("max_tokens", self.max_tokens, 0)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+                f"and max_tokens={self.max_tokens}")
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be a map of token id to bias")
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token}")
+            bias[token] = _check_float("logit_bias", value, -100.0, 100.0)
+        self.logit_bias = bias
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the sampler takes the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Checks token ids in ``logit_bias`` and ``stop_token_ids`` against the vocabulary.
+
+        Raises:
+          ValueError: a token id is >= vocab_size (names the field and the id).
+        """
+        for token in self.logit_bias:
+            if token >= vocab_size:
+                raise ValueError(f"logit_bias token id {token} is out of the vocabulary (size {vocab_size})")
+        for token in self.stop_token_ids:
+            if token >= vocab_size:
+                raise ValueError(f"stop_token_ids token id {token} is out of the vocabulary (size {vocab_size})")
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        """A validated copy with ``changes`` applied (e.g. ``n=1, seed=s+k`` for child requests)."""
+        return dataclasses.replace(self, **changes)
