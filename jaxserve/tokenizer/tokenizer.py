@@ -1,0 +1,248 @@
+"""The tokenizer interface shared by the sentencepiece and Hugging Face ``tokenizers`` backends.
+
+A model directory holds either a sentencepiece ``tokenizer.model`` or a Hugging Face
+``tokenizer.json``, next to the optional ``tokenizer_config.json`` (special tokens,
+``add_bos_token``, ``chat_template``), ``chat_template.jinja``, ``generation_config.json`` and
+``config.json`` (extra EOS ids). :func:`get_tokenizer` picks the backend the way transformers'
+``AutoTokenizer`` does with ``use_fast=True``: ``tokenizer.json`` when present, else
+``tokenizer.model``.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.tokenizer.chat_template import render_chat_template, select_chat_template
+
+
+def _token_content(tok: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or an AddedToken dict."""
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok if isinstance(tok, str) else None
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> token ids for one model, plus its special tokens and chat template.
+
+    Subclasses implement the backend primitives (``_encode_plain``, ``_decode_plain``,
+    ``convert_ids_to_tokens``, ``_token_to_id``, ``vocab_size``, ``_backend_special_ids``);
+    this class adds the Hugging Face ``tokenizer_config.json`` semantics on top.
+
+    Attributes:
+      bos_token, eos_token: the special tokens' text, or None.
+      bos_token_id, eos_token_id: their ids, or None.
+      eos_token_ids: every id that ends generation: ``eos_token_id`` plus the
+        ``eos_token_id`` entries (int or list) of generation_config.json and config.json.
+      add_bos_token, add_eos_token: whether ``encode(..., add_special_tokens=True)`` adds them.
+      chat_template: the tokenizer's chat template (str, or list of named templates), or None.
+    """
+
+    def __init__(self, model_dir: str, config: dict[str, Any], default_add_bos: bool):
+        self.model_dir = model_dir
+        self.config = config
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.unk_token = _token_content(config.get("unk_token"))
+        self.pad_token = _token_content(config.get("pad_token"))
+        self.add_bos_token = bool(config.get("add_bos_token", default_add_bos))
+        self.add_eos_token = bool(config.get("add_eos_token", False))
+        self.chat_template = config.get("chat_template")
+        jinja_path = os.path.join(model_dir, "chat_template.jinja")
+        if self.chat_template is None and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                self.chat_template = f.read()
+        gen = _read_json(os.path.join(model_dir, "generation_config.json"))
+        hf = _read_json(os.path.join(model_dir, "config.json"))
+        self._extra_eos = _as_id_list(gen.get("eos_token_id")) + _as_id_list(hf.get("eos_token_id"))
+        bos_fallback = gen.get("bos_token_id", hf.get("bos_token_id"))
+        self._bos_fallback = bos_fallback if isinstance(bos_fallback, int) else None
+
+    # ---- backend primitives -------------------------------------------------------------
+    @abc.abstractmethod
+    def _encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special tokens added."""
+
+    @abc.abstractmethod
+    def _decode_plain(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        """Text of ``ids``; special tokens dropped or rendered as their text."""
+
+    @abc.abstractmethod
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary strings of ``ids`` (e.g. "▁the", "<0x0A>", "Ġthe")."""
+
+    @abc.abstractmethod
+    def _token_to_id(self, token: str) -> int | None:
+        """Id of a vocabulary string, or None."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+
+    @abc.abstractmethod
+    def _backend_special_ids(self) -> set[int]:
+        """Ids the backend itself marks special (sentencepiece control/unknown pieces,
+        ``tokenizers`` added tokens with ``special=True``)."""
+
+    # ---- shared behaviour --------------------------------------------------------------------
+    def _lookup(self, token: str | None) -> int | None:
+        return None if token is None else self._token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        found = self._lookup(self.bos_token)
+        return found if found is not None else self._bos_fallback
+
+    @property
+    def eos_token_id(self) -> int | None:
+        found = self._lookup(self.eos_token)
+        if found is not None:
+            return found
+        return self._extra_eos[0] if self._extra_eos else None
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set(self._extra_eos)
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        return ids
+
+    @functools.cached_property
+    def special_id_set(self) -> frozenset[int]:
+        """Every special token id (bos, eos, unk, pad and the backend's own), as a set."""
+        ids = set(self._backend_special_ids())
+        for tok in (self.bos_token, self.eos_token, self.unk_token, self.pad_token):
+            tid = self._lookup(tok)
+            if tid is not None:
+                ids.add(tid)
+        return frozenset(ids)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Sorted ids of every special token (bos, eos, unk, pad and the backend's own)."""
+        return sorted(self.special_id_set)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the BOS (and EOS) the
+        tokenizer config asks for are added, as transformers' Llama tokenizers do.
+
+        Raises:
+          ValueError: ``text`` is not a string.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        ids = self._encode_plain(text)
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_token_id is not None:
+                ids = [self.bos_token_id] + ids
+            if self.add_eos_token and self.eos_token_id is not None:
+                ids = ids + [self.eos_token_id]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``.
+
+        Raises:
+          ValueError: an id is outside ``[0, vocab_size)``.
+        """
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+        return self._decode_plain(ids, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        """Renders a conversation to the prompt text, as transformers'
+        ``apply_chat_template(..., tokenize=False)`` does.
+
+        The template is ``chat_template`` if given, else the tokenizer's, else
+        :data:`jaxserve.tokenizer.chat_template.DEFAULT_CHAT_TEMPLATE` (ChatML). The result
+        usually starts with the BOS text when the template writes ``{{ bos_token }}``: tokenize
+        it with ``add_special_tokens=False`` then (see :meth:`encode_chat`).
+
+        Raises:
+          ValueError: malformed ``messages`` (naming e.g. ``messages[1].content``), or the
+            template called ``raise_exception``.
+        """
+        template = select_chat_template(chat_template or self.chat_template, tools)
+        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   "unk_token": self.unk_token or "", "pad_token": self.pad_token or ""}
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                    tools=tools, special_tokens=special, **kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[int]:
+        """Prompt token ids of a conversation: the rendered template, with the BOS added only
+        when the rendered text does not already start with it (vLLM's chat serving)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        has_bos = bool(self.bos_token) and text.startswith(self.bos_token)
+        return self.encode(text, add_special_tokens=not has_bos)
+
+
+def get_tokenizer(model_path: str, backend: str = "auto") -> Tokenizer:
+    """Loads the tokenizer of a model directory (or of a ``tokenizer.model`` /
+    ``tokenizer.json`` file path, whose directory then holds the configs).
+
+    Args:
+      model_path: model directory or tokenizer file.
+      backend: "auto" (tokenizer.json if present, else tokenizer.model), "hf" or
+        "sentencepiece".
+
+    Raises:
+      ValueError: unknown ``backend``, or no tokenizer file at ``model_path`` (the message
+        names the paths looked at).
+    """
+    from jaxserve.tokenizer.hf_tokenizer import HFTokenizer
+    from jaxserve.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+
+    if backend not in ("auto", "hf", "sentencepiece"):
+        raise ValueError(f"backend must be 'auto', 'hf' or 'sentencepiece', got {backend!r}")
+    if os.path.isfile(model_path):
+        model_dir = os.path.dirname(model_path) or "."
+        if model_path.endswith(".json"):
+            json_path, spm_path = model_path, None
+        else:
+            json_path, spm_path = None, model_path
+    else:
+        model_dir = model_path
+        json_path = os.path.join(model_dir, "tokenizer.json")
+        spm_path = os.path.join(model_dir, "tokenizer.model")
+        json_path = json_path if os.path.isfile(json_path) else None
+        spm_path = spm_path if os.path.isfile(spm_path) else None
+    config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+    if json_path and backend in ("auto", "hf"):
+        return HFTokenizer(json_path, model_dir, config)
+    if spm_path and backend in ("auto", "sentencepiece"):
+        return SentencePieceTokenizer(spm_path, model_dir, config)
+    wanted = {"auto": "tokenizer.json or tokenizer.model", "hf": "tokenizer.json",
+              "sentencepiece": "tokenizer.model"}[backend]
+    raise ValueError(f"no tokenizer found: {model_path!r} has no {wanted}")
