@@ -1,0 +1,1 @@
+"""Model runner side: batch builder, jitted step and on-device sampler."""
