@@ -26,8 +26,11 @@ Order of the knobs (the contract in :mod:`jaxserve.sampling_params`; vLLM V1's s
    top-p keeps the shortest prefix of the (top-k renormalised) ranks whose mass reaches
    ``top_p``, always at least the first (``top_p == 1`` is off, ``top_p == 0`` keeps one);
    min-p drops tokens whose probability is below ``min_p`` times the top one's.
-5. A token is drawn by Gumbel-max (``jax.random.categorical``) with the row's own key
-   ``fold_in(key(seed), step_index)``, so it does not depend on the other rows in the batch.
+5. A token is drawn by inverse-CDF sampling: one uniform ``u`` in (0, 1] per row from the row's
+   own key ``fold_in(key(seed), step_index)`` (so it does not depend on the other rows in the
+   batch), and the first token whose cumulative probability reaches ``u`` times the total. One
+   random number per row instead of one per vocabulary entry (Gumbel-max) keeps the sampler
+   cheap at large vocabularies; a token of probability 0 is never drawn.
 
 Differences from vLLM worth knowing: ties at the top-k / top-p boundary are broken by token id
 (vLLM keeps all tokens tied with the k-th), so the kept set is always exactly a rank prefix.
@@ -230,6 +233,22 @@ def _row_keys(md: SamplingMetadata) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, md.step_index)
 
 
+def _inverse_cdf_draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """One token per row of ``softmax(logits)`` (f32[S, V], -inf = excluded) -> i32[S].
+
+    Picks the first index whose cumulative probability reaches ``u * total`` with ``u`` in
+    (0, 1]; since the cumulative sum is flat over excluded tokens, the picked token always has
+    a positive probability (the cumulative sum just before it is below the threshold).
+    """
+    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))    # [S, V], -inf -> 0
+    cdf = jnp.cumsum(probs, axis=-1)                                       # [S, V]
+    # One more split before the draw: the first word of fold_in(key(seed), step) over
+    # consecutive seeds is measurably less uniform than a split-off key's.
+    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(jax.random.split(k)[1], (), jnp.float32))(keys)
+    threshold = u * cdf[:, -1]                                             # <= cdf[:, -1]
+    return jnp.sum(cdf < threshold[:, None], axis=-1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Samples one token per row on device (see the module docstring for the semantics).
 
@@ -247,7 +266,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     token_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)      # first maximum: ties -> lowest id
     if not md.all_greedy:
         filtered = _filtered_scaled_logits(x, md)
-        drawn = jax.vmap(jax.random.categorical)(_row_keys(md), filtered).astype(jnp.int32)
+        drawn = _inverse_cdf_draw(_row_keys(md), filtered)
         token_ids = jnp.where(md.temperature == 0.0, token_ids, drawn)
     logprobs = None
     if md.max_logprobs is not None:

@@ -1,0 +1,128 @@
+"""The pool of KV blocks: ref counts, the LRU free queue, and the prefix-cache map.
+
+Follows vLLM V1's ``v1/core/block_pool.py``. Invariants (checked by tests):
+
+* block 0 is the null block, never in the free queue and never handed out;
+* a block is in the free queue iff its ref count is 0, so ``free + used = num_blocks - 1``;
+* a cached block keeps its hash while it sits in the free queue (lazy eviction); the hash is
+  dropped only when the block is handed out again, and a hit on a free cached block takes it
+  out of the queue (``touch``);
+* each hash maps to at most one block. When two requests compute the same block at the same
+  time, the first one to fill it caches it; the other's copy stays uncached and is freed like
+  any uncached block.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from jaxserve.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+
+
+class BlockPool:
+    """Fixed set of ``num_blocks`` KV blocks.
+
+    Args:
+      num_blocks: total blocks on the device, the null block included (>= 2).
+      enable_caching: keep a hash -> block map for prefix caching.
+
+    Raises:
+      ValueError: num_blocks < 2.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be >= 2 (null block + 1), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0  # interval counter, reset by the manager's make_stats
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks in the free queue (evictable cached blocks included)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Used blocks / usable blocks (``num_blocks - 1``), in [0, 1]."""
+        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block cached under ``block_hash``, whether in use or free; None on a miss."""
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Takes ``num_blocks`` blocks from the front of the free queue, ref count 1 each.
+
+        A block that still carries a hash is evicted from the prefix cache here.
+
+        Raises:
+          ValueError: fewer than ``num_blocks`` blocks are free.
+        """
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} blocks, {self.free_block_queue.num_free_blocks} free")
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        cache = self.cached_block_hash_to_block
+        for block in blocks:
+            if block.block_hash is not None:
+                if cache.get(block.block_hash) is block:
+                    del cache[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Adds a reference to each block (prefix-cache hits), taking free ones out of the queue."""
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drops one reference from each block; blocks reaching 0 join the free queue's tail
+        in the given order (so pass them in eviction order: a request's last block first).
+        """
+        queue = self.free_block_queue
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, block
+            if block.ref_cnt == 0 and not block.is_null:
+                queue.append(block)
+
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
+                          num_cached_blocks: int, num_full_blocks: int) -> None:
+        """Registers ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
+
+        Args:
+          blocks: the request's block table.
+          block_hashes: the request's block hashes (at least ``num_full_blocks`` of them).
+          num_cached_blocks: blocks of the table already handled by an earlier call.
+          num_full_blocks: blocks of the table that are now full.
+        """
+        cache = self.cached_block_hash_to_block
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.block_hash is not None:  # a prefix-cache hit: cached already
+                continue
+            block_hash = block_hashes[i]
+            if block_hash not in cache:
+                cache[block_hash] = block
+                block.block_hash = block_hash
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached hash. Only allowed when no block is in use.
+
+        Returns:
+          False (and does nothing) if some block is still referenced.
+        """
+        if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True

@@ -1,0 +1,211 @@
+"""The paged KV-cache manager: block tables per request, prefix-cache lookups, slot allocation.
+
+Follows vLLM V1's ``v1/core/kv_cache_manager.py``. The scheduler sees block ids only; the pool,
+its free queue and the hash map stay inside. Block tables are append-only while a request
+runs: the manager never rewrites a block the runner already holds.
+
+Typical use by the scheduler::
+
+    blocks, num_hit = kv.get_computed_blocks(req)           # admission of a waiting request
+    new = kv.allocate_slots(req, n, num_hit, blocks)        # None: the pool is short
+    ...
+    new = kv.allocate_slots(req, 1)                         # a decode step (usually [])
+    kv.free(req)                                            # finish / abort / preempt
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxserve.core.block_pool import BlockPool
+from jaxserve.core.kv_cache_utils import (NONE_HASH, KVCacheBlock, KVCacheStats, PrefixCacheStats,
+                                          update_block_hashes)
+
+if TYPE_CHECKING:
+    from jaxserve.config import CacheConfig
+    from jaxserve.core.request import Request
+
+
+class KVCacheManager:
+    """Owns the block pool and every request's block table.
+
+    Args:
+      cache_config: block_size, enable_prefix_caching, watermark (and num_gpu_blocks, used
+        when the ``num_gpu_blocks`` argument is not given).
+      num_gpu_blocks: total blocks on the device, null block included (>= 2); usually from
+        :func:`jaxserve.core.kv_cache_utils.compute_num_gpu_blocks`.
+
+    Raises:
+      ValueError: fewer than 2 blocks.
+    """
+
+    def __init__(self, cache_config: "CacheConfig", num_gpu_blocks: int | None = None) -> None:
+        num_blocks = num_gpu_blocks if num_gpu_blocks is not None else cache_config.num_gpu_blocks
+        self.block_size: int = cache_config.block_size
+        self.enable_caching: bool = cache_config.enable_prefix_caching
+        self.num_gpu_blocks: int = num_blocks
+        self.block_pool = BlockPool(num_blocks, self.enable_caching)
+        # Blocks kept free against newly admitted requests (vLLM V0's watermark): a new request
+        # is admitted only if this many blocks stay free afterwards, so running requests can
+        # keep growing without preempting each other right away.
+        self.watermark_blocks = int(cache_config.watermark * (num_blocks - 1))
+        self.none_hash = NONE_HASH
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> blocks of its table already registered in the prefix cache (or skipped).
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens the whole pool holds: ``(num_gpu_blocks - 1) * block_size``."""
+        return (self.num_gpu_blocks - 1) * self.block_size
+
+    @property
+    def usage(self) -> float:
+        """Used blocks / (total - 1), in [0, 1]; evictable cached blocks count as free."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_computed_blocks(self, request: "Request") -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request's tokens, in whole blocks.
+
+        Never the whole sequence: at most ``(num_tokens - 1) // block_size`` blocks, so the last
+        token is always recomputed (its logits are needed to sample). Requests asking for
+        ``prompt_logprobs`` skip the cache (every prompt position must be computed). Does not
+        take references; pass the result to :meth:`allocate_slots`.
+
+        Returns:
+          (hit blocks in order, hit tokens = len(blocks) * block_size).
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        hashes = update_block_hashes(request, self.block_size, self.none_hash)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        lookup = self.block_pool.cached_block_hash_to_block.get
+        hits: list[KVCacheBlock] = []
+        for i in range(min(max_blocks, len(hashes))):
+            block = lookup(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: "Request",
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_request: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """Grows the request's block table to hold ``num_new_tokens`` more tokens.
+
+        Layout of the request's tokens after the call::
+
+            | computed (num_computed_tokens) | new computed (prefix hit) | new (to compute) |
+
+        Blocks whose tokens become full are registered in the prefix cache right away (their
+        K/V is written by the step that is being scheduled, before any later step reads it).
+
+        The caller advances ``request.num_computed_tokens`` by ``num_new_computed_tokens +
+        num_new_tokens`` once the call succeeds (the scheduler does so as it schedules).
+
+        Args:
+          request: the request (``num_computed_tokens`` is its current ledger).
+          num_new_tokens: tokens to compute this step (> 0).
+          num_new_computed_tokens: tokens of a prefix-cache hit (on admission), block-aligned.
+          new_computed_blocks: the hit blocks from :meth:`get_computed_blocks`.
+          new_request: apply the watermark (admission of a waiting request).
+
+        Returns:
+          The newly allocated blocks (not the hit blocks), possibly empty; None if the pool
+          cannot supply them (nothing is changed then). Free cached blocks count as free.
+
+        Raises:
+          ValueError: num_new_tokens <= 0.
+        """
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        req_id = request.request_id
+        block_size = self.block_size
+        blocks = self.req_to_blocks.get(req_id)
+        end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        # Fast path (decode): no hit, and the table already has room. A block can only have
+        # filled up if this allocation crosses a block boundary (the scheduler advances
+        # num_computed_tokens to ``end`` after each call); _cache_blocks re-checks exactly.
+        if blocks is not None and not new_computed_blocks and end <= len(blocks) * block_size:
+            if self.enable_caching and end // block_size > request.num_computed_tokens // block_size:
+                self._cache_blocks(request, blocks, end)
+            return []
+
+        if blocks is None:
+            blocks = []
+        new_computed_blocks = new_computed_blocks or []
+        num_required = -(-end // block_size)
+        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        # Touching free cached hits takes them out of the free queue.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        available = self.block_pool.get_num_free_blocks() - num_evictable_hits
+        if new_request:
+            available -= self.watermark_blocks
+        if num_new_blocks > available:
+            return None
+
+        if req_id not in self.req_to_blocks:
+            self.req_to_blocks[req_id] = blocks
+            self.num_cached_block[req_id] = 0
+            if self.enable_caching and request.num_preemptions == 0 and \
+                    request.sampling_params.prompt_logprobs is None:
+                stats = self.prefix_cache_stats
+                stats.requests += 1
+                stats.queries += request.num_tokens
+                stats.hits += num_new_computed_tokens
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_block[req_id] = len(blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        blocks.extend(new_blocks)
+        if self.enable_caching and end // block_size > self.num_cached_block[req_id]:
+            self._cache_blocks(request, blocks, end)
+        return new_blocks
+
+    def _cache_blocks(self, request: "Request", blocks: list[KVCacheBlock], end: int) -> None:
+        req_id = request.request_id
+        num_full = min(end, request.num_tokens) // self.block_size
+        num_cached = self.num_cached_block[req_id]
+        if num_full <= num_cached:
+            return
+        hashes = update_block_hashes(request, self.block_size, self.none_hash)
+        self.block_pool.cache_full_blocks(blocks, hashes, num_cached, num_full)
+        self.num_cached_block[req_id] = num_full
+
+    def free(self, request: "Request") -> None:
+        """Releases the request's blocks, last block first (so its prefix is evicted last).
+
+        Cached blocks keep their hash in the free queue and can still be hit. Idempotent.
+        """
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids (empty when it holds none)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets all cached prefixes; False (no-op) while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def make_stats(self) -> KVCacheStats:
+        """Usage now plus prefix-cache and eviction counters since the previous call (resets them)."""
+        stats = KVCacheStats(usage=self.usage, num_free_blocks=self.num_free_blocks,
+                             prefix_cache=self.prefix_cache_stats,
+                             num_evictions=self.block_pool.num_evictions)
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.block_pool.num_evictions = 0
+        return stats

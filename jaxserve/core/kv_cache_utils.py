@@ -1,0 +1,279 @@
+"""Building blocks of the paged KV cache: blocks, the LRU free queue, prefix hashes, sizing.
+
+Follows vLLM V1's ``v1/core/kv_cache_utils.py`` (PagedAttention, Kwon et al. SOSP 2023).
+
+Device layout (docs/ARCHITECTURE.md). One pair of arrays per layer, a Python list over layers::
+
+    kv_caches: list[tuple[k_cache, v_cache]]        # len = num_hidden_layers (L)
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], dtype = model dtype
+
+Token ``t`` of a request lives at slot ``block_table[t // block_size] * block_size + t %
+block_size`` of the flat view ``[num_blocks * block_size, num_kv_heads, head_dim]``. Block 0 is
+the null block: never handed out, it pads block tables. Hence::
+
+    bytes per token = 2 (K and V) * L * Hkv * D * itemsize
+    bytes per block = 2 * L * Hkv * D * itemsize * block_size
+
+e.g. Llama-3-8B in bfloat16 (L=32, Hkv=8, D=128, itemsize 2): 128 KiB per token, 2 MiB per
+16-token block. The runner measures free device memory after loading weights and a peak-memory
+profile step, then calls :func:`compute_num_gpu_blocks` with what is left.
+
+Prefix caching: a full block's hash is ``sha256(parent_hash || token ids as packed int32 ||
+extra keys)``; the chain starts from a per-process random seed (:data:`NONE_HASH`), so hashes
+cannot be predicted across processes, and the first block mixes in the request's
+``cache_salt`` so tenants with different salts never share blocks (vLLM's ``cache_salt``).
+Only full blocks are hashed and cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import struct
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from jaxserve.core.request import Request
+
+BlockHash = bytes
+"""32-byte sha256 digest identifying a full block's tokens and everything before them."""
+
+NONE_HASH: BlockHash = os.urandom(32)
+"""Parent hash of a request's first block: random per process."""
+
+_SALT_TAG = b"\x01salt:"
+
+
+def _pack_tokens(token_ids: list[int]) -> bytes:
+    """Token ids as packed native int32 (one ``struct.pack`` call: ~20x faster than hashing reprs)."""
+    return struct.pack(f"{len(token_ids)}i", *token_ids)
+
+
+def hash_block_tokens(parent_hash: BlockHash, token_ids: list[int], extra: bytes = b"") -> BlockHash:
+    """Prefix-cache hash of one full block.
+
+    Args:
+      parent_hash: hash of the previous block (``NONE_HASH`` for the first block).
+      token_ids: the block's ``block_size`` token ids (ints in [0, 2**31)).
+      extra: extra keys (already tagged bytes, e.g. the cache salt of the first block).
+
+    Returns:
+      32-byte sha256 digest of ``parent_hash || int32 tokens || extra``; unambiguous because
+      the parent hash and every full block have fixed lengths.
+    """
+    return hashlib.sha256(parent_hash + _pack_tokens(token_ids) + extra).digest()
+
+
+def salt_extra_keys(cache_salt: str | None) -> bytes:
+    """Extra keys of a request's first block: its tagged cache salt, or nothing."""
+    return _SALT_TAG + cache_salt.encode() if cache_salt else b""
+
+
+def update_block_hashes(request: "Request", block_size: int, none_hash: BlockHash = NONE_HASH) -> list[BlockHash]:
+    """Hashes the request's full blocks that are not hashed yet; returns ``request.block_hashes``.
+
+    Each block is hashed once over the request's life (prompt blocks, then blocks filled by
+    generated tokens), equal to :func:`hash_block_tokens` chained from ``none_hash`` with the
+    salt as extra keys of block 0. Cost: one pack of the new tokens and one sha256 per new full
+    block; O(1) when no block filled up since the last call.
+    """
+    hashes = request.block_hashes
+    tokens = request.all_token_ids
+    num_full = len(tokens) // block_size
+    first = len(hashes)
+    if first >= num_full:
+        return hashes
+    packed = _pack_tokens(tokens[first * block_size:num_full * block_size])
+    width = 4 * block_size
+    parent = hashes[-1] if hashes else none_hash
+    sha256 = hashlib.sha256
+    offset = 0
+    for i in range(first, num_full):
+        data = parent + packed[offset:offset + width]
+        if i == 0 and request.cache_salt:
+            data += salt_extra_keys(request.cache_salt)
+        parent = sha256(data).digest()
+        hashes.append(parent)
+        offset += width
+    return hashes
+
+
+class KVCacheBlock:
+    """Metadata of one KV block (the device memory is in the runner's arrays).
+
+    Attributes:
+      block_id: index into the ``num_blocks`` axis of every layer's k/v cache.
+      ref_cnt: number of requests whose block table holds this block.
+      block_hash: prefix-cache hash while the block is cached (also while it sits, free, in
+        the free queue: lazy eviction); None otherwise.
+      prev_free_block, next_free_block: links of the free queue (None when not in it).
+      is_null: True only for block 0.
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block", "is_null")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+        self.is_null = False
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
+
+
+class FreeKVCacheBlockQueue:
+    """Free blocks in eviction order: a doubly linked list with O(1) popleft, append and
+    remove-from-the-middle (a prefix-cache hit on a free block takes it out).
+
+    The front is evicted first. Freed blocks are appended at the tail, so the least recently
+    freed block is reused first (LRU); a request frees its blocks in reverse order so its
+    last blocks are evicted before its prefix (vLLM's ``FreeKVCacheBlockQueue``).
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        # Sentinels keep every link operation branch-free.
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        prev = self._head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = self._tail
+        self._tail.prev_free_block = prev
+
+    def popleft(self) -> KVCacheBlock:
+        """Removes and returns the front block. Raises ValueError when empty."""
+        block = self._head.next_free_block
+        if block is self._tail:
+            raise ValueError("no free blocks")
+        self._head.next_free_block = block.next_free_block
+        block.next_free_block.prev_free_block = self._head
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Removes and returns the first ``n`` blocks. Raises ValueError if fewer are free."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        out = []
+        block = self._head.next_free_block
+        for _ in range(n):
+            out.append(block)
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = nxt
+        self._head.next_free_block = block
+        block.prev_free_block = self._head
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlinks ``block`` from anywhere in the queue."""
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Puts ``block`` at the tail (evicted last)."""
+        last = self._tail.prev_free_block
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self._tail
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """The queue front to back (O(n); for tests and debugging)."""
+        out = []
+        block = self._head.next_free_block
+        while block is not self._tail:
+            out.append(block)
+            block = block.next_free_block
+        return out
+
+
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of K and V one token occupies across all layers: ``2 * L * Hkv * D * itemsize``."""
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("itemsize", itemsize)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+
+def compute_num_gpu_blocks(available_bytes: int, bytes_per_token: int, block_size: int) -> int:
+    """Number of KV blocks that fit in a byte budget, the null block included.
+
+    Args:
+      available_bytes: device bytes left for the KV cache (after weights and the profiled
+        activation peak, times gpu_memory_utilization).
+      bytes_per_token: from :func:`kv_cache_bytes_per_token`.
+      block_size: tokens per block.
+
+    Returns:
+      ``available_bytes // (bytes_per_token * block_size)``.
+
+    Raises:
+      ValueError: if fewer than 2 blocks fit (the null block plus one usable block); the
+        message gives the bytes available and needed.
+    """
+    if bytes_per_token < 1 or block_size < 1:
+        raise ValueError(f"bytes_per_token and block_size must be >= 1, got {bytes_per_token}, {block_size}")
+    per_block = bytes_per_token * block_size
+    num_blocks = max(int(available_bytes), 0) // per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"KV cache budget of {int(available_bytes)} bytes holds {num_blocks} blocks of "
+            f"{per_block} bytes; at least 2 are needed (raise gpu_memory_utilization or lower max_model_len)")
+    return num_blocks
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters over an interval (tokens, not blocks).
+
+    Only a request's first admission counts: the recompute after a preemption is neither a
+    query nor a hit (vLLM counts the same way).
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclasses.dataclass
+class KVCacheStats:
+    """What the KV-cache manager reports each step.
+
+    Attributes:
+      usage: used blocks / (total - 1) (gauge; evictable cached blocks count as free).
+      num_free_blocks: blocks in the free queue (gauge).
+      prefix_cache: queries and hits since the last ``make_stats`` (interval).
+      num_evictions: cached blocks evicted since the last ``make_stats`` (interval).
+    """
+
+    usage: float
+    num_free_blocks: int
+    prefix_cache: PrefixCacheStats
+    num_evictions: int
+
+
+def blocks_to_ids(blocks: Iterable[KVCacheBlock]) -> list[int]:
+    """Block ids of ``blocks``, in order."""
+    return [b.block_id for b in blocks]

@@ -1,0 +1,115 @@
+"""What the scheduler hands the model runner each step (vLLM V1's ``v1/core/sched/output.py``).
+
+Plain dataclasses of ints, lists and dicts; no jax. The runner keeps a persistent batch keyed by
+request id, so a request's prompt and sampling params cross this boundary once (in
+``NewRequestData``); afterwards only what changed is sent (``CachedRequestData``).
+
+One step, for the runner:
+  1. drop the rows of ``finished_req_ids`` and ``preempted_req_ids``;
+  2. add a row for each of ``scheduled_new_reqs``;
+  3. for each of ``scheduled_cached_reqs``, append ``new_block_ids`` to its block table;
+  4. run ``num_scheduled_tokens[req_id]`` tokens of each scheduled request, starting at
+     position ``num_computed_tokens`` (the token ids are ``all_token_ids[start:start+n]``;
+     ``CachedRequestData.new_token_ids`` carries them);
+  5. sample one token for each request whose ``num_computed_tokens + num_scheduled_tokens``
+     reaches its current length (prompt + output so far); a partial prefill chunk samples
+     nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class NewRequestData:
+    """A request the runner has no row for: admitted for the first time, or resumed after
+    preemption (the runner dropped its row when it was preempted).
+
+    Attributes:
+      req_id: the request id; the key of the runner's persistent batch.
+      prompt_token_ids: the prompt, token ids (the Request's own list: read, do not mutate).
+      output_token_ids: tokens generated before a preemption (empty for a fresh request). A
+        resumed request recomputes K/V for prompt + these tokens, and the sampler needs them
+        for presence/frequency/repetition penalties. A copy: the runner may keep it.
+      sampling_params: the request's SamplingParams (temperature, top-p, seed, logprobs, ...).
+      eos_token_id: the EOS id (None if the model has none); the sampler masks it, together
+        with ``sampling_params.stop_token_ids``, while fewer than ``min_tokens`` were generated.
+      block_ids: the request's whole block table so far (prefix-cache hits first, then new
+        blocks). Token t lives in slot ``block_ids[t // block_size] * block_size + t % block_size``.
+      num_computed_tokens: tokens already in the cache (the prefix-cache hit, block-aligned);
+        this step's tokens start at this position.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: "SamplingParams"
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass
+class CachedRequestData:
+    """Requests the runner already holds a row for, scheduled again this step.
+
+    Parallel lists, one entry per request, in the scheduler's order.
+
+    Attributes:
+      req_ids: request ids.
+      new_block_ids: block ids appended to each request's block table this step (usually
+        empty for decode; one id when a block boundary is crossed). Block tables are
+        append-only while a request runs.
+      num_computed_tokens: tokens in the cache before this step; this step's tokens start at
+        this position.
+      new_token_ids: the token ids this step feeds for each request,
+        ``all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens]``. For
+        decode that is the token sampled last step, which the runner already knows; it is sent
+        anyway so the runner can check itself (and needs no state to continue a prompt chunk).
+    """
+
+    req_ids: list[str] = dataclasses.field(default_factory=list)
+    new_block_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
+    new_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """Everything the runner needs for one step.
+
+    Attributes:
+      scheduled_new_reqs: requests to add to the persistent batch (see NewRequestData).
+      scheduled_cached_reqs: requests already in the batch that run this step.
+      num_scheduled_tokens: req_id -> tokens to compute this step (>= 1). Its keys are exactly
+        the scheduled requests (new and cached); a request not in it does not run this step
+        but keeps its row.
+      total_num_scheduled_tokens: sum of num_scheduled_tokens (<= max_num_batched_tokens);
+        picks the runner's padded token bucket.
+      preempted_req_ids: requests preempted this step; the runner drops their rows (their
+        blocks were freed and may be reused by this very step).
+      finished_req_ids: requests that finished or were aborted since the previous step; the
+        runner drops their rows (it ignores ids it has no row for: a request aborted while
+        waiting never reached it).
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str]
+    finished_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        """True when no token is scheduled (the engine skips the model step)."""
+        return self.total_num_scheduled_tokens == 0

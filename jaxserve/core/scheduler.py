@@ -1,0 +1,470 @@
+"""The token-budget scheduler: chunked prefill, prefix caching, fcfs/priority, recompute preemption.
+
+Follows vLLM V1's ``v1/core/sched/scheduler.py``. There are no phases: each request's
+``num_computed_tokens`` catches up to its ``num_tokens`` (prompt + output so far). Each step:
+
+1. Candidates are visited in policy order. FCFS: the running requests in admission order, then
+   the waiting queue. Priority: running and waiting merged by ``(priority, arrival_time)``, so
+   a more urgent request is served before a less urgent one for the token budget, for
+   sequence slots and for KV blocks (it preempts the least urgent running request for slots
+   or blocks).
+2. A candidate gets ``min(tokens it lacks, long_prefill_token_threshold, budget left)`` tokens
+   (chunked prefill). With chunked prefill off, a waiting prompt must fit the budget whole
+   (resumed requests may still recompute in chunks, else they could never come back).
+3. A running request that cannot get blocks preempts a victim: the most recently admitted
+   running request (FCFS) or the least urgent one (priority); possibly itself. Preemption is
+   by recompute: its blocks are freed (they stay in the prefix cache), its ledger goes back to
+   0, and it waits at the front of the queue (FCFS) or in its place (priority).
+4. Against thrash: victims are always requests not yet scheduled in the step, so a resumed
+   request gets its step of progress before it can be preempted again; no waiting request is
+   admitted in a step where a running request had to be preempted (vLLM V1's rule); and a
+   waiting request is admitted only if its whole remaining sequence (not just this step's
+   chunk) fits in the free blocks that partially prefilled requests and the watermark do not
+   already claim, so a prompt is not started only to starve for blocks half-way.
+5. ``update_from_output`` appends sampled tokens to requests whose ledger reached their
+   length, checks stop conditions and frees finished requests.
+
+Call ``add_request``, ``abort_requests`` and ``finish_requests`` between steps (after
+``update_from_output``, before the next ``schedule``): freed blocks may be handed out by the
+next ``schedule``.
+
+Admission (``add_request``) rejects with ValueError what could never run: an empty prompt, a
+prompt longer than max_model_len, a prompt longer than the budget with chunked prefill off,
+and a request whose prompt + max_tokens exceeds the whole KV cache (it would cycle through
+preemptions forever). ``max_tokens`` is capped so prompt + output <= max_model_len (a prompt of
+exactly max_model_len tokens gets no output; the server may reject such requests earlier, as
+OpenAI does). ``max_tokens == 0`` is a prompt-only request: its prompt is prefilled (for prompt
+logprobs) and it finishes with "length" and no tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import TYPE_CHECKING, Iterable
+
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request_queue import make_request_queue
+from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from jaxserve.config import CacheConfig, SchedulerConfig
+
+_RUNNING = RequestStatus.RUNNING
+_FINISH_REASON = {status: reason.value for status, reason in
+                  ((st, RequestStatus.get_finish_reason(st)) for st in RequestStatus) if reason is not None}
+
+
+def _sort_key(request: Request) -> tuple:
+    return request.sort_key
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which requests the model computes.
+
+    Args:
+      scheduler_config: budget (max_num_batched_tokens), max_num_seqs,
+        long_prefill_token_threshold, enable_chunked_prefill, policy, max_model_len.
+      cache_config: block_size, enable_prefix_caching, watermark (and num_gpu_blocks).
+      num_gpu_blocks: KV blocks on the device, null block included; defaults to
+        ``cache_config.num_gpu_blocks``.
+    """
+
+    def __init__(self, scheduler_config: "SchedulerConfig", cache_config: "CacheConfig",
+                 num_gpu_blocks: int | None = None) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = KVCacheManager(cache_config, num_gpu_blocks)
+        self.block_size = cache_config.block_size
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.chunk_limit = scheduler_config.chunk_limit
+        self.policy = scheduler_config.policy
+        self._priority = self.policy == "priority"
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(self.policy)
+        # Running requests: admission order (fcfs) or sorted by Request.sort_key (priority).
+        # Either way running[-1] is the preemption victim.
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self._num_preemptions = 0
+        self._num_scheduled_tokens = 0
+        self._num_steps = 0
+        self._pending_blocks = 0
+        # The latest SchedulerOutput and its requests in num_scheduled_tokens order, so that
+        # update_from_output needs no id lookups in the usual schedule -> update sequence.
+        self._last_output: SchedulerOutput | None = None
+        self._last_scheduled: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request after checking that it can ever run.
+
+        Raises:
+          ValueError: duplicate request id; empty prompt; prompt longer than max_model_len;
+            prompt longer than max_num_batched_tokens with chunked prefill off; prompt +
+            max_tokens larger than the KV cache (messages name both numbers).
+        """
+        req_id = request.request_id
+        if req_id in self.requests:
+            raise ValueError(f"request_id {req_id!r} is already in use")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError("prompt_token_ids: the prompt is empty; at least one token is required")
+        if num_prompt > self.max_model_len:
+            raise ValueError(f"prompt_token_ids: the prompt has {num_prompt} tokens, more than "
+                             f"max_model_len ({self.max_model_len})")
+        if not self.enable_chunked_prefill and num_prompt > self.max_num_scheduled_tokens:
+            raise ValueError(f"prompt_token_ids: the prompt has {num_prompt} tokens, more than "
+                             f"max_num_batched_tokens ({self.max_num_scheduled_tokens}) and chunked "
+                             "prefill is disabled")
+        room = self.max_model_len - num_prompt
+        max_tokens = request.sampling_params.max_tokens
+        request.max_tokens = room if max_tokens is None else min(max_tokens, room)
+        need = num_prompt + request.max_tokens
+        capacity = self.kv_cache_manager.max_num_tokens
+        if need > capacity:
+            raise ValueError(
+                f"max_tokens: the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) "
+                f"needs {need} tokens of KV cache, more than the whole cache holds ({capacity} tokens)")
+        request.status = RequestStatus.WAITING
+        self.requests[req_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Ends requests from outside the step (stop strings, aborts, errors).
+
+        Unknown or already finished ids are ignored. Their blocks are freed now and their ids
+        reach the runner in the next SchedulerOutput.finished_req_ids.
+
+        Raises:
+          ValueError: finished_status is not a FINISHED_* status.
+        """
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == _RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request, time.monotonic())
+
+    def abort_requests(self, req_ids: str | Iterable[str]) -> None:
+        """Aborts waiting, running or preempted requests, freeing their blocks."""
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _free_request(self, request: Request, now: float) -> None:
+        request.finished_time = now
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """Finished ids not yet reported to the runner (the engine should still step)."""
+        return bool(self.finished_req_ids)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests now; waiting includes preempted ones."""
+        return len(self.running), len(self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's tokens and advances the scheduled requests' ledgers.
+
+        Returns:
+          The SchedulerOutput for the runner. Never more than max_num_batched_tokens tokens,
+          never more than max_num_seqs running requests.
+        """
+        self._num_steps += 1
+        kv = self.kv_cache_manager
+        running = self.running
+        waiting = self.waiting
+        priority = self._priority
+        chunk_limit = self.chunk_limit
+        budget = self.max_num_scheduled_tokens
+        block_size = self.block_size
+        # Blocks that requests scheduled so far in this step will still need to finish their
+        # prompts; admission does not hand them out (see _try_admit).
+        self._pending_blocks = 0
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        cached_ids, cached_blocks = cached.req_ids, cached.new_block_ids
+        cached_computed, cached_tokens = cached.num_computed_tokens, cached.new_token_ids
+        preempted: set[str] = set()
+        now = time.monotonic()
+        admit = True  # False once the waiting queue is blocked for this step
+
+        scheduled: list[Request] = []  # in num_scheduled order, for update_from_output
+        add_req = scheduled.append
+        allocate = kv.allocate_slots
+        add_id, add_blocks = cached_ids.append, cached_blocks.append
+        add_computed, add_tokens = cached_computed.append, cached_tokens.append
+        i = 0
+        while budget > 0:
+            if i < len(running):
+                request = running[i]
+                if not (priority and admit and waiting and waiting.peek().sort_key < request.sort_key):
+                    # A running request: catch up, in chunks, under the budget.
+                    num_computed = request.num_computed_tokens
+                    token_ids = request._all_token_ids
+                    num_new = len(token_ids) - num_computed
+                    if num_new > chunk_limit:
+                        num_new = chunk_limit
+                    if num_new > budget:
+                        num_new = budget
+                    new_blocks = allocate(request, num_new)
+                    while new_blocks is None:
+                        victim = running[-1]
+                        self._preempt(victim, num_scheduled, preempted, now)
+                        admit = False
+                        if victim is request:
+                            break
+                        new_blocks = allocate(request, num_new)
+                    if new_blocks is None:
+                        break  # preempted itself: it was the last running request
+                    end = num_computed + num_new
+                    if end < len(token_ids):  # a partial prompt chunk: the rest is spoken for
+                        self._pending_blocks += -(-len(token_ids) // block_size) - -(-end // block_size)
+                    req_id = request.request_id
+                    add_req(request)
+                    add_id(req_id)
+                    add_blocks([b.block_id for b in new_blocks] if new_blocks else [])
+                    add_computed(num_computed)
+                    add_tokens(token_ids[num_computed:end])
+                    num_scheduled[req_id] = num_new
+                    request.num_computed_tokens = end
+                    budget -= num_new
+                    i += 1
+                    continue
+            elif not (admit and waiting):
+                break
+            # The head of the waiting queue (fcfs: after all running; priority: when more urgent).
+            head = waiting.peek()
+            num_new = self._try_admit(head, budget, num_scheduled, preempted, new_reqs, now)
+            if num_new:
+                add_req(head)
+                budget -= num_new
+                i += 1
+            else:
+                admit = False
+
+        total = self.max_num_scheduled_tokens - budget
+        self._num_scheduled_tokens += total
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        output = SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+                                 num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
+                                 preempted_req_ids=preempted, finished_req_ids=finished)
+        self._last_output, self._last_scheduled = output, scheduled
+        return output
+
+    def _try_admit(self, request: Request, budget: int, num_scheduled: dict[str, int],
+                   preempted: set[str], new_reqs: list[NewRequestData], now: float) -> int:
+        """Admits the head of the waiting queue if it can run now; returns its tokens (0 = no).
+
+        Admission control (against thrash): the request's whole remaining sequence, not just
+        this step's chunk, must fit in the free blocks that nobody else has a claim on (blocks
+        that partially prefilled requests still need, and the watermark). Otherwise a prompt
+        would be started, starve for blocks mid-way and be preempted, again and again. When
+        nothing is running, the watermark and claims are moot, so any admissible request fits
+        eventually (add_request rejected what never can).
+        """
+        if request.request_id in preempted:
+            return 0  # preempted this very step: not handed its blocks straight back
+        running = self.running
+        kv = self.kv_cache_manager
+        priority = self._priority
+        slots_full = len(running) >= self.max_num_running_reqs
+        if slots_full and not (priority and running[-1].sort_key > request.sort_key):
+            return 0
+        hit_blocks, num_hit = kv.get_computed_blocks(request)
+        num_tokens = request.num_tokens
+        num_new = num_tokens - num_hit
+        if self.enable_chunked_prefill or request.num_preemptions > 0:
+            num_new = min(num_new, self.chunk_limit, budget)
+        elif num_new > budget:
+            return 0
+        block_size = self.block_size
+        need = -(-num_tokens // block_size) - len(hit_blocks)
+        evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+
+        def available() -> int:
+            if not running:
+                return kv.num_free_blocks - evictable_hits
+            return kv.num_free_blocks - evictable_hits - self._pending_blocks - kv.watermark_blocks
+
+        if need > available():
+            # Under priority a more urgent request takes blocks from less urgent running ones,
+            # but only if that is enough (no preemption for nothing).
+            if not priority:
+                return 0
+            key = request.sort_key
+            reclaimable = sum(len(kv.req_to_blocks.get(r.request_id, ())) for r in running if r.sort_key > key)
+            if need > available() + reclaimable:
+                return 0
+            while need > available() and running and running[-1].sort_key > key:
+                self._preempt(running[-1], num_scheduled, preempted, now)
+            if need > available():
+                return 0  # shared blocks freed less than counted
+        if len(running) >= self.max_num_running_reqs:
+            self._preempt(running[-1], num_scheduled, preempted, now)
+        new_blocks = kv.allocate_slots(request, num_new, num_hit, hit_blocks, new_request=bool(running))
+        assert new_blocks is not None, "admission control admitted a request the pool cannot hold"
+
+        self.waiting.pop()
+        req_id = request.request_id
+        request.status = _RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+            request.num_cached_tokens = num_hit
+        if priority:
+            bisect.insort(running, request, key=_sort_key)
+        else:
+            running.append(request)
+        new_reqs.append(NewRequestData(
+            req_id=req_id, prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id, block_ids=kv.get_block_ids(req_id), num_computed_tokens=num_hit))
+        num_scheduled[req_id] = num_new
+        end = num_hit + num_new
+        request.num_computed_tokens = end
+        if end < num_tokens:
+            self._pending_blocks += -(-num_tokens // block_size) - -(-end // block_size)
+        return num_new
+
+    def _preempt(self, victim: Request, num_scheduled: dict[str, int], preempted: set[str], now: float) -> None:
+        """Preemption by recompute of running[-1]."""
+        assert victim is self.running[-1]
+        assert victim.request_id not in num_scheduled, "a request scheduled this step cannot be preempted"
+        self.running.pop()
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.preempted_times.append(now)
+        self.waiting.add_preempted(victim)
+        preempted.add(victim.request_id)
+        self._num_preemptions += 1
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Takes the sampled tokens of a step, checks stop conditions, frees finished requests.
+
+        A request appends tokens only if this step brought its ledger to its length (a partial
+        prompt chunk samples nothing). Stop checks per token: EOS (unless ignore_eos) or a
+        stop_token_id ends it with "stop", but only once more than min_tokens tokens exist;
+        then reaching max_tokens (already capped by max_model_len) ends it with "length".
+        Tokens after a stop in the same list are dropped.
+
+        Returns:
+          One EngineCoreOutput per request with new tokens, prompt logprobs, or a finish.
+        """
+        if scheduler_output is self._last_output:
+            scheduled = self._last_scheduled
+        else:  # an older step's output (or a caller-built one): look the requests up
+            scheduled = [self.requests.get(r) for r in scheduler_output.num_scheduled_tokens]
+        self._last_output, self._last_scheduled = None, []
+        # The runner usually keeps the scheduler's order; then positions replace id lookups.
+        aligned = runner_output.req_ids == list(scheduler_output.num_scheduled_tokens)
+        index = runner_output.req_id_to_index
+        sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs_dict or None
+        outputs: list[EngineCoreOutput] = []
+        emit = outputs.append
+        now = time.monotonic()
+        any_finished = False
+        for k, request in enumerate(scheduled):
+            if request is None or request.status is not _RUNNING:
+                continue  # finished or aborted after it was scheduled
+            req_id = request.request_id
+            plp = prompt_logprobs.get(req_id) if prompt_logprobs is not None else None
+            token_ids = request._all_token_ids
+            if request.num_computed_tokens < len(token_ids):  # a partial prompt chunk
+                if plp:
+                    emit(EngineCoreOutput(req_id, [], None, None, None, plp, request.num_cached_tokens))
+                continue
+            idx = k if aligned else index.get(req_id)
+            tokens = sampled[idx] if idx is not None else ()
+            new_logprobs = None
+            if request.max_tokens == 0:  # prompt-only request: its prefill is done
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                new_tokens: list[int] = []
+            elif len(tokens) == 1:  # the common case, kept lean: one sampled token
+                token = tokens[0]
+                output_ids = request.output_token_ids
+                output_ids.append(token)
+                token_ids.append(token)
+                if token in request.stop_token_set and len(output_ids) > request.sampling_params.min_tokens:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    if token != request.eos_token_id or request.sampling_params.ignore_eos:
+                        request.stop_reason = token
+                elif len(output_ids) >= request.max_tokens:
+                    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                new_tokens = [token]
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                if logprobs is not None and logprobs[idx]:
+                    new_logprobs = logprobs[idx][:1]
+            else:
+                output_ids = request.output_token_ids
+                stop_ids = request.stop_token_set
+                count = 0
+                for token in tokens:
+                    output_ids.append(token)
+                    token_ids.append(token)
+                    count += 1
+                    if token in stop_ids and len(output_ids) > request.sampling_params.min_tokens:
+                        request.status = RequestStatus.FINISHED_STOPPED
+                        if token != request.eos_token_id or request.sampling_params.ignore_eos:
+                            request.stop_reason = token
+                        break
+                    if len(output_ids) >= request.max_tokens:
+                        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                        break
+                if not count:
+                    if plp:
+                        emit(EngineCoreOutput(req_id, [], None, None, None, plp, request.num_cached_tokens))
+                    continue
+                new_tokens = tokens[:count]
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                if logprobs is not None and logprobs[idx]:
+                    new_logprobs = logprobs[idx][:count]
+            if request.status is _RUNNING:
+                emit(EngineCoreOutput(req_id, new_tokens, None, None, new_logprobs, plp, request.num_cached_tokens))
+            else:
+                any_finished = True
+                self._free_request(request, now)
+                emit(EngineCoreOutput(req_id, new_tokens, _FINISH_REASON[request.status], request.stop_reason,
+                                      new_logprobs, plp, request.num_cached_tokens))
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        """Gauges now and counters since the previous call (which it resets)."""
+        kv_stats = self.kv_cache_manager.make_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv_stats.usage, num_free_blocks=kv_stats.num_free_blocks,
+            prefix_cache_queries=kv_stats.prefix_cache.queries, prefix_cache_hits=kv_stats.prefix_cache.hits,
+            prefix_cache_requests=kv_stats.prefix_cache.requests, num_evictions=kv_stats.num_evictions,
+            num_preemptions=self._num_preemptions, num_scheduled_tokens=self._num_scheduled_tokens,
+            num_steps=self._num_steps)
+        self._num_preemptions = self._num_scheduled_tokens = self._num_steps = 0
+        return stats
