@@ -1,0 +1,374 @@
+"""AsyncLLM: the synchronous LLMEngine driven by its own thread, with one asyncio queue per request.
+
+The life of a request through this module (the server's view; vLLM V1's ``AsyncLLM`` with the
+engine core in a thread instead of a process, JetStream's orchestrator threads):
+
+1. ``await add_request(...)`` (or ``generate(...)``) runs on the event loop. It puts an "add"
+   item in the inbox, a list guarded by a ``threading.Condition``, notifies the engine thread,
+   and awaits an acknowledgement: ``LLMEngine.add_request`` may refuse the request
+   (``ValueError`` naming the field), which is raised here so the server can answer 400 before
+   it starts a response.
+2. The engine thread sleeps on the condition while it has neither inbox items nor unfinished
+   requests (no busy loop). Between steps it drains the inbox in order (adds, then any aborts
+   sent after them), runs ``LLMEngine.step()``, and hands each ``RequestOutput`` to its
+   request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe`` (no polling). The event loop
+   never waits on the engine: a step runs while the loop serves other clients.
+3. The consumer iterates the :class:`RequestStream`; the last output has ``finished=True``.
+   If the consumer goes away first (client disconnect: the handler is cancelled or closes the
+   stream), the stream sends an "abort" item; the engine thread aborts the request (all ``n``
+   samples) before its next step, which frees its KV blocks.
+4. After each step the thread folds ``LLMEngine.get_stats()`` and the step's outputs into
+   :class:`~jaxserve.metrics.EngineMetrics`.
+
+If ``step()`` (or anything else in the engine thread) raises, the engine is dead: every pending
+request's stream raises :class:`EngineDeadError`, later calls raise it at once, ``errored``
+turns true (the server's ``/health`` answers 503) and the ``on_dead`` callbacks run, which the
+server uses to exit non-zero instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
+
+from jaxserve.metrics import EngineMetrics
+
+if TYPE_CHECKING:
+    from jaxserve.config import EngineArgs, EngineConfig
+    from jaxserve.outputs import RequestOutput
+    from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an exception; no request can be served any more."""
+
+
+class RequestStream:
+    """The outputs of one request, delivered from the engine thread into an ``asyncio.Queue``.
+
+    Iterate it with ``async for``; it ends after the output with ``finished=True`` and raises
+    :class:`EngineDeadError` if the engine dies meanwhile. ``abort()`` (idempotent) asks the
+    engine to drop the request; leaving an ``async for`` early does not abort by itself, so
+    consumers wrap iteration in ``try/finally: stream.abort()`` (as ``AsyncLLM.generate`` does).
+
+    Attributes:
+      request_id: the engine request id.
+      num_samples: the request's ``n``.
+      finished: True once the final output was received (or the engine failed).
+    """
+
+    def __init__(self, request_id: str, num_samples: int, llm: "AsyncLLM",
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.num_samples = num_samples
+        self.finished = False
+        self._llm = llm
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._accepted: asyncio.Future[None] = loop.create_future()
+        self._aborted = False
+
+    # Engine-thread side ------------------------------------------------------------------
+
+    def _deliver(self, item: Any) -> bool:
+        """Schedules ``item`` (a RequestOutput or an exception) onto the consumer's loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the consumer's loop is closed: nobody will read this
+            return False
+
+    def _resolve_accept(self, error: BaseException | None) -> bool:
+        def resolve() -> None:
+            if self._accepted.done():
+                return
+            if error is None:
+                self._accepted.set_result(None)
+            else:
+                self._accepted.set_exception(error)
+
+        try:
+            self._loop.call_soon_threadsafe(resolve)
+            return True
+        except RuntimeError:
+            return False
+
+    # Consumer side -------------------------------------------------------------------------
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> "RequestOutput":
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Asks the engine to abort this request unless it already finished (thread-safe)."""
+        if self.finished or self._aborted:
+            return
+        self._aborted = True
+        self._llm.abort(self.request_id)
+
+
+class AsyncLLM:
+    """An :class:`~jaxserve.engine.llm_engine.LLMEngine` in a background thread, for asyncio callers.
+
+    Args:
+      engine: a built LLMEngine (or any object with its interface: ``add_request``,
+        ``abort_request``, ``step``, ``has_unfinished_requests``, ``get_stats``, ``tokenizer``,
+        ``engine_config``). From now on only the engine thread touches it.
+      metrics: where the engine thread records metrics; default a new
+        :class:`~jaxserve.metrics.EngineMetrics` for the served model name.
+
+    The thread starts in the constructor; ``shutdown()`` stops it.
+    """
+
+    def __init__(self, engine: Any, *, metrics: EngineMetrics | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.engine_config: "EngineConfig" = engine.engine_config
+        self.model_name: str = self.engine_config.model.served_model_name
+        self.metrics = metrics or EngineMetrics(self.model_name, self.engine_config.cache)
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, Any]] = []
+        self._streams: dict[str, RequestStream] = {}   # engine thread only
+        self._pending_ids: set[str] = set()           # ids added and not finished (under _cond)
+        self._num_inbox_adds = 0                      # adds not yet handed to the engine
+        self._stopping = False
+        self.dead_error: BaseException | None = None
+        self._dead_callbacks: list[Callable[[BaseException], None]] = []
+        self._num_waiting = 0
+        self._num_running = 0
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: "EngineArgs") -> "AsyncLLM":
+        """Builds the LLMEngine (loads weights, sizes the KV pool, compiles) and starts the thread."""
+        from jaxserve.engine.llm_engine import LLMEngine  # local: keeps importing this module cheap
+
+        return cls(LLMEngine.from_engine_args(engine_args))
+
+    # Public API (event loop side) ----------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine thread died."""
+        return self.dead_error is not None
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests not yet running: the scheduler's waiting queue after the last step plus adds
+        still in the inbox (what ``--max-waiting-requests`` caps)."""
+        with self._cond:
+            return self._num_waiting + self._num_inbox_adds
+
+    @property
+    def num_running_requests(self) -> int:
+        """Requests in the running batch after the last step."""
+        return self._num_running
+
+    def add_dead_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Runs ``callback(error)`` from the engine thread when it dies (at once if it is dead)."""
+        with self._cond:
+            if self.dead_error is None:
+                self._dead_callbacks.append(callback)
+                return
+        callback(self.dead_error)
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: "SamplingParams", *,
+                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """Hands a request to the engine and returns its output stream once the engine accepted it.
+
+        Args:
+          request_id: unique among unfinished requests.
+          prompt: text, or token ids (``int`` in ``[0, vocab)``).
+          params: its SamplingParams.
+          priority: smaller is more urgent (with the "priority" policy).
+          cache_salt: tenant salt for prefix caching.
+
+        Raises:
+          ValueError: the engine refused the request (bad prompt or params; names the field), or
+            the id is already in use.
+          EngineDeadError: the engine thread died.
+        """
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, params.n, self, loop)
+        kwargs = {"priority": priority, "cache_salt": cache_salt, "arrival_time": time.monotonic()}
+        with self._cond:
+            if self.dead_error is not None:
+                raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+            if self._stopping:
+                raise EngineDeadError("engine is shutting down")
+            if request_id in self._pending_ids:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._pending_ids.add(request_id)
+            self._num_inbox_adds += 1
+            self._inbox.append(("add", (stream, prompt, params, kwargs)))
+            self._cond.notify()
+        try:
+            await stream._accepted
+        except asyncio.CancelledError:
+            stream.abort()
+            raise
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: "SamplingParams", request_id: str, *,
+                       priority: int = 0, cache_salt: str | None = None
+                       ) -> AsyncGenerator["RequestOutput", None]:
+        """Yields the request's RequestOutputs (cumulative fields plus ``delta_*``) until finished.
+
+        Closing the generator early (client gone) aborts the request. Raises like
+        :meth:`add_request`, and :class:`EngineDeadError` mid-way if the engine dies.
+        """
+        stream = await self.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (all its samples) before the engine's next step; thread-safe, idempotent."""
+        with self._cond:
+            if self.dead_error is not None or request_id not in self._pending_ids:
+                return
+            self._inbox.append(("abort", request_id))
+            self._cond.notify()
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError if the engine thread died."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine thread after its current step; pending requests get EngineDeadError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # Engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            has_work = False
+            while True:
+                with self._cond:
+                    while not self._inbox and not has_work and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    inbox, self._inbox = self._inbox, []
+                self._process_inbox(inbox)
+                outputs: list[RequestOutput] = []
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                wanted = [o for o in outputs if o.request_id in self._streams]  # not aborted meanwhile
+                self._record(wanted)  # before delivery, so a client that got its answer sees its metrics
+                self._dispatch(wanted)
+                has_work = self.engine.has_unfinished_requests()
+            self._fail_pending(EngineDeadError("engine was shut down"))
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
+            logger.exception("engine loop died")
+            self._die(exc)
+
+    def _process_inbox(self, inbox: list[tuple[str, Any]]) -> None:
+        num_adds = 0
+        for kind, payload in inbox:
+            if kind == "add":
+                num_adds += 1
+                stream, prompt, params, kwargs = payload
+                if stream._aborted:  # the client left before the engine saw the request
+                    self._forget(stream.request_id)
+                    continue
+                try:
+                    self.engine.add_request(stream.request_id, prompt, params, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - a refused request is the client's problem
+                    self._forget(stream.request_id)
+                    if not isinstance(exc, ValueError):
+                        logger.exception("engine refused request %s", stream.request_id)
+                    stream._resolve_accept(exc)
+                    continue
+                self._streams[stream.request_id] = stream
+                if not stream._resolve_accept(None):
+                    self._abort_in_engine(stream.request_id)
+            else:
+                self._abort_in_engine(payload)
+        if num_adds:
+            # The adds leave the inbox count and enter the scheduler's waiting count at once, so
+            # ``num_waiting_requests`` (the 503 check) never misses them during the next step.
+            waiting = self.engine.get_stats().num_waiting_reqs
+            with self._cond:
+                self._num_waiting = waiting
+                self._num_inbox_adds -= num_adds
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self.engine.abort_request([request_id])
+        self._forget(request_id)
+        self.metrics.record_abort(request_id, stream.num_samples)
+
+    def _forget(self, request_id: str) -> None:
+        with self._cond:
+            self._pending_ids.discard(request_id)
+
+    def _dispatch(self, outputs: list["RequestOutput"]) -> None:
+        for output in outputs:
+            stream = self._streams[output.request_id]
+            if output.finished:
+                del self._streams[output.request_id]
+                self._forget(output.request_id)
+            if not stream._deliver(output) and not output.finished:
+                self._abort_in_engine(output.request_id)
+
+    def _record(self, outputs: list["RequestOutput"]) -> None:
+        stats = self.engine.get_stats()
+        if stats is not None:
+            with self._cond:
+                self._num_waiting = stats.num_waiting_reqs
+            self._num_running = stats.num_running_reqs
+        try:
+            self.metrics.record_step(stats, outputs)
+        except Exception:  # noqa: BLE001 - a metrics bug must not take the engine down
+            logger.exception("recording metrics failed")
+
+    def _fail_pending(self, error: BaseException) -> None:
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+            self._pending_ids.clear()
+            self._num_inbox_adds = 0
+        for kind, payload in inbox:
+            if kind == "add":
+                payload[0]._resolve_accept(error)
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._deliver(error)
+
+    def _die(self, exc: BaseException) -> None:
+        error = EngineDeadError(f"engine loop died: {exc!r}")
+        error.__cause__ = exc
+        with self._cond:
+            self.dead_error = exc
+            callbacks, self._dead_callbacks = self._dead_callbacks, []
+        for callback in callbacks:  # first, so a client that sees the error also sees their effect
+            try:
+                callback(exc)
+            except Exception:  # noqa: BLE001
+                logger.exception("engine-dead callback failed")
+        self._fail_pending(error)

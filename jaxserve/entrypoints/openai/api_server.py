@@ -1,0 +1,442 @@
+"""The aiohttp OpenAI-compatible server, its ``serve`` subcommand, and a non-HTTP entry for the batch CLI.
+
+Endpoints (OpenAI API reference; vLLM's extras):
+
+    POST /v1/completions        legacy completions (prompt: str | [str] | [int] | [[int]])
+    POST /v1/chat/completions   chat completions (the tokenizer's chat template)
+    GET  /v1/models             the served model
+    GET  /health                200 while the engine thread lives, else 503
+    GET  /metrics               Prometheus text exposition (jaxserve/metrics.py)
+    POST /tokenize              {"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}
+    POST /detokenize            {"tokens"} -> {"prompt"}
+    GET  /version               {"version"}
+
+``stream: true`` answers with server-sent events: one ``data: {chunk}`` per event, then
+``data: [DONE]``. A client that disconnects has its request aborted (the handler is cancelled,
+``handler_cancellation=True``, and its streams are aborted in ``finally``) before the engine's
+next step, which frees its KV blocks.
+
+Every failure a client can cause is an OpenAI-style 4xx (``errors.APIError``); a middleware turns
+anything else into a logged 500 and counts it in ``app[INTERNAL_ERRORS]`` (tests assert it
+stays 0). With ``--api-key`` the ``/v1/*``, ``/tokenize`` and ``/detokenize`` routes need
+``Authorization: Bearer <key>`` (401 otherwise); ``/health``, ``/metrics`` and ``/version`` stay
+open, as in vLLM. With ``--max-waiting-requests`` a request that finds that many requests
+waiting gets a 503 with ``Retry-After``.
+
+Reuse without HTTP (the batch CLI): ``await serve_request(llm, url, body)`` takes an AsyncLLM, a
+URL ("/v1/completions" or "/v1/chat/completions") and a parsed JSON body and returns
+``(status, response_dict)``: the same validation, engine calls and response building as the
+server, for non-streaming requests (``stream: true`` is a 400). The pieces are plain functions
+too: ``protocol.CompletionRequest``/``ChatCompletionRequest`` (validation),
+``serving_completion.prepare_completion``/``build_completion_response`` and
+``serving_chat.prepare_chat``/``build_chat_response``.
+
+If the engine thread dies, in-flight requests get an error (503 ``engine_dead``, or an error
+event on a stream), ``/health`` answers 503, and ``run_server`` returns 1 after a short grace
+period, so ``jaxserve serve`` exits non-zero instead of hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hmac
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import pydantic
+from aiohttp import web
+
+from jaxserve.engine.async_llm import EngineDeadError, RequestStream
+from jaxserve.entrypoints.openai.common import ServingInfo, check_prompt_ids, check_queue
+from jaxserve.entrypoints.openai.engine_calls import abort_all, engine_error
+from jaxserve.entrypoints.openai.errors import APIError, bad_request, error_body, from_validation_error, \
+    from_value_error
+from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  TokenizeRequest)
+from jaxserve.entrypoints.openai.serving_chat import create_chat, messages_as_dicts, prepare_chat, stream_chat
+from jaxserve.entrypoints.openai.serving_completion import (create_completion, prepare_completion,
+                                                            stream_completion)
+
+logger = logging.getLogger(__name__)
+
+LLM_KEY = web.AppKey("llm", object)
+INFO_KEY = web.AppKey("info", ServingInfo)
+API_KEY = web.AppKey("api_key", object)
+INTERNAL_ERRORS = web.AppKey("internal_errors", list)
+
+MAX_BODY_BYTES = 16 * 2**20
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+# ---- JSON in and out ------------------------------------------------------------------------
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of the range of a float")
+    return value
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Parses a request body; NaN, Infinity and overflowing numbers are refused (strict JSON).
+
+    Raises:
+      APIError: 400 for malformed JSON or a body that is not an object.
+    """
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_parse_float)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON bytes (UTF-8, no NaN)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=dumps(obj), status=status, headers=headers, content_type="application/json")
+
+
+def _validate(model: type[pydantic.BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+# ---- non-HTTP entry (batch CLI) -------------------------------------------------------------
+
+def prepare(llm: Any, info: ServingInfo, url: str, body: dict[str, Any]) -> tuple[Any, Any]:
+    """Validates a completions or chat body: returns ``(request_model, job)``.
+
+    Raises:
+      APIError: 404 for an unknown URL or model, 400 for a bad body (naming the field).
+    """
+    if isinstance(body.get("model"), str):
+        info.check_model(body["model"])  # before any other work, as OpenAI does
+    if url == "/v1/completions":
+        request = _validate(CompletionRequest, body)
+        return request, prepare_completion(request, info, llm.tokenizer)
+    if url == "/v1/chat/completions":
+        request = _validate(ChatCompletionRequest, body)
+        return request, prepare_chat(request, info, llm.tokenizer)
+    raise APIError(f"url {url!r} is not supported (use /v1/completions or /v1/chat/completions)",
+                   status=404, param="url", code="not_found")
+
+
+async def serve_request(llm: Any, url: str, body: dict[str, Any], info: ServingInfo | None = None
+                        ) -> tuple[int, dict[str, Any]]:
+    """Serves one non-streaming completions or chat request without HTTP.
+
+    Args:
+      llm: a running AsyncLLM.
+      url: "/v1/completions" or "/v1/chat/completions".
+      body: the parsed JSON request body.
+      info: the served model's facts (default: read from ``llm``).
+
+    Returns:
+      ``(status, body)``: 200 and the OpenAI response object, or the error status and
+      ``{"error": {...}}`` (400 bad input, 404 unknown model or URL, 503 engine dead).
+    """
+    info = info or ServingInfo.from_engine(llm)
+    try:
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        request, job = prepare(llm, info, url, body)
+        if request.stream:
+            raise bad_request("stream is not supported here", param="stream")
+        llm.check_health()
+        if url == "/v1/completions":
+            return 200, await create_completion(llm, job)
+        return 200, await create_chat(llm, job)
+    except APIError as exc:
+        return exc.status, exc.body()
+    except EngineDeadError as exc:
+        error = engine_error(exc)
+        return error.status, error.body()
+
+
+# ---- HTTP handlers ---------------------------------------------------------------------------
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    return parse_json_body(await request.read())
+
+
+async def _write_sse(request: web.Request, streams: list[RequestStream],
+                     chunks: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+    try:
+        await response.prepare(request)
+        async for chunk in chunks:
+            await response.write(b"data: " + dumps(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client went away; its requests are aborted below
+        pass
+    finally:
+        abort_all(streams)
+        await chunks.aclose()  # type: ignore[attr-defined]
+    return response
+
+
+def _generation_handler(url: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        llm = request.app[LLM_KEY]
+        info = request.app[INFO_KEY]
+        body = await _read_json(request)
+        # Tokenizing and rendering templates of long prompts takes a while: off the event loop.
+        parsed, job = await asyncio.to_thread(prepare, llm, info, url, body)
+        try:
+            llm.check_health()
+        except EngineDeadError as exc:
+            raise engine_error(exc) from None
+        check_queue(llm, info)
+        if parsed.stream:
+            start = stream_completion if url == "/v1/completions" else stream_chat
+            streams, chunks = await start(llm, job)
+            return await _write_sse(request, streams, chunks)
+        create = create_completion if url == "/v1/completions" else create_chat
+        return json_response(await create(llm, job))
+
+    return handler
+
+
+async def _models(request: web.Request) -> web.Response:
+    info = request.app[INFO_KEY]
+    return json_response({"object": "list", "data": [{
+        "id": info.model_name, "object": "model", "created": info.created, "owned_by": "jaxserve",
+        "root": info.model_path, "parent": None, "max_model_len": info.max_model_len}]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    llm = request.app[LLM_KEY]
+    if llm.errored:
+        return json_response(error_body(f"the engine is dead: {llm.dead_error!r}", "server_error",
+                                        code="engine_dead"), status=503)
+    return web.Response(status=200)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    metrics = request.app[LLM_KEY].metrics
+    return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
+
+
+async def _version(request: web.Request) -> web.Response:
+    try:
+        version = importlib.metadata.version("jaxserve")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return json_response({"version": version})
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    llm = request.app[LLM_KEY]
+    info = request.app[INFO_KEY]
+    body = _validate(TokenizeRequest, await _read_json(request))
+    info.check_model(body.model)
+    try:
+        if body.messages is not None:
+            tokens = llm.tokenizer.encode_chat(messages_as_dicts(body.messages),
+                                               add_generation_prompt=body.add_generation_prompt)
+        else:
+            tokens = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    return json_response({"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens})
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    llm = request.app[LLM_KEY]
+    info = request.app[INFO_KEY]
+    body = _validate(DetokenizeRequest, await _read_json(request))
+    info.check_model(body.model)
+    if body.tokens:
+        check_prompt_ids(body.tokens, dataclasses.replace(info, max_model_len=len(body.tokens),
+                                                          enable_chunked_prefill=True), field="tokens")
+    return json_response({"prompt": llm.tokenizer.decode(body.tokens)})
+
+
+# ---- middleware and app ----------------------------------------------------------------------
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return json_response(exc.body(), status=exc.status, headers=exc.headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        message = exc.text if exc.text and exc.text != exc.reason else f"{exc.status} {exc.reason}: {request.path}"
+        return json_response(error_body(message, kind, code=code), status=exc.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug of ours, not the client's input
+        logger.exception("internal error serving %s %s", request.method, request.path)
+        request.app[INTERNAL_ERRORS].append(repr(exc))
+        return json_response(error_body("internal server error", "server_error", code="internal_error"),
+                             status=500)
+
+
+def _auth_middleware(api_key: str) -> Any:
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith(_PROTECTED_PREFIXES):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
+                               type="invalid_request_error", code="invalid_api_key")
+        return await handler(request)
+
+    return auth
+
+
+def build_app(llm: Any, *, api_key: str | None = None, info: ServingInfo | None = None) -> web.Application:
+    """The aiohttp application serving ``llm`` (an AsyncLLM).
+
+    Args:
+      llm: the running AsyncLLM.
+      api_key: require ``Authorization: Bearer <api_key>`` on the API routes; None: open.
+      info: the served model's facts (default: read from ``llm``).
+    """
+    middlewares = [_errors_middleware]
+    if api_key:
+        middlewares.append(_auth_middleware(api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app[LLM_KEY] = llm
+    app[INFO_KEY] = info or ServingInfo.from_engine(llm)
+    app[API_KEY] = api_key
+    app[INTERNAL_ERRORS] = []
+    app.router.add_post("/v1/completions", _generation_handler("/v1/completions"))
+    app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/version", _version)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
+    return app
+
+
+async def run_server(llm: Any, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                     ready: Callable[[str, int], None] | None = None, stop: asyncio.Event | None = None,
+                     dead_grace_s: float = 1.0, app: web.Application | None = None) -> int:
+    """Serves ``llm`` over HTTP until ``stop`` is set or the engine dies.
+
+    Args:
+      llm: the running AsyncLLM.
+      host, port: where to listen (port 0 picks a free one).
+      api_key: see ``build_app``.
+      ready: called with (host, bound port) once listening.
+      stop: set it to shut down (the ``serve`` command sets it on SIGINT/SIGTERM).
+      dead_grace_s: after the engine dies, keep answering (503 on /health, errors to pending
+        requests) this long before closing.
+      app: a prebuilt ``build_app(llm, ...)`` (then ``api_key`` is ignored); default: built here.
+
+    Returns:
+      The process exit code: 0 after ``stop``, 1 if the engine died.
+    """
+    app = app if app is not None else build_app(llm, api_key=api_key)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_dead(_: BaseException) -> None:
+        loop.call_soon_threadsafe(loop.call_later, dead_grace_s, stop.set)
+
+    llm.add_dead_callback(on_dead)
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        if ready is not None:
+            ready(host, bound)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 1 if llm.errored else 0
+
+
+# ---- the `serve` subcommand ------------------------------------------------------------------
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds ``serve``: every EngineArgs flag (vLLM's names) plus --host, --port and --api-key."""
+    from jaxserve.config import EngineArgs
+
+    parser = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).")
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    parser.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                        help="require 'Authorization: Bearer <key>' on the API routes "
+                             "(default: $JAXSERVE_API_KEY, else open)")
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def _startup_report(llm: Any, startup_s: float) -> str:
+    cfg = llm.engine_config
+    lines = ["resolved config:"]
+    for part in dataclasses.fields(cfg):
+        lines.append(f"  {part.name}: {dataclasses.asdict(getattr(cfg, part.name))}")
+    blocks, size = cfg.cache.num_gpu_blocks, cfg.cache.block_size
+    lines.append(f"KV pool: {blocks} blocks x {size} tokens ({max(blocks - 1, 0) * size} usable tokens; "
+                 f"block 0 is the null block)")
+    compile_s = getattr(llm.engine, "compile_time_s", None)
+    if compile_s is not None:
+        lines.append(f"compile time: {compile_s:.1f} s (startup {startup_s:.1f} s)")
+    else:
+        lines.append(f"startup (load + KV sizing + compile): {startup_s:.1f} s")
+    return "\n".join(lines)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """The ``serve`` command: builds the engine, prints the config, serves until SIGINT/SIGTERM.
+
+    Exits 0 on a signal, 1 if the engine died.
+    """
+    from jaxserve.config import EngineArgs
+    from jaxserve.engine.async_llm import AsyncLLM
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args = EngineArgs.from_cli_args(args)
+    start = time.perf_counter()
+    llm = AsyncLLM.from_engine_args(engine_args)
+    print(_startup_report(llm, time.perf_counter() - start), flush=True)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await run_server(llm, host=args.host, port=args.port, api_key=args.api_key, stop=stop,
+                                ready=lambda h, p: print(f"serving {llm.model_name} on http://{h}:{p}", flush=True))
+
+    code = asyncio.run(main())
+    llm.shutdown()
+    sys.exit(code)

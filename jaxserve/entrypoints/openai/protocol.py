@@ -1,0 +1,272 @@
+"""Request bodies of the OpenAI-compatible API as pydantic v2 models, and their SamplingParams.
+
+Source: the OpenAI API reference for ``/v1/completions`` and ``/v1/chat/completions`` (field
+names, defaults, shapes) and vLLM's ``entrypoints/openai/protocol.py`` for the extensions
+(top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens,
+include_stop_str_in_output, skip_special_tokens, priority, cache_salt, prompt_logprobs) and for
+the ``/tokenize`` and ``/detokenize`` bodies.
+
+Types are strict (``"max_tokens": "10"`` or ``"n": 2.0`` is a 400, booleans are not integers) and
+non-finite floats are refused; unknown fields are accepted and ignored, as OpenAI clients send
+fields we do not serve. Ranges are checked once, by :class:`~jaxserve.sampling_params.SamplingParams`,
+so the range rules live in one place; the models here only check types and shapes.
+
+Boundaries (the "top-p-boundaries" case): ``temperature`` is in [0, 2], 0 meaning greedy;
+``top_p`` is in [0, 1], 1 meaning off (same tokens as not sending it) and 0 meaning "keep only the
+most probable token" (greedy among ties, broken by token id; vLLM refuses 0).
+Values outside are a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from jaxserve.sampling_params import SamplingParams
+
+_INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+_STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds one last chunk with empty choices and the usage."""
+
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields completions and chat share (OpenAI's plus vLLM's sampling extensions)."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, le=_INT32_MAX)
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, le=_INT32_MAX)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+    cache_salt: str | None = None
+    user: str | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _no_options_without_stream(cls, value: StreamOptions | None, info: Any) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "n": self.n,
+            "stop": self.stop if self.stop is not None else [],
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "logit_bias": dict(self.logit_bias or {}),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "seed": self.seed,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        return kwargs
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions`` (OpenAI legacy completions).
+
+    ``prompt`` is a string, a list of strings, a list of token ids, or a list of token-id lists;
+    each prompt yields ``n`` choices, indexed ``prompt_index * n + k``. ``logprobs`` (0..20) asks
+    for that many top alternatives per token; with ``echo`` the prompt's logprobs come too.
+    ``max_tokens`` defaults to 16 (OpenAI) and may be 0 with ``echo`` to score a prompt.
+    """
+
+    prompt: Any
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    prompt_logprobs: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            if all(isinstance(p, str) for p in value) and value:
+                return value
+            if all(_is_int(t) for t in value):
+                return value
+            if value and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value):
+                return value
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, value: int | None, info: Any) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of is not supported (only best_of == n)")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """The SamplingParams of this request.
+
+        Args:
+          max_tokens: the resolved output cap (this request's, or what max_model_len leaves).
+
+        Raises:
+          ValueError: a value is out of range; the message starts with the field's name.
+        """
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = self.logprobs
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
+                              **self._sampling_kwargs())
+
+
+class TextPart(BaseModel):
+    """One ``{"type": "text", "text": ...}`` part of a message's content."""
+
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message; ``content`` is a string, a list of text parts, or null (assistant)."""
+
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+            kinds = {p.get("type") for p in value}
+            if kinds - {"text"}:
+                raise ValueError(f"content parts of type {sorted(map(str, kinds - {'text'}))} are not supported "
+                                 f"(only text)")
+            return value
+        raise ValueError("content must be a string, a list of text parts, or null")
+
+    def text(self) -> str:
+        """The content as one string (text parts joined with newlines, null as "")."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``.
+
+    ``max_completion_tokens`` (current name) wins over ``max_tokens`` (deprecated); with neither,
+    the answer may run to max_model_len. ``logprobs`` is a bool and ``top_logprobs`` (0..20) the
+    number of alternatives, allowed only with ``logprobs: true`` (OpenAI's rule).
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: Any) -> int | None:
+        if value is not None and not info.data.get("logprobs", False):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` if given, else ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """The SamplingParams of this request (see :meth:`CompletionRequest.to_sampling_params`)."""
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs())
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` string, or chat ``messages`` rendered by the template."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "TokenizeRequest":
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[int]

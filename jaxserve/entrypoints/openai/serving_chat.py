@@ -1,0 +1,180 @@
+"""``/v1/chat/completions``: messages -> chat template -> engine request -> OpenAI response or chunks.
+
+Plain functions, no HTTP (the batch CLI reuses them), like ``serving_completion``:
+
+    job = prepare_chat(request, info, tokenizer)          # 400s here (APIError)
+    body = await create_chat(llm, job)                    # non-streaming response dict
+    streams, chunks = await stream_chat(llm, job)         # chunk dicts for SSE
+    build_chat_response(job, final_output, tokenizer)     # final RequestOutput -> dict
+
+The prompt is the tokenizer's chat template rendered with ``add_generation_prompt`` and
+tokenized without a second BOS (``Tokenizer.encode_chat``, vLLM's chat serving). Shapes follow
+the OpenAI API reference ("Chat Completions"): ``{"id": "chatcmpl-...", "object":
+"chat.completion", "created", "model", "choices": [{"index", "message": {"role": "assistant",
+"content"}, "logprobs", "finish_reason"}], "usage"}``. Streamed chunks (``"object":
+"chat.completion.chunk"``) start with one ``{"role": "assistant", "content": ""}`` delta per
+choice, then content deltas; a choice's last chunk carries its ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, AsyncIterator
+
+from jaxserve.engine.async_llm import EngineDeadError, RequestStream
+from jaxserve.entrypoints.openai.common import (ServingInfo, check_prompt_ids, random_id, resolve_max_tokens,
+                                                usage)
+from jaxserve.entrypoints.openai.engine_calls import (collect_all, engine_error, merge_streams,
+                                                      start_requests)
+from jaxserve.entrypoints.openai.errors import from_value_error
+from jaxserve.entrypoints.openai.logprobs import chat_logprobs
+from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class ChatJob:
+    """A validated chat request, ready for the engine.
+
+    Attributes:
+      request: the parsed body.
+      request_id: the response id (``chatcmpl-...``); the engine request is ``{request_id}-0``.
+      created: Unix seconds.
+      model: the model name to report.
+      prompt_ids: the rendered conversation's token ids.
+      params: its SamplingParams.
+    """
+
+    request: ChatCompletionRequest
+    request_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the plain dicts a chat template reads (content flattened to a string)."""
+    out = []
+    for message in messages:
+        item: dict[str, Any] = {"role": message.role, "content": message.text()}
+        if message.name is not None:
+            item["name"] = message.name
+        out.append(item)
+    return out
+
+
+def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: Any) -> ChatJob:
+    """Renders and tokenizes the conversation and builds its SamplingParams.
+
+    Raises:
+      APIError: 404 for an unknown model; 400 when the template rejects the messages, the
+        prompt is empty or too long, or a parameter is out of range (naming the field).
+    """
+    info.check_model(request.model)
+    try:
+        prompt_ids = tokenizer.encode_chat(messages_as_dicts(request.messages),
+                                           add_generation_prompt=request.add_generation_prompt)
+    except ValueError as exc:  # malformed messages, or the chat template refused them
+        error = from_value_error(exc)
+        error.param = "messages"
+        raise error from exc
+    check_prompt_ids(prompt_ids, info, field="messages")
+    field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(request.requested_max_tokens, len(prompt_ids), info, field=field)
+    try:
+        params = request.to_sampling_params(max_tokens)
+        params.check_vocab(info.vocab_size)
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+    return ChatJob(request=request, request_id=random_id("chatcmpl"), created=int(time.time()),
+                   model=request.model or info.model_name, prompt_ids=prompt_ids, params=params)
+
+
+def _header(job: ChatJob, obj: str) -> dict[str, Any]:
+    return {"id": job.request_id, "object": obj, "created": job.created, "model": job.model}
+
+
+def build_chat_response(job: ChatJob, output: RequestOutput, tokenizer: Any) -> dict[str, Any]:
+    """The non-streaming response body from the request's final RequestOutput."""
+    request = job.request
+    choices = []
+    for completion in output.outputs:
+        logprobs = None
+        if request.logprobs:
+            logprobs = chat_logprobs(completion.token_ids, completion.logprobs, request.top_logprobs or 0,
+                                     tokenizer)
+        choices.append({"index": completion.index,
+                        "message": {"role": "assistant", "content": completion.text},
+                        "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                        "stop_reason": completion.stop_reason})
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    return {**_header(job, "chat.completion"), "choices": choices,
+            "usage": usage(len(output.prompt_token_ids), completion_tokens, max(0, output.num_cached_tokens))}
+
+
+async def create_chat(llm: Any, job: ChatJob) -> dict[str, Any]:
+    """Runs a non-streaming chat completion to the end and returns the response body.
+
+    Raises:
+      APIError: 400 if the engine refused the prompt, 503 if the engine died.
+    """
+    streams = await start_requests(llm, job.request_id, [job.prompt_ids], [job.params],
+                                   priority=job.request.priority, cache_salt=job.request.cache_salt)
+    (output,) = await collect_all(streams)
+    return build_chat_response(job, output, llm.tokenizer)
+
+
+async def stream_chat(llm: Any, job: ChatJob) -> tuple[list[RequestStream], AsyncIterator[dict[str, Any]]]:
+    """Starts the engine request and returns it with the async iterator of chunk dicts.
+
+    Same contract as ``serving_completion.stream_completion``.
+    """
+    streams = await start_requests(llm, job.request_id, [job.prompt_ids], [job.params],
+                                   priority=job.request.priority, cache_salt=job.request.cache_salt)
+    return streams, _chunks(job, streams, llm.tokenizer)
+
+
+async def _chunks(job: ChatJob, streams: list[RequestStream], tokenizer: Any) -> AsyncIterator[dict[str, Any]]:
+    request = job.request
+    header = _header(job, "chat.completion.chunk")
+    if request.include_usage:
+        header["usage"] = None
+    num_top = request.top_logprobs or 0
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None,
+              stop_reason: Any = None) -> dict[str, Any]:
+        return {**header, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                       "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+
+    for index in range(request.n):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    finished: set[int] = set()
+    prompt_tokens = cached = 0
+    completion_tokens: dict[int, int] = {}
+    try:
+        async for _, output in merge_streams(streams):
+            prompt_tokens = len(output.prompt_token_ids)
+            cached = max(0, output.num_cached_tokens)
+            for completion in output.outputs:
+                if completion.index in finished:
+                    continue
+                completion_tokens[completion.index] = len(completion.token_ids)
+                logprobs = None
+                if request.logprobs and completion.delta_token_ids:
+                    logprobs = chat_logprobs(completion.delta_token_ids, completion.delta_logprobs, num_top,
+                                             tokenizer)
+                text = completion.delta_text
+                if completion.finished:
+                    finished.add(completion.index)
+                elif not text and logprobs is None:
+                    continue
+                yield chunk(completion.index, {"content": text} if text else {}, logprobs,
+                            completion.finish_reason, completion.stop_reason)
+    except EngineDeadError as exc:
+        yield engine_error(exc).body()
+        return
+    if request.include_usage:
+        yield {**header, "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens.values()), cached)}

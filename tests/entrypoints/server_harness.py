@@ -1,0 +1,120 @@
+"""A live server on a free port, in a background thread with its own event loop, and HTTP helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve.entrypoints.openai.api_server import INTERNAL_ERRORS, build_app, run_server
+
+MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "tiny-llama")
+
+
+class LiveServer:
+    """Runs ``run_server(llm)`` on 127.0.0.1:<free port> until ``close()``.
+
+    Attributes:
+      url: ``http://127.0.0.1:<port>``.
+      app: the aiohttp application (``app[INTERNAL_ERRORS]`` lists unexpected exceptions).
+      exit_code: run_server's return value once it stopped, else None.
+    """
+
+    def __init__(self, llm: Any, *, api_key: str | None = None, dead_grace_s: float = 0.3,
+                 start_timeout_s: float = 30.0) -> None:
+        self.llm = llm
+        self.app = build_app(llm, api_key=api_key)
+        self.exit_code: int | None = None
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._port = 0
+        self._dead_grace_s = dead_grace_s
+        self._thread = threading.Thread(target=self._run, name="test-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(start_timeout_s):
+            raise RuntimeError("server did not start")
+        self.url = f"http://127.0.0.1:{self._port}"
+
+    def _run(self) -> None:
+        async def main() -> int:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+
+            def ready(host: str, port: int) -> None:
+                self._port = port
+                self._ready.set()
+
+            return await run_server(self.llm, host="127.0.0.1", port=0, ready=ready, stop=self._stop,
+                                    dead_grace_s=self._dead_grace_s, app=self.app)
+
+        self.exit_code = asyncio.run(main())
+
+    @property
+    def internal_errors(self) -> list[str]:
+        return self.app[INTERNAL_ERRORS]
+
+    def wait_stopped(self, timeout: float) -> int | None:
+        """Waits for the server to stop on its own (engine death); returns its exit code."""
+        self._thread.join(timeout)
+        return self.exit_code
+
+    def close(self) -> int | None:
+        if self._thread.is_alive() and self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(30)
+        return self.exit_code
+
+
+def sse(client, path, body, *, expect=200):
+    """The parsed ``data:`` events of a streamed request (``"[DONE]"`` kept as a string)."""
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == expect, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+            else:
+                assert line == "", line
+    return events
+
+
+def metric_values(client) -> dict[str, float]:
+    text = client.get("/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + "".join(f"[{v}]" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[key] = s.value
+    return out
+
+
+def wait_idle(client, llm, timeout=2.0):
+    """Waits until no request runs and no KV block is used; returns the last metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metric_values(client)
+        idle = (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0
+                and m["jaxserve:num_requests_waiting"] == 0)
+        if idle or time.monotonic() > deadline:
+            return m, idle
+        time.sleep(0.02)
+
+
+def assert_error(r, status, param=None, code=None):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]

@@ -1,0 +1,79 @@
+"""EngineMetrics: names, values from SchedulerStats and RequestOutputs, exposition parsing."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve.config import CacheConfig
+from jaxserve.engine.llm_engine import EngineStats
+from jaxserve.metrics import EngineMetrics
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+def _samples(metrics: EngineMetrics) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            out[(sample.name, labels)] = sample.value
+    return out
+
+
+def _output(rid, new_tokens, *, finished=False, reason=None, t=None, prompt=(1, 2, 3), n=1):
+    m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=t[0] if t else None,
+                       last_token_time=t[-1] if t else None, finished_time=t[-1] if finished else None)
+    outs = [CompletionOutput(index=k, delta_token_ids=list(range(new_tokens)), finish_reason=reason)
+            for k in range(n)]
+    return RequestOutput(request_id=rid, prompt=None, prompt_token_ids=list(prompt), prompt_logprobs=None,
+                         outputs=outs, finished=finished, metrics=m)
+
+
+def test_gauges_and_counters_from_stats():
+    metrics = EngineMetrics("m", CacheConfig(block_size=16))
+    metrics.record_step(EngineStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25,
+                                    prefix_cache_queries_total=64, prefix_cache_hits_total=32,
+                                    num_preemptions_total=1, num_prompt_tokens_total=10,
+                                    num_generation_tokens_total=4), [])
+    stats = EngineStats(num_running_reqs=1, kv_cache_usage=0.5, prefix_cache_queries_total=80,
+                        prefix_cache_hits_total=48, num_preemptions_total=3, num_prompt_tokens_total=10,
+                        num_generation_tokens_total=9)
+    metrics.record_step(stats, [])
+    metrics.record_step(stats, [])  # no step in between: the totals did not grow, nothing counted twice
+    s = _samples(metrics)
+    assert s[("jaxserve:num_requests_running", ())] == 1
+    assert s[("jaxserve:num_requests_waiting", ())] == 0
+    assert s[("jaxserve:kv_cache_usage_perc", ())] == 0.5
+    assert s[("jaxserve:num_preemptions_total", ())] == 3
+    assert s[("jaxserve:prefix_cache_queries_total", ())] == 80
+    assert s[("jaxserve:prefix_cache_hits_total", ())] == 48
+    assert s[("jaxserve:prompt_tokens_total", ())] == 10
+    assert s[("jaxserve:generation_tokens_total", ())] == 9
+    info = [k for k in s if k[0] == "jaxserve:cache_config_info"]
+    assert len(info) == 1 and ("block_size", "16") in info[0][1] and s[info[0]] == 1
+    assert not any(name.endswith("_created") for name, _ in s)
+
+
+def test_latencies_tokens_and_finish_reasons():
+    metrics = EngineMetrics("m")
+    metrics.record_step(None, [_output("a", 0)])                       # prefill chunk, no token yet
+    metrics.record_step(None, [_output("a", 1, t=[11.0])])             # TTFT 1.0, queue 0.5
+    metrics.record_step(None, [_output("a", 1, t=[11.0, 11.2])])       # ITL 0.2
+    metrics.record_step(None, [_output("a", 2, t=[11.0, 11.5], finished=True, reason="stop", n=2)])
+    metrics.record_abort("b", 2)
+    s = _samples(metrics)
+    assert s[("jaxserve:time_to_first_token_seconds_count", ())] == 1
+    assert s[("jaxserve:time_to_first_token_seconds_sum", ())] == 1.0
+    assert s[("jaxserve:request_queue_time_seconds_sum", ())] == 0.5
+    assert s[("jaxserve:inter_token_latency_seconds_count", ())] == 2
+    assert abs(s[("jaxserve:inter_token_latency_seconds_sum", ())] - 0.5) < 1e-9
+    assert s[("jaxserve:e2e_request_latency_seconds_sum", ())] == 1.5
+    assert s[("jaxserve:request_success_total", (("finished_reason", "stop"),))] == 2
+    assert s[("jaxserve:request_success_total", (("finished_reason", "abort"),))] == 2
+    assert s[("jaxserve:request_success_total", (("finished_reason", "length"),))] == 0
+
+
+def test_registries_are_independent():
+    a, b = EngineMetrics("a"), EngineMetrics("b")
+    a.record_step(EngineStats(num_preemptions_total=5), [])
+    assert _samples(a)[("jaxserve:num_preemptions_total", ())] == 5
+    assert _samples(b)[("jaxserve:num_preemptions_total", ())] == 0
