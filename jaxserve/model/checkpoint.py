@@ -1,0 +1,101 @@
+"""Our checkpoint layout (orbax-checkpoint) and ``jaxserve convert``.
+
+    OUT_DIR/config.json               the HF config, ``torch_dtype`` set to the saved dtype
+    OUT_DIR/params/                   orbax StandardCheckpointer directory of the parameters
+    OUT_DIR/generation_config.json    copied, with the tokenizer files (tokenizer.json, ...)
+
+Loading it back (``load_model(OUT_DIR)``) skips the torch-layout transposes and restores each
+array straight into the target dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxserve.model.config import ModelArchConfig, ModelLoadError, read_hf_config
+from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.loader import PARAMS_DIR, abstract_model, load_model
+
+# Files of a HF directory that are not copied next to our params (weights and their index).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+_SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def save_params(model: LlamaForCausalLM, out_dir: str) -> None:
+    """Writes ``model``'s parameters to ``out_dir/params/`` (orbax); the directory must not exist."""
+    path = os.path.join(os.path.abspath(out_dir), PARAMS_DIR)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, nnx.to_pure_dict(nnx.state(model)))
+        ckptr.wait_until_finished()
+
+
+def restore_params(model_dir: str, cfg: ModelArchConfig, dtype) -> LlamaForCausalLM:
+    """Restores ``model_dir/params/`` into a model of ``dtype`` (orbax casts on read).
+
+    Raises:
+      ModelLoadError: ``params/`` is missing or does not match the config (orbax's message kept).
+    """
+    path = os.path.join(os.path.abspath(model_dir), PARAMS_DIR)
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"orbax params directory not found: {path}")
+    graphdef, abs_state = nnx.split(abstract_model(cfg, dtype))
+    target = nnx.to_pure_dict(abs_state)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore(path, target)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise ModelLoadError(f"cannot restore {path} for {cfg.architecture}: {e}") from e
+    nnx.replace_by_pure_dict(abs_state, restored)
+    return nnx.merge(graphdef, abs_state)
+
+
+def convert(hf_dir: str, out_dir: str, dtype: str = "auto") -> None:
+    """HF directory (safetensors) -> our orbax layout in ``out_dir`` (created; must not exist).
+
+    Raises:
+      ModelLoadError: as ``load_model``; also when ``out_dir`` already exists.
+    """
+    if os.path.exists(out_dir):
+        raise ModelLoadError(f"output directory already exists: {out_dir}")
+    model, cfg, _ = load_model(hf_dir, dtype=dtype, load_format="safetensors")
+    os.makedirs(out_dir)
+    hf_config = read_hf_config(hf_dir)
+    saved_dtype = jax.tree.leaves(nnx.state(model))[0].dtype.name
+    hf_config["torch_dtype"] = saved_dtype
+    if "dtype" in hf_config:
+        hf_config["dtype"] = saved_dtype
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    for name in sorted(os.listdir(hf_dir)):
+        src = os.path.join(hf_dir, name)
+        if os.path.isfile(src) and name not in _SKIP_FILES and not name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(src, os.path.join(out_dir, name))
+    save_params(model, out_dir)
+
+
+def add_convert_parser(subparsers) -> argparse.ArgumentParser:
+    """``jaxserve convert HF_DIR OUT_DIR [--dtype]``; sets ``func`` to ``run_convert``."""
+    p = subparsers.add_parser(
+        "convert", help="convert a Hugging Face model directory to our orbax checkpoint layout",
+        description="Reads HF_DIR (config.json + *.safetensors) and writes OUT_DIR/config.json, "
+                    "OUT_DIR/params/ (orbax) and the tokenizer / generation_config files.")
+    p.add_argument("hf_dir", help="Hugging Face model directory")
+    p.add_argument("out_dir", help="output directory (must not exist)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="dtype of the saved parameters (default: the config's torch_dtype)")
+    p.set_defaults(func=run_convert)
+    return p
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """Runs ``convert`` from parsed CLI args; returns the exit code."""
+    convert(args.hf_dir, args.out_dir, dtype=args.dtype)
+    print(f"wrote {args.out_dir}")
+    return 0

@@ -1,0 +1,214 @@
+"""Building a model with weights: Hugging Face safetensors, our orbax layout, or random (dummy).
+
+``load_model`` is the single entry point the engine uses. HF tensor names map onto our parameters
+as below (Linear weights are stored ``[out, in]`` by torch, ``[in, ...]`` here):
+
+    model.embed_tokens.weight [v, e]                  -> embed_tokens [v, e]
+    model.layers.N.self_attn.{q,k,v}_proj.weight      -> layers.N.self_attn.{q,k,v}_proj [e, h, d]
+    model.layers.N.self_attn.{q,k,v}_proj.bias        -> layers.N.self_attn.{q,k,v}_bias [h, d]
+    model.layers.N.self_attn.o_proj.weight [e, h*d]   -> layers.N.self_attn.o_proj [h, d, e]
+    model.layers.N.self_attn.{q,k}_norm.weight        -> layers.N.self_attn.{q,k}_norm.weight [d]
+    model.layers.N.mlp.{gate,up}_proj.weight [f, e]   -> layers.N.mlp.{gate,up}_proj [e, f]
+    model.layers.N.mlp.down_proj.weight [e, f]        -> layers.N.mlp.down_proj [f, e]
+    model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight  (as is)
+    lm_head.weight [v, e]                             -> lm_head [v, e]  (absent when tied)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import math
+import os
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.model.config import ModelArchConfig, ModelLoadError, read_hf_config
+from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.presets import PRESET_HF_CONFIGS
+
+LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+PARAMS_DIR = "params"   # our orbax layout: OUT_DIR/config.json + OUT_DIR/params/
+
+
+def resolve_dtype(dtype: str, cfg: ModelArchConfig):
+    """"auto" -> the checkpoint's torch_dtype (float16 -> bfloat16, unknown -> float32);
+    "float32" / "bfloat16" as named. ValueError names ``dtype`` otherwise."""
+    if dtype == "auto":
+        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+                "float16": jnp.bfloat16}.get(cfg.torch_dtype or "", jnp.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def abstract_model(cfg: ModelArchConfig, dtype) -> LlamaForCausalLM:
+    """The model with ``jax.ShapeDtypeStruct`` parameters: shapes only, nothing allocated."""
+    return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def dummy_model(cfg: ModelArchConfig, dtype, seed: int = 0) -> LlamaForCausalLM:
+    """Random weights of ``cfg`` drawn on device with ``jax.random`` directly in ``dtype``.
+
+    Eager on purpose: layers share shapes, so only a handful of small random-normal programs are
+    compiled, where jitting the whole initialiser compiles one program per parameter.
+    """
+    return LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def hf_tensor_name(path: tuple) -> tuple[str, int | None]:
+    """Our parameter path -> (HF tensor name, how to convert).
+
+    The second item is None for "copy as is", 0 for "reshape", or n_in >= 1 for "transpose a torch
+    Linear weight whose first n_in of our axes are its input".
+    """
+    *prefix, last = [str(p) for p in path]
+    if last == "embed_tokens":
+        return "model.embed_tokens.weight", None
+    if last == "lm_head":
+        return "lm_head.weight", None
+    module = ".".join(["model", *prefix])
+    if last.endswith("_proj"):
+        return f"{module}.{last}.weight", 2 if last == "o_proj" else 1
+    if last.endswith("_bias"):
+        return f"{module}.{last[:-len('_bias')]}_proj.bias", 0
+    return f"{module}.{last}", None   # norm weights: "...layernorm.weight", "norm.weight"
+
+
+def hf_shape(our_shape: tuple[int, ...], kind: int | None) -> tuple[int, ...]:
+    """The torch shape that ``kind`` turns into ``our_shape`` (see ``hf_tensor_name``)."""
+    if kind is None:
+        return tuple(our_shape)
+    if kind == 0:
+        return (math.prod(our_shape),)
+    return (math.prod(our_shape[kind:]), math.prod(our_shape[:kind]))
+
+
+def _safetensors_index(model_dir: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file holding it (via the index when present)."""
+    from safetensors import safe_open
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        out = {}
+        for name, fname in weight_map.items():
+            path = os.path.join(model_dir, fname)
+            if not os.path.isfile(path):
+                raise ModelLoadError(f"safetensors shard {path} listed in {index_path} not found")
+            out[name] = path
+        return out
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights file in model directory {model_dir}")
+    out = {}
+    for path in files:
+        with safe_open(path, framework="numpy") as f:
+            out.update({name: path for name in f.keys()})
+    return out
+
+
+def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> LlamaForCausalLM:
+    """Builds the model from HF ``*.safetensors`` (sharded with an index or not).
+
+    Raises:
+      ModelLoadError: no weights file, a missing tensor (named), or a shape mismatch (naming the
+        tensor, the expected and the found shapes). Extra tensors (e.g. rotary inv_freq) are ignored.
+    """
+    from safetensors import safe_open   # local: dummy/orbax loading works without safetensors
+
+    graphdef, abs_state = nnx.split(abstract_model(cfg, dtype))
+    index = _safetensors_index(model_dir)
+    flat = []
+    with contextlib.ExitStack() as stack:
+        files: dict[str, Any] = {}
+        for path, var in nnx.to_flat_state(abs_state):
+            name, kind = hf_tensor_name(path)
+            if name not in index:
+                raise ModelLoadError(f"tensor {name} not found in the safetensors files of {model_dir}")
+            if index[name] not in files:
+                files[index[name]] = stack.enter_context(safe_open(index[name], framework="numpy"))
+            tensor = files[index[name]].get_tensor(name)
+            want = hf_shape(var.shape, kind)
+            if tuple(tensor.shape) != want:
+                raise ModelLoadError(
+                    f"shape mismatch for tensor {name}: expected {list(want)}, got {list(tensor.shape)}")
+            x = jnp.asarray(tensor)
+            x = x.reshape(var.shape) if kind == 0 else x.T.reshape(var.shape) if kind else x
+            flat.append((path, var.replace(x.astype(dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def read_generation_config(model_dir: str) -> dict[str, Any]:
+    """``generation_config.json`` as a dict, or {} when absent."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def eos_token_ids(generation_config: dict[str, Any], cfg: ModelArchConfig) -> tuple[int, ...]:
+    """EOS ids: generation_config.json's ``eos_token_id`` (int or list) when set, else config.json's."""
+    eos = generation_config.get("eos_token_id")
+    if eos is None:
+        return cfg.eos_token_ids
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
+def detect_load_format(model_dir: str) -> str:
+    """"orbax" when ``model_dir/params/`` exists, else "safetensors"."""
+    return "orbax" if os.path.isdir(os.path.join(model_dir, PARAMS_DIR)) else "safetensors"
+
+
+def load_model(model_path: str | dict, dtype: str = "auto", load_format: str = "auto",
+               seed: int = 0) -> tuple[LlamaForCausalLM, ModelArchConfig, dict[str, Any]]:
+    """Loads a model for serving.
+
+    Args:
+      model_path: a HF model directory, our orbax layout (``config.json`` + ``params/``), or for
+        ``load_format="dummy"`` also a HF config dict or a preset name from
+        ``PRESET_HF_CONFIGS`` (e.g. "llama-3.1-8b").
+      dtype: "auto" (config's torch_dtype), "float32" or "bfloat16".
+      load_format: "auto" (orbax if ``params/`` exists, else safetensors), "safetensors",
+        "orbax" or "dummy" (random weights, no weight files needed).
+      seed: initialiser seed for "dummy".
+
+    Returns:
+      ``(model, ModelArchConfig, generation_config dict)``; the dict is ``{}`` when the directory
+      has no generation_config.json (see ``eos_token_ids``).
+
+    Raises:
+      ModelLoadError (a ValueError): missing directory / config / weights (path named),
+        unsupported architecture, missing tensor or shape mismatch (tensor named).
+      ValueError: unknown dtype or load_format.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "dummy" and not (isinstance(model_path, str) and os.path.isdir(model_path)):
+        if isinstance(model_path, dict):
+            hf = model_path
+        elif model_path in PRESET_HF_CONFIGS:
+            hf = PRESET_HF_CONFIGS[model_path]
+        else:
+            raise ModelLoadError(
+                f"model directory not found: {model_path} (dummy presets: {', '.join(PRESET_HF_CONFIGS)})")
+        cfg = ModelArchConfig.from_hf_config(hf)
+        return dummy_model(cfg, resolve_dtype(dtype, cfg), seed), cfg, {}
+    model_dir = os.fspath(model_path)
+    cfg = ModelArchConfig.from_hf_config(read_hf_config(model_dir))
+    jdtype = resolve_dtype(dtype, cfg)
+    if load_format == "auto":
+        load_format = detect_load_format(model_dir)
+    if load_format == "dummy":
+        model = dummy_model(cfg, jdtype, seed)
+    elif load_format == "orbax":
+        from jaxserve.model.checkpoint import restore_params   # orbax is a heavy import
+        model = restore_params(model_dir, cfg, jdtype)
+    else:
+        model = load_safetensors(model_dir, cfg, jdtype)
+    return model, cfg, read_generation_config(model_dir)
