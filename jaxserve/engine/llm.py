@@ -1,0 +1,135 @@
+"""``LLM``: the offline API (vLLM's ``LLM``): load once, ``generate`` many prompts in a batch.
+
+    from jaxserve import LLM, SamplingParams
+    llm = LLM()                                   # the bundled checkpoint
+    outs = llm.generate(["Hello", "Once upon"], SamplingParams(temperature=0, max_tokens=16))
+    print(outs[0].outputs[0].text)
+
+All prompts are queued at once; the engine's continuous batching runs them together and the
+outputs come back in input order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.config import EngineArgs
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Args:
+      model: model directory (HF or our orbax layout), a dummy preset name with
+        ``load_format="dummy"``, or None for the bundled checkpoint
+        (``jaxserve.model.default_model_path()``).
+      **engine_args: any ``EngineArgs`` field (``dtype``, ``max_model_len``,
+        ``max_num_batched_tokens``, ``enable_prefix_caching``, ``attention_backend``, ...).
+
+    Raises:
+      ValueError: an unknown engine argument (named) or a bad value (the field named), or the
+        model cannot be loaded (ModelLoadError names the path).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The model's tokenizer (None for a dummy preset without one)."""
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[int],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates completions for ``prompts``; returns one finished RequestOutput per prompt,
+        in input order.
+
+        Args:
+          prompts: one text, a list of texts, a list of token-id lists, or one token-id list.
+          sampling_params: one SamplingParams for all prompts, one per prompt, or None for
+            ``SamplingParams()`` (16 tokens, temperature 1).
+          use_tqdm: show a progress bar (requests done, output tokens/s).
+
+        Raises:
+          ValueError: bad ``prompts`` (empty list, wrong type, empty or too-long prompt, token
+            ids outside the vocabulary) or ``sampling_params`` (wrong type, list length differs
+            from the prompts). Requests already queued by this call are aborted first.
+        """
+        prompt_list = _normalize_prompts(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"sampling_params: got {len(params_list)} SamplingParams for "
+                                 f"{len(prompt_list)} prompts; pass one, or one per prompt")
+        else:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                rid = str(next(self._ids))
+                try:
+                    engine.add_request(rid, prompt, params, final_only=True)
+                except ValueError as e:
+                    raise ValueError(f"prompts[{i}]: {e}") from e
+                ids.append(rid)
+        except ValueError:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        engine = self.llm_engine
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        num_tokens = 0
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        num_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict.get("elapsed") or 0.0
+                        if elapsed > 0:
+                            bar.set_postfix_str(f"{num_tokens / elapsed:.1f} out tok/s", refresh=False)
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _normalize_prompts(prompts: Any) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty string, list of strings or list of token-id lists")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            out.append(list(p))
+        else:
+            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}")
+    return out

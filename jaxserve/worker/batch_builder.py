@@ -1,0 +1,358 @@
+"""Scheduler output -> fixed-shape padded step inputs (numpy only, no jax).
+
+The runner keeps a persistent ``InputBatch``: one row per running request holding its token ids
+so far, its block-table row, its prompt length and its sampling params. Rows are updated, not
+rebuilt (vLLM V1's ``gpu_input_batch.py``): new requests take a free row, scheduled ones append
+new block ids and the step's token ids, finished and preempted ones give their row back.
+
+Each step is then gathered from the rows with vectorized numpy (no loop over tokens) and padded
+to a token bucket ``T`` and its sequence bucket ``S`` (``seq_bucket``), so the jitted step
+compiles once per token bucket. Padding never changes results: padding tokens have slot -1 (they
+write nowhere) and belong to no sequence; padding sequences have zero query and context length;
+their sampled tokens are dropped on the host.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from jaxserve.core.sched_output import NewRequestData, SchedulerOutput
+    from jaxserve.sampling_params import SamplingParams
+
+MIN_TOKEN_BUCKET = 16
+MAX_TOKEN_BUCKETS = 12
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def default_token_buckets(max_num_batched_tokens: int, min_bucket: int = MIN_TOKEN_BUCKET,
+                          max_buckets: int = MAX_TOKEN_BUCKETS) -> tuple[int, ...]:
+    """Powers of two from ``min_bucket`` below the budget, then the budget itself; at most
+    ``max_buckets`` (the largest ones are kept).
+
+    >>> default_token_buckets(8192)
+    (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    """
+    buckets = []
+    b = min_bucket
+    while b < max_num_batched_tokens:
+        buckets.append(b)
+        b *= 2
+    buckets.append(int(max_num_batched_tokens))
+    return tuple(buckets[-max_buckets:])
+
+
+def resolve_token_buckets(configured: tuple[int, ...], max_num_batched_tokens: int) -> tuple[int, ...]:
+    """The configured buckets (``RunnerConfig.token_buckets``) or the default ones.
+
+    Raises:
+      ValueError: the largest configured bucket is below max_num_batched_tokens (a full step
+        would fit no bucket), or more than ``MAX_TOKEN_BUCKETS`` are given.
+    """
+    if not configured:
+        return default_token_buckets(max_num_batched_tokens)
+    if max(configured) < max_num_batched_tokens:
+        raise ValueError(f"token_buckets must reach max_num_batched_tokens ({max_num_batched_tokens}), "
+                         f"got {tuple(configured)}")
+    if len(configured) > MAX_TOKEN_BUCKETS:
+        raise ValueError(f"token_buckets may hold at most {MAX_TOKEN_BUCKETS} sizes, got {len(configured)}")
+    return tuple(int(b) for b in configured)
+
+
+def seq_bucket(token_bucket: int, max_num_seqs: int) -> int:
+    """Sequence bucket S of a token bucket T: ``next_power_of_2(min(T, max_num_seqs))``.
+
+    Every sequence of a step has at least one token, so a step of <= T tokens has <= min(T,
+    max_num_seqs) sequences; one S per T keeps one compile per token bucket.
+    """
+    return next_power_of_2(min(token_bucket, max_num_seqs))
+
+
+def pick_bucket(buckets: tuple[int, ...], num_tokens: int) -> int:
+    """Smallest bucket >= num_tokens.
+
+    Raises:
+      AssertionError: no bucket is large enough (the scheduler exceeded its token budget).
+    """
+    i = bisect.bisect_left(buckets, num_tokens)
+    assert i < len(buckets), f"{num_tokens} tokens exceed the largest bucket {buckets[-1]}"
+    return buckets[i]
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """The jitted step's array inputs, padded (numpy int32).
+
+    Attributes:
+      input_ids: ``[T]`` token ids (0 for padding).
+      positions: ``[T]`` position of each token in its sequence (0 for padding).
+      slot_mapping: ``[T]`` flat cache slot of each token; -1 for padding.
+      block_tables: ``[S, P]`` block ids per sequence, padded with the null block 0.
+      context_lens: ``[S]`` tokens in the cache after this step's writes; 0 for padding.
+      query_start_loc: ``[S + 1]`` cumulative query lengths (padding sequences are empty).
+      num_seqs: ``[]`` real sequences.
+      logits_indices: ``[S]`` index into the step's tokens of each sequence's last token (the
+        one whose logits are sampled); 0 for padding sequences.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    query_start_loc: np.ndarray
+    num_seqs: np.ndarray
+    logits_indices: np.ndarray
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """One step: padded inputs plus the host-side bookkeeping to read its results.
+
+    Attributes:
+      inputs: the padded arrays.
+      req_ids: ``[num_reqs]`` request ids in step order (sequence i of the step is req_ids[i]).
+      rows: ``[num_reqs]`` int, their InputBatch rows.
+      num_scheduled: ``[num_reqs]`` int, tokens computed per request this step.
+      start_positions: ``[num_reqs]`` int, first position computed (num_computed_tokens).
+      sample_mask: ``[num_reqs]`` bool, True where the step reaches the request's known length
+        (its sampled token is kept); False for a partial prefill chunk (token discarded).
+      token_bucket, seq_bucket: T and S.
+      num_tokens: real tokens (sum of num_scheduled).
+      prompt_logprob_targets: ``[T]`` int32 or None. When a request in the step asked for
+        prompt logprobs: for step token j at prompt position p < prompt_len - 1 of such a
+        request, the prompt token at p + 1 (whose logprob the logits at j give); -1 elsewhere.
+    """
+
+    inputs: StepInputs
+    req_ids: list[str]
+    rows: np.ndarray
+    num_scheduled: np.ndarray
+    start_positions: np.ndarray
+    sample_mask: np.ndarray
+    token_bucket: int
+    seq_bucket: int
+    num_tokens: int
+    prompt_logprob_targets: np.ndarray | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+class InputBatch:
+    """Persistent per-request rows (vLLM V1's ``InputBatch``), numpy.
+
+    Args:
+      max_num_reqs: rows (the scheduler's max_num_seqs: a row per running request).
+      max_model_len: longest sequence, tokens.
+      block_size: tokens per KV block.
+
+    Attributes:
+      token_ids: ``[max_num_reqs, max_model_len]`` int32, prompt + output tokens known so far.
+      num_tokens: ``[max_num_reqs]`` int32, how many of them are known.
+      num_prompt_tokens: ``[max_num_reqs]`` int32.
+      block_table: ``[max_num_reqs, max_blocks_per_req]`` int32, padded with the null block 0.
+      num_blocks: ``[max_num_reqs]`` int32, block ids held per row.
+      params: per row, the request's SamplingParams (None for a free row).
+      eos_token_ids: per row, the EOS id or None.
+      req_id_to_row: request id -> row.
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, np.int32)
+        self.params: list["SamplingParams | None"] = [None] * max_num_reqs
+        self.eos_token_ids: list[int | None] = [None] * max_num_reqs
+        self.row_req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_row: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() hands out the lowest row
+
+    def __len__(self) -> int:
+        return len(self.req_id_to_row)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.req_id_to_row
+
+    def add_request(self, new: "NewRequestData") -> int:
+        """Takes a free row for a new (or resumed) request; returns the row.
+
+        Raises:
+          AssertionError: the request already has a row, no row is free, or it is longer than
+            max_model_len or its block table longer than a row.
+        """
+        assert new.req_id not in self.req_id_to_row, f"request {new.req_id} already has a row"
+        assert self._free_rows, f"no free row (max_num_reqs={self.max_num_reqs})"
+        row = self._free_rows.pop()
+        n_prompt, n_out = len(new.prompt_token_ids), len(new.output_token_ids)
+        n = n_prompt + n_out
+        assert n <= self.max_model_len, f"request {new.req_id} has {n} tokens > {self.max_model_len}"
+        self.token_ids[row, :n_prompt] = new.prompt_token_ids
+        self.token_ids[row, n_prompt:n] = new.output_token_ids
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = n_prompt
+        self.num_blocks[row] = 0
+        self.block_table[row] = 0
+        self.append_block_ids(row, new.block_ids)
+        self.params[row] = new.sampling_params
+        self.eos_token_ids[row] = new.eos_token_id
+        self.row_req_ids[row] = new.req_id
+        self.req_id_to_row[new.req_id] = row
+        return row
+
+    def remove_request(self, req_id: str) -> None:
+        """Gives the request's row back; unknown ids are ignored (e.g. a request finished
+        before it was ever scheduled)."""
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is None:
+            return
+        self.params[row] = None
+        self.eos_token_ids[row] = None
+        self.row_req_ids[row] = None
+        self.num_tokens[row] = 0
+        self._free_rows.append(row)
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        """Appends block ids to the row's block table."""
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        assert end <= self.max_blocks_per_req, f"block table of row {row} overflows ({end} blocks)"
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        """Writes the step's token ids at ``[start, start + len)`` and extends the known length."""
+        end = start + len(token_ids)
+        assert end <= self.max_model_len, f"row {row} overflows max_model_len ({end} tokens)"
+        if len(token_ids) == 1:
+            self.token_ids[row, start] = token_ids[0]
+        else:
+            self.token_ids[row, start:end] = token_ids
+        if end > self.num_tokens[row]:
+            self.num_tokens[row] = end
+
+
+class BatchBuilder:
+    """Applies scheduler outputs to the InputBatch and builds padded StepBatches.
+
+    Args:
+      input_batch: the persistent rows.
+      token_buckets: ascending padded step sizes (see ``resolve_token_buckets``).
+      max_num_seqs: the scheduler's max_num_seqs (sets the sequence buckets).
+    """
+
+    def __init__(self, input_batch: InputBatch, token_buckets: tuple[int, ...], max_num_seqs: int) -> None:
+        self.batch = input_batch
+        self.token_buckets = tuple(token_buckets)
+        self.max_num_seqs = max_num_seqs
+
+    def update_states(self, sched: "SchedulerOutput") -> None:
+        """Drops finished/preempted rows, adds new ones, appends new block ids and the step's
+        token ids (the scheduler's ``new_token_ids``, so the rows never drift from its ledger)."""
+        batch = self.batch
+        for req_id in sched.finished_req_ids:
+            batch.remove_request(req_id)
+        for req_id in sched.preempted_req_ids:
+            batch.remove_request(req_id)
+        for new in sched.scheduled_new_reqs:
+            batch.add_request(new)
+        cached = sched.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            row = batch.req_id_to_row[req_id]
+            batch.append_block_ids(row, cached.new_block_ids[i])
+            if cached.new_token_ids:
+                batch.write_tokens(row, cached.num_computed_tokens[i], cached.new_token_ids[i])
+
+    def build(self, sched: "SchedulerOutput") -> StepBatch:
+        """The padded inputs of the step ``sched`` describes (call ``update_states`` first).
+
+        Sequences are in the order of ``sched.num_scheduled_tokens``.
+        """
+        batch = self.batch
+        req_ids = list(sched.num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        assert num_reqs <= self.max_num_seqs, f"{num_reqs} sequences > max_num_seqs {self.max_num_seqs}"
+        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), np.int64, num_reqs)
+        n_sched = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, num_reqs)
+        order = {r: i for i, r in enumerate(req_ids)}
+        start = np.full(num_reqs, -1, np.int64)
+        new_reqs = sched.scheduled_new_reqs
+        if new_reqs:
+            start[[order[n.req_id] for n in new_reqs]] = [n.num_computed_tokens for n in new_reqs]
+        cached = sched.scheduled_cached_reqs
+        if cached.req_ids:
+            start[[order[r] for r in cached.req_ids]] = cached.num_computed_tokens
+        assert np.all(start >= 0), "a scheduled request is neither new nor cached"
+        return self.build_from_arrays(req_ids, rows, start, n_sched)
+
+    def build_from_arrays(self, req_ids: list[str], rows: np.ndarray, start: np.ndarray,
+                          n_sched: np.ndarray) -> StepBatch:
+        """``build`` on explicit arrays: ``rows``, ``start`` (num_computed_tokens) and
+        ``n_sched`` (tokens this step), each ``[num_reqs]``."""
+        batch = self.batch
+        num_reqs = len(req_ids)
+        total = int(n_sched.sum())
+        T = pick_bucket(self.token_buckets, total)
+        S = seq_bucket(T, self.max_num_seqs)
+        bs = batch.block_size
+        end = start + n_sched
+        assert np.all(end <= batch.num_tokens[rows]), "scheduled past the known tokens of a request"
+
+        cu = np.cumsum(n_sched)
+        seq_of_tok = np.repeat(np.arange(num_reqs), n_sched)            # [total]
+        positions = np.arange(total) - np.repeat(cu - n_sched, n_sched) + start[seq_of_tok]
+        row_of_tok = rows[seq_of_tok]
+        block_ids = batch.block_table[row_of_tok, positions // bs]
+
+        input_ids = np.zeros(T, np.int32)
+        input_ids[:total] = batch.token_ids[row_of_tok, positions]
+        pos_pad = np.zeros(T, np.int32)
+        pos_pad[:total] = positions
+        slot_mapping = np.full(T, -1, np.int32)
+        slot_mapping[:total] = block_ids * bs + positions % bs
+        block_tables = np.zeros((S, batch.max_blocks_per_req), np.int32)
+        block_tables[:num_reqs] = batch.block_table[rows]
+        context_lens = np.zeros(S, np.int32)
+        context_lens[:num_reqs] = end
+        query_start_loc = np.full(S + 1, total, np.int32)
+        query_start_loc[0] = 0
+        query_start_loc[1:num_reqs + 1] = cu
+        logits_indices = np.zeros(S, np.int32)
+        logits_indices[:num_reqs] = cu - 1
+
+        targets = None
+        prompt_lens = batch.num_prompt_tokens[rows]
+        want = np.fromiter((batch.params[r].prompt_logprobs is not None for r in rows), bool, num_reqs)
+        want &= start < prompt_lens - 1
+        if want.any():
+            # logits at prompt position p score the prompt token at p + 1
+            scored = want[seq_of_tok] & (positions < prompt_lens[seq_of_tok] - 1)
+            targets = np.full(T, -1, np.int32)
+            nxt = np.minimum(positions + 1, batch.max_model_len - 1)
+            targets[:total] = np.where(scored, batch.token_ids[row_of_tok, nxt], -1)
+
+        inputs = StepInputs(
+            input_ids=input_ids, positions=pos_pad, slot_mapping=slot_mapping,
+            block_tables=block_tables, context_lens=context_lens, query_start_loc=query_start_loc,
+            num_seqs=np.asarray(num_reqs, np.int32), logits_indices=logits_indices)
+        return StepBatch(
+            inputs=inputs, req_ids=req_ids, rows=rows, num_scheduled=n_sched, start_positions=start,
+            sample_mask=end >= batch.num_tokens[rows], token_bucket=T, seq_bucket=S,
+            num_tokens=total, prompt_logprob_targets=targets)

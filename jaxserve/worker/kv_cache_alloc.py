@@ -1,0 +1,168 @@
+"""Sizing and allocating the paged KV cache on the device (vLLM's ``determine_available_memory``).
+
+The pool gets what is left of ``gpu_memory_utilization × device memory`` once the weights (and
+anything else already on the device) and the step's peak activation memory are accounted for:
+
+    kv_bytes = utilization * bytes_limit - bytes_in_use - peak_activation_bytes
+    num_blocks = kv_bytes // (block_size * bytes_per_token)
+
+``bytes_limit`` / ``bytes_in_use`` come from ``device.memory_stats()``; the activation peak from
+``compiled.memory_analysis()`` of the largest step bucket (temporaries plus outputs that do not
+alias a donated input), measured by the runner before the pool exists. CPU devices report no
+memory stats; there the pool holds ``max_num_seqs`` full-length sequences (plus the null block),
+capped at ``CPU_KV_CACHE_CAP_BYTES`` (1 GiB). ``num_gpu_blocks_override`` bypasses both.
+
+Layout (docs/ARCHITECTURE.md): one ``(k_cache, v_cache)`` pair per layer, each
+``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype; block 0 is the null block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.core.kv_cache_utils import compute_num_gpu_blocks, kv_cache_bytes_per_token
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_CAP_BYTES = 1 << 30
+"""Largest KV pool sized automatically on a device without memory stats (CPU), bytes."""
+
+KVCaches = list[tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """The resolved KV pool.
+
+    Attributes:
+      num_blocks: blocks in the pool, the null block included.
+      block_size: tokens per block.
+      num_layers, num_kv_heads, head_dim: per-layer array shape parts.
+      dtype: element dtype name ("float32", "bfloat16").
+      bytes_per_token: ``2 * num_layers * num_kv_heads * head_dim * itemsize``.
+      source: how num_blocks was chosen: "override", "memory" or "cpu-default".
+    """
+
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    bytes_per_token: int
+    source: str
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots the usable blocks hold (the null block excluded)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.bytes_per_token
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int, int]:
+        """``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def device_memory(device: jax.Device) -> tuple[int, int] | None:
+    """``(bytes_limit, bytes_in_use)`` from ``device.memory_stats()``, or None when the device
+    reports none (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        stats = None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+def cpu_default_num_blocks(max_num_seqs: int, max_model_len: int, block_size: int,
+                           bytes_per_token: int) -> int:
+    """Blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens plus the null block,
+    capped at ``CPU_KV_CACHE_CAP_BYTES``; at least 2."""
+    wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
+    cap = CPU_KV_CACHE_CAP_BYTES // (block_size * bytes_per_token)
+    return max(2, min(wanted, cap))
+
+
+def determine_kv_cache_spec(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype,
+    block_size: int,
+    gpu_memory_utilization: float,
+    num_gpu_blocks_override: int | None,
+    max_num_seqs: int,
+    max_model_len: int,
+    device: jax.Device,
+    peak_activation_bytes: int = 0,
+) -> KVCacheSpec:
+    """Chooses the number of KV blocks (see the module docstring for the rule).
+
+    Args:
+      num_layers, num_kv_heads, head_dim: the model's attention shape.
+      dtype: the KV cache dtype (the model dtype).
+      block_size: tokens per block.
+      gpu_memory_utilization: fraction of the device's memory the engine may use, in (0, 1].
+      num_gpu_blocks_override: use exactly this many blocks when not None.
+      max_num_seqs, max_model_len: size of the CPU default.
+      device: where the pool will live.
+      peak_activation_bytes: the largest step's activation memory, bytes (from
+        ``compiled.memory_analysis()``); ignored on CPU and with an override.
+
+    Returns:
+      The KVCacheSpec.
+
+    Raises:
+      ValueError: the memory left holds fewer than 2 blocks (message gives the bytes).
+    """
+    itemsize = np.dtype(dtype).itemsize
+    per_token = kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, itemsize)
+    common = dict(block_size=block_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim, dtype=np.dtype(dtype).name, bytes_per_token=per_token)
+    if num_gpu_blocks_override is not None:
+        return KVCacheSpec(num_blocks=int(num_gpu_blocks_override), source="override", **common)
+    mem = device_memory(device)
+    if mem is None:
+        blocks = cpu_default_num_blocks(max_num_seqs, max_model_len, block_size, per_token)
+        return KVCacheSpec(num_blocks=blocks, source="cpu-default", **common)
+    limit, in_use = mem
+    available = int(gpu_memory_utilization * limit) - in_use - int(peak_activation_bytes)
+    logger.info("KV cache budget: %.2f GiB = %.2f x %.2f GiB limit - %.2f GiB in use - %.2f GiB "
+                "peak activations", available / 2**30, gpu_memory_utilization, limit / 2**30,
+                in_use / 2**30, peak_activation_bytes / 2**30)
+    blocks = compute_num_gpu_blocks(available, per_token, block_size)
+    return KVCacheSpec(num_blocks=blocks, source="memory", **common)
+
+
+def allocate_kv_caches(spec: KVCacheSpec, device: jax.Device | None = None) -> KVCaches:
+    """Zero-filled per-layer ``(k_cache, v_cache)`` arrays, each ``spec.layer_shape`` in
+    ``spec.dtype``, on ``device`` (default: the first local device)."""
+    device = device or jax.local_devices()[0]
+    shape, dtype = spec.layer_shape, jnp.dtype(spec.dtype)
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))
+    return [(make(), make()) for _ in range(spec.num_layers)]
+
+
+def kv_cache_shapes(spec: KVCacheSpec) -> KVCaches:
+    """``jax.ShapeDtypeStruct`` stand-ins of the pool, for lowering without allocating."""
+    leaf = jax.ShapeDtypeStruct(spec.layer_shape, jnp.dtype(spec.dtype))
+    return [(leaf, leaf) for _ in range(spec.num_layers)]
+
+
+def log_kv_cache_spec(spec: KVCacheSpec) -> None:
+    """Logs blocks, tokens and bytes per token at start-up."""
+    logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes/token, %.3f GiB, dtype %s",
+                spec.source, spec.num_blocks, spec.block_size, spec.num_tokens, spec.bytes_per_token,
+                spec.total_bytes / 2**30, spec.dtype)

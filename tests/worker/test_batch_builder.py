@@ -1,0 +1,186 @@
+"""Batch builder: buckets, the persistent InputBatch, and exact padded step inputs (numpy only)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.worker.batch_builder import (
+    BatchBuilder,
+    InputBatch,
+    default_token_buckets,
+    next_power_of_2,
+    pick_bucket,
+    resolve_token_buckets,
+    seq_bucket,
+)
+
+BS = 4  # block size
+
+
+def test_default_buckets_are_powers_of_two_up_to_the_budget():
+    assert default_token_buckets(8192) == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert default_token_buckets(100) == (16, 32, 64, 100)
+    assert default_token_buckets(8) == (8,)
+    many = default_token_buckets(1 << 20)
+    assert len(many) == 12 and many[-1] == 1 << 20 and many[0] == 1 << 9
+
+
+def test_configured_buckets_must_reach_the_budget():
+    assert resolve_token_buckets((16, 64), 64) == (16, 64)
+    with pytest.raises(ValueError, match="token_buckets"):
+        resolve_token_buckets((16, 32), 64)
+    with pytest.raises(ValueError, match="token_buckets"):
+        resolve_token_buckets(tuple(2**i for i in range(4, 18)), 16)
+
+
+def test_seq_bucket_and_pick_bucket():
+    assert [next_power_of_2(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]
+    assert seq_bucket(16, 256) == 16
+    assert seq_bucket(8192, 256) == 256
+    assert seq_bucket(8192, 100) == 128
+    assert seq_bucket(16, 1) == 1
+    assert pick_bucket((16, 32, 64), 1) == 16
+    assert pick_bucket((16, 32, 64), 17) == 32
+    assert pick_bucket((16, 32, 64), 64) == 64
+    with pytest.raises(AssertionError):
+        pick_bucket((16, 32, 64), 65)
+
+
+def _new(req_id, prompt, blocks, computed=0, output=(), params=None):
+    return NewRequestData(req_id=req_id, prompt_token_ids=list(prompt), output_token_ids=list(output),
+                          sampling_params=params or SamplingParams(temperature=0.0), eos_token_id=2,
+                          block_ids=list(blocks), num_computed_tokens=computed)
+
+
+def _sched(new=(), cached=None, num_scheduled=None, finished=(), preempted=()):
+    cached = cached or CachedRequestData()
+    num_scheduled = dict(num_scheduled or {})
+    return SchedulerOutput(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached,
+                           num_scheduled_tokens=num_scheduled,
+                           total_num_scheduled_tokens=sum(num_scheduled.values()),
+                           preempted_req_ids=set(preempted), finished_req_ids=set(finished))
+
+
+def _builder(max_reqs=4, max_len=32, buckets=(16, 32)):
+    batch = InputBatch(max_reqs, max_len, BS)
+    return batch, BatchBuilder(batch, buckets, max_reqs)
+
+
+def test_mixed_step_inputs_are_exact():
+    batch, builder = _builder()
+    # a: 10-token prompt, 4 tokens already cached (prefix hit), 6 computed now -> samples.
+    # b: 7-token prompt, first chunk of 3 -> partial prefill, samples nothing.
+    a = _new("a", range(100, 110), [7, 3, 9], computed=4)
+    b = _new("b", range(200, 207), [5, 6])
+    sched = _sched(new=[a, b], num_scheduled={"a": 6, "b": 3})
+    builder.update_states(sched)
+    step = builder.build(sched)
+    inp = step.inputs
+    assert step.token_bucket == 16 and step.seq_bucket == 4 and step.num_tokens == 9
+    assert step.req_ids == ["a", "b"]
+    np.testing.assert_array_equal(inp.input_ids[:9], [104, 105, 106, 107, 108, 109, 200, 201, 202])
+    assert not inp.input_ids[9:].any()
+    np.testing.assert_array_equal(inp.positions[:9], [4, 5, 6, 7, 8, 9, 0, 1, 2])
+    # a: positions 4..7 -> block 3 (slots 12..15), 8..9 -> block 9 (slots 36, 37); b: block 5
+    np.testing.assert_array_equal(inp.slot_mapping[:9], [12, 13, 14, 15, 36, 37, 20, 21, 22])
+    assert (inp.slot_mapping[9:] == -1).all()
+    np.testing.assert_array_equal(inp.query_start_loc, [0, 6, 9, 9, 9])
+    np.testing.assert_array_equal(inp.context_lens, [10, 3, 0, 0])
+    assert int(inp.num_seqs) == 2
+    np.testing.assert_array_equal(inp.logits_indices, [5, 8, 0, 0])
+    assert inp.block_tables.shape == (4, 8)
+    np.testing.assert_array_equal(inp.block_tables[0, :4], [7, 3, 9, 0])
+    np.testing.assert_array_equal(inp.block_tables[1, :3], [5, 6, 0])
+    assert not inp.block_tables[2:].any()
+    np.testing.assert_array_equal(step.sample_mask, [True, False])
+    assert step.prompt_logprob_targets is None
+    for arr in (inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables, inp.context_lens,
+                inp.query_start_loc, inp.logits_indices):
+        assert arr.dtype == np.int32
+
+
+def test_cached_requests_append_blocks_and_tokens_and_rows_are_reused():
+    batch, builder = _builder()
+    a = _new("a", [11, 12, 13], [4])
+    sched = _sched(new=[a], num_scheduled={"a": 3})
+    builder.update_states(sched)
+    builder.build(sched)
+    # decode step: the sampled token 14 arrives as new_token_ids; a block boundary is crossed
+    cached = CachedRequestData(req_ids=["a"], new_block_ids=[[8]], num_computed_tokens=[3],
+                               new_token_ids=[[14]])
+    sched = _sched(cached=cached, num_scheduled={"a": 1})
+    builder.update_states(sched)
+    step = builder.build(sched)
+    assert step.inputs.input_ids[0] == 14 and step.inputs.positions[0] == 3
+    assert step.inputs.slot_mapping[0] == 4 * BS + 3
+    np.testing.assert_array_equal(batch.block_table[batch.req_id_to_row["a"], :2], [4, 8])
+    assert step.sample_mask.tolist() == [True]
+    cached = CachedRequestData(req_ids=["a"], new_block_ids=[[]], num_computed_tokens=[4], new_token_ids=[[15]])
+    sched = _sched(cached=cached, num_scheduled={"a": 1})
+    builder.update_states(sched)
+    step = builder.build(sched)
+    assert step.inputs.slot_mapping[0] == 8 * BS + 0
+    row_a = batch.req_id_to_row["a"]
+    # finishing frees the row; the next new request takes it over with a clean block table
+    sched = _sched(new=[_new("b", [1, 2], [5])], num_scheduled={"b": 2}, finished=["a"])
+    builder.update_states(sched)
+    assert "a" not in batch and batch.req_id_to_row["b"] == row_a
+    assert batch.block_table[row_a, 1] == 0 and batch.num_tokens[row_a] == 2
+
+
+def test_preempted_request_is_dropped_and_resumes_with_its_outputs():
+    batch, builder = _builder()
+    sched = _sched(new=[_new("a", [1, 2, 3], [4])], num_scheduled={"a": 3})
+    builder.update_states(sched)
+    sched = _sched(preempted=["a"])
+    builder.update_states(sched)
+    assert len(batch) == 0
+    resumed = _new("a", [1, 2, 3], [9, 10], output=[7, 8])
+    sched = _sched(new=[resumed], num_scheduled={"a": 5})
+    builder.update_states(sched)
+    step = builder.build(sched)
+    np.testing.assert_array_equal(step.inputs.input_ids[:5], [1, 2, 3, 7, 8])
+    np.testing.assert_array_equal(step.inputs.slot_mapping[:5], [36, 37, 38, 39, 40])
+    assert step.sample_mask.tolist() == [True]
+
+
+def test_padding_never_exceeds_buckets_and_large_steps_pick_larger_bucket():
+    batch, builder = _builder(max_reqs=4, max_len=64, buckets=(16, 32, 64))
+    news = [_new(f"r{i}", range(10 * i, 10 * i + 5), [i + 1, i + 5]) for i in range(4)]
+    sched = _sched(new=news, num_scheduled={f"r{i}": 5 for i in range(4)})
+    builder.update_states(sched)
+    step = builder.build(sched)
+    assert step.token_bucket == 32 and step.seq_bucket == 4
+    np.testing.assert_array_equal(step.inputs.query_start_loc, [0, 5, 10, 15, 20])
+    np.testing.assert_array_equal(step.inputs.logits_indices, [4, 9, 14, 19])
+
+
+def test_prompt_logprob_targets_mark_next_prompt_tokens():
+    batch, builder = _builder()
+    want = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    a = _new("a", [10, 11, 12, 13, 14], [1, 2], params=want)
+    b = _new("b", [20, 21], [3])
+    sched = _sched(new=[a, b], num_scheduled={"a": 3, "b": 2})
+    builder.update_states(sched)
+    step = builder.build(sched)
+    # a computes positions 0..2 -> scores prompt tokens at 1..3; b asked for none
+    np.testing.assert_array_equal(step.prompt_logprob_targets[:5], [11, 12, 13, -1, -1])
+    assert (step.prompt_logprob_targets[5:] == -1).all()
+    cached = CachedRequestData(req_ids=["a"], new_block_ids=[[]], num_computed_tokens=[3],
+                               new_token_ids=[[13, 14]])
+    sched = _sched(cached=cached, num_scheduled={"a": 2}, finished=["b"])
+    builder.update_states(sched)
+    step = builder.build(sched)
+    # positions 3, 4: position 3 scores token 4 (14); the last prompt position scores nothing
+    np.testing.assert_array_equal(step.prompt_logprob_targets[:2], [14, -1])
+
+
+def test_scheduling_past_known_tokens_is_an_error():
+    batch, builder = _builder()
+    sched = _sched(new=[_new("a", [1, 2], [1])], num_scheduled={"a": 3})
+    builder.update_states(sched)
+    with pytest.raises(AssertionError):
+        builder.build(sched)
