@@ -19,6 +19,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                   "offline inference over a JSONL file in the OpenAI batch format"),
     "bench": ("jaxserve.benchmarks.cli", "add_bench_parser",
               "benchmark a server (bench serve) or the offline engine (bench throughput)"),
+    "generate": ("jaxserve.reference_generate", "add_generate_parser",
+                 "greedy text from the dense reference generator (no KV cache, no batching)"),
+    "convert": ("jaxserve.model.checkpoint", "add_convert_parser",
+                "convert a Hugging Face model directory to our orbax checkpoint layout"),
 }
 
 
@@ -36,10 +40,21 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parses ``argv`` (default: the process arguments) and runs the chosen subcommand."""
+    """Parses ``argv`` (default: the process arguments) and runs the chosen subcommand.
+
+    Bad user input that a command reports as ``ValueError`` (a missing model directory, an
+    out-of-range flag; the message names the field) becomes a one-line message on standard
+    error and exit code 2, argparse's code for usage errors, instead of a traceback.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
-    sys.exit(args.func(args))  # a command returns its exit code (None: 0)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)  # a command returns its exit code (None: 0)
+    except ValueError as e:
+        print(f"jaxserve {args.command}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
