@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.entrypoints.openai.api_server import parse_json_body
-from jaxserve.entrypoints.openai.common import ServingInfo, check_prompt_ids, resolve_max_tokens
+from jaxserve.entrypoints.openai.common import ServingInfo, check_priority, check_prompt_ids, resolve_max_tokens
 from jaxserve.entrypoints.openai.errors import APIError, from_validation_error, from_value_error
 from jaxserve.entrypoints.openai.logprobs import CompletionLogprobs, chat_logprobs
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
@@ -131,6 +131,47 @@ def test_strict_json(raw):
     with pytest.raises(APIError) as info:
         parse_json_body(raw)
     assert info.value.status == 400
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "a\\ud83db"}', b'{"prompt": ["x", "\\udc00"]}',
+                                 b'{"stop": {"\\ud800": 1}}', '{"prompt": "a\ud83db"}'.encode("utf-8", "surrogatepass"),
+                                 '{"prompt": "\ud83d"}'.encode("utf-16-le", "surrogatepass")])
+def test_unpaired_surrogates_are_a_400(raw):
+    """Found by trying to break the server: a lone surrogate reached sentencepiece and was a 500."""
+    with pytest.raises(APIError) as info:
+        parse_json_body(raw)
+    assert info.value.status == 400 and "surrogate" in info.value.message
+
+
+def test_surrogate_pairs_and_plain_unicode_parse():
+    assert parse_json_body(b'{"prompt": "\\ud83e\\udd99 \\u00e9"}') == {"prompt": "\U0001f999 \u00e9"}
+    assert parse_json_body('{"prompt": "🦙 日本"}'.encode()) == {"prompt": "🦙 日本"}
+
+
+@pytest.mark.parametrize("field", ["n", "stream", "echo", "ignore_eos", "min_tokens", "priority",
+                                   "include_stop_str_in_output", "skip_special_tokens", "logprobs", "seed"])
+def test_completion_null_means_default(field):
+    """OpenAI's spec marks these "or null"; a client that sends null gets the default, not a 400."""
+    request = CompletionRequest.model_validate({"prompt": "x", field: None})
+    assert getattr(request, field) == CompletionRequest.model_fields[field].default
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None
+
+
+def test_chat_null_means_default():
+    body = {"messages": [{"role": "user", "content": "y"}], "logprobs": None, "n": None, "stream": None,
+            "add_generation_prompt": None, "top_logprobs": None, "max_completion_tokens": None}
+    request = ChatCompletionRequest.model_validate(body)
+    assert (request.logprobs, request.n, request.stream, request.add_generation_prompt) == (False, 1, False, True)
+    assert _err(ChatCompletionRequest, {"messages": None}).param == "messages"
+    assert _err(CompletionRequest, {"prompt": None}).param == "prompt"
+
+
+def test_priority_needs_the_priority_policy():
+    check_priority(0, INFO)
+    with pytest.raises(APIError) as info:
+        check_priority(3, INFO)
+    assert info.value.param == "priority" and "fcfs" in info.value.message
+    check_priority(3, ServingInfo(**{**INFO.__dict__, "scheduling_policy": "priority"}))
 
 
 def test_prompt_checks_name_lengths():

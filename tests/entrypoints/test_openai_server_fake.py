@@ -214,7 +214,12 @@ BAD_REQUESTS = [
     (COMPL, {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     (COMPL, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     (CHAT, {"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
-    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "logprobs"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": -1}, "max_completion_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": -1}, "max_tokens"),
+    # unpaired surrogates were a 500 (sentencepiece cannot encode them)
+    (COMPL, b'{"prompt": "a\\ud83db"}', None), (CHAT, b'{"messages": [{"role": "user", "content": "\\udc00"}]}', None),
+    (COMPL, {"prompt": "x", "priority": 1}, "priority"),  # ignored under fcfs otherwise (vLLM refuses it too)
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
     (CHAT, {"messages": [{"content": "hi"}]}, "messages.0.role"), (COMPL, {"prompt": [1] * 256}, "prompt"),
@@ -244,6 +249,14 @@ def test_boundaries_accepted(client):
     a = client.post(COMPL, json={"prompt": "x", "max_tokens": 4, "seed": 3, "top_p": 1}).json()
     b = client.post(COMPL, json={"prompt": "x", "max_tokens": 4, "seed": 3}).json()
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+def test_null_optional_fields_mean_default(client):
+    """OpenAI's spec allows null for n, stream, echo, chat logprobs, ...; they were a 400."""
+    r = client.post(COMPL, json={"prompt": "x", "max_tokens": 2, "n": None, "stream": None, "echo": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+    r = client.post(CHAT, json={"messages": MSG, "max_tokens": 2, "logprobs": None, "n": None, "stream": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
 
 
 WEIRD_VALUES = [None, "", "x", -1, 0, 1, 2.5, -1e308, 1e308, 2**70, True, [], [1], ["a"], {}, {"a": 1}]
@@ -468,12 +481,18 @@ def test_serve_request_without_http(server):
 
 
 def test_startup_report(server):
+    from types import SimpleNamespace
+
     from jaxserve.entrypoints.openai.api_server import _startup_report
 
     report = _startup_report(server.llm, 1.5)
     assert "served_model_name': 'fake-model'" in report
     assert "KV pool: 64 blocks x 16 tokens (1008 usable tokens" in report
     assert "1.5 s" in report
+    # with a real engine the model runner's warm-up time is reported (it was never found before)
+    real_like = SimpleNamespace(engine_config=server.llm.engine_config,
+                                engine=SimpleNamespace(runner=SimpleNamespace(compile_seconds=18.75)))
+    assert "compile time: 18.8 s (startup 21.0 s)" in _startup_report(real_like, 21.0)
 
 
 def test_serve_cli_flags():

@@ -47,6 +47,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -56,7 +57,7 @@ import pydantic
 from aiohttp import web
 
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
-from jaxserve.entrypoints.openai.common import ServingInfo, check_prompt_ids, check_queue
+from jaxserve.entrypoints.openai.common import ServingInfo, check_priority, check_prompt_ids, check_queue
 from jaxserve.entrypoints.openai.engine_calls import abort_all, engine_error
 from jaxserve.entrypoints.openai.errors import APIError, bad_request, error_body, from_validation_error, \
     from_value_error
@@ -90,11 +91,18 @@ def _parse_float(text: str) -> float:
     return value
 
 
+# What can smuggle an unpaired UTF-16 surrogate into a parsed string: a ``\\udXXX`` escape, a
+# UTF-8-encoded surrogate (json.loads decodes with "surrogatepass"), or a UTF-16/32 body (NUL bytes).
+_SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]|\x00")
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Parses a request body; NaN, Infinity and overflowing numbers are refused (strict JSON).
+    """Parses a request body; NaN, Infinity and overflowing numbers are refused (strict JSON), and
+    so are unpaired UTF-16 surrogates (``"\\ud83d"`` alone), which no tokenizer can encode and no
+    response can carry (RFC 8259 section 8.2 leaves them undefined).
 
     Raises:
-      APIError: 400 for malformed JSON or a body that is not an object.
+      APIError: 400 for malformed JSON, an unpaired surrogate, or a body that is not an object.
     """
     try:
         body = json.loads(raw, parse_constant=_reject_constant, parse_float=_parse_float)
@@ -102,6 +110,13 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    if _SURROGATE_HINT.search(raw):
+        try:
+            dumps(body)
+        except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start:exc.end]
+            raise bad_request(f"the request body is not valid JSON: a string holds an unpaired UTF-16 surrogate "
+                              f"({bad.encode('unicode_escape').decode()}); strings must be valid Unicode") from None
     return body
 
 
@@ -133,9 +148,11 @@ def prepare(llm: Any, info: ServingInfo, url: str, body: dict[str, Any]) -> tupl
         info.check_model(body["model"])  # before any other work, as OpenAI does
     if url == "/v1/completions":
         request = _validate(CompletionRequest, body)
+        check_priority(request.priority, info)
         return request, prepare_completion(request, info, llm.tokenizer)
     if url == "/v1/chat/completions":
         request = _validate(ChatCompletionRequest, body)
+        check_priority(request.priority, info)
         return request, prepare_chat(request, info, llm.tokenizer)
     raise APIError(f"url {url!r} is not supported (use /v1/completions or /v1/chat/completions)",
                    status=404, param="url", code="not_found")
@@ -407,7 +424,7 @@ def _startup_report(llm: Any, startup_s: float) -> str:
     blocks, size = cfg.cache.num_gpu_blocks, cfg.cache.block_size
     lines.append(f"KV pool: {blocks} blocks x {size} tokens ({max(blocks - 1, 0) * size} usable tokens; "
                  f"block 0 is the null block)")
-    compile_s = getattr(llm.engine, "compile_time_s", None)
+    compile_s = getattr(getattr(llm.engine, "runner", None), "compile_seconds", None)
     if compile_s is not None:
         lines.append(f"compile time: {compile_s:.1f} s (startup {startup_s:.1f} s)")
     else:

@@ -30,6 +30,7 @@ class ServingInfo:
       max_num_batched_tokens: the scheduler's token budget per step.
       enable_chunked_prefill: when False a prompt must fit the budget whole.
       max_waiting_requests: 503 above this many waiting requests (0 = no cap).
+      scheduling_policy: "fcfs" or "priority"; a non-zero request ``priority`` needs "priority".
       created: server start, Unix seconds (``/v1/models``'s ``created``).
     """
 
@@ -40,6 +41,7 @@ class ServingInfo:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     max_waiting_requests: int = 0
+    scheduling_policy: str = "fcfs"
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -52,12 +54,26 @@ class ServingInfo:
                    max_model_len=cfg.scheduler.max_model_len, vocab_size=vocab,
                    max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
                    enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill,
-                   max_waiting_requests=cfg.scheduler.max_waiting_requests)
+                   max_waiting_requests=cfg.scheduler.max_waiting_requests,
+                   scheduling_policy=cfg.scheduler.policy)
 
     def check_model(self, name: Any) -> None:
         """Raises the 404 ``model_not_found`` unless ``name`` is None or the served name."""
         if name is not None and name != self.model_name:
             raise model_not_found(str(name))
+
+
+def check_priority(priority: int, info: ServingInfo) -> None:
+    """Refuses a non-zero ``priority`` unless the server schedules by priority (vLLM's rule:
+    under "fcfs" it would be silently ignored).
+
+    Raises:
+      APIError: 400 naming ``priority``.
+    """
+    if priority != 0 and info.scheduling_policy != "priority":
+        raise bad_request(
+            f"priority {priority} needs priority scheduling, but this server runs --scheduling-policy "
+            f"{info.scheduling_policy} (send priority 0 or omit it)", param="priority")
 
 
 def random_id(prefix: str) -> str:

@@ -70,6 +70,19 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """``null`` for an optional field with a default means the default (OpenAI marks ``n``,
+        ``stream``, ``echo``, chat's ``logprobs`` ... "or null"; vLLM's models accept it). The
+        completions ``max_tokens: null`` keeps its own meaning (no cap but max_model_len)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if not (value is None and key in fields and key != "max_tokens"
+                        and not fields[key].is_required() and fields[key].default is not None)}
+
     @field_validator("stop", mode="before")
     @classmethod
     def _check_stop(cls, value: Any) -> Any:

@@ -27,7 +27,7 @@ from jaxserve.entrypoints.openai.common import (ServingInfo, check_prompt_ids, r
                                                 usage)
 from jaxserve.entrypoints.openai.engine_calls import (collect_all, engine_error, merge_streams,
                                                       start_requests)
-from jaxserve.entrypoints.openai.errors import from_value_error
+from jaxserve.entrypoints.openai.errors import APIError, from_value_error
 from jaxserve.entrypoints.openai.logprobs import chat_logprobs
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from jaxserve.outputs import RequestOutput
@@ -66,6 +66,20 @@ def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def _chat_field_error(exc: ValueError, max_tokens_field: str) -> APIError:
+    """The 400 of a SamplingParams error, naming the field as the chat request spelled it.
+
+    Chat sends SamplingParams' ``logprobs`` (a count) as ``top_logprobs`` and its ``max_tokens``
+    possibly as ``max_completion_tokens``; the message and ``param`` use the client's name.
+    """
+    error = from_value_error(exc)
+    renamed = {"logprobs": "top_logprobs", "max_tokens": max_tokens_field}.get(error.param or "")
+    if renamed and renamed != error.param and error.message.startswith(error.param):
+        error.message = renamed + error.message[len(error.param):]
+        error.param = renamed
+    return error
+
+
 def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: Any) -> ChatJob:
     """Renders and tokenizes the conversation and builds its SamplingParams.
 
@@ -88,7 +102,7 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
         params = request.to_sampling_params(max_tokens)
         params.check_vocab(info.vocab_size)
     except ValueError as exc:
-        raise from_value_error(exc) from exc
+        raise _chat_field_error(exc, field) from exc
     return ChatJob(request=request, request_id=random_id("chatcmpl"), created=int(time.time()),
                    model=request.model or info.model_name, prompt_ids=prompt_ids, params=params)
 
