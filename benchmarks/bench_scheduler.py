@@ -9,9 +9,17 @@ its output is built outside the timed region):
 
 Target: <= 250 us per step with 256 running decode requests. Times are CPU time of this
 process (``time.process_time``), so other processes on a shared box inflate them less than wall
-time would; the calibration line gives the cost of an empty Python call at the time.
+time would; the calibration line gives the cost of an empty Python call at the time. Each
+workload runs ``--repeat`` times and the fastest run is reported.
 
-Run:  .venv/bin/python benchmarks/bench_scheduler.py
+``--callgrind`` instead counts instructions, which do not depend on the load: it runs the
+decode-256 steady state under ``valgrind --tool=callgrind`` for several step counts (the runner
+output is built once, outside the steps) and prints the differences per step: over steps where
+no request crosses a block boundary (what the "best of 5" median measures), and over one 16-step
+block period (block-boundary steps included in their share, like the mean).
+
+Run:  .venv/bin/python benchmarks/bench_scheduler.py [--steps 500] [--repeat 3] [--workloads decode-256]
+      .venv/bin/python benchmarks/bench_scheduler.py --callgrind
 """
 
 from __future__ import annotations
@@ -20,7 +28,11 @@ import argparse
 import gc
 import os
 import random
+import re
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 
 from jaxserve.config import CacheConfig, SchedulerConfig
@@ -33,13 +45,13 @@ TOKEN = 7
 
 
 def runner_output(sched: Scheduler, out) -> ModelRunnerOutput:
-    """What a runner would return: one token for every request whose ledger reached its end."""
+    """What a runner would return: one token for every request whose ledger reached its end
+    (a fresh list per request, as ModelRunnerOutput asks)."""
     req_ids = list(out.num_scheduled_tokens)
-    one: list[int] = [TOKEN]
     sampled = []
     for req_id in req_ids:
         r = sched.requests[req_id]
-        sampled.append(one if r.num_computed_tokens >= r.num_tokens else [])
+        sampled.append([TOKEN] if r.num_computed_tokens >= r.num_tokens else [])
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=sampled)
 
@@ -76,7 +88,8 @@ def timed_steps(sched: Scheduler, num_steps: int, on_step=None) -> tuple[list[fl
     return sched_us, update_us, tokens
 
 
-def decode_workload(n: int, num_steps: int) -> tuple[list[float], list[float], int]:
+def decode_scheduler(n: int) -> Scheduler:
+    """A scheduler with ``n`` requests (100-token prompts) that have all finished prefill."""
     prompt_len, max_len = 100, 2048
     blocks = n * (-(-max_len // 16)) + 1
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=n, max_model_len=max_len),
@@ -88,7 +101,11 @@ def decode_workload(n: int, num_steps: int) -> tuple[list[float], list[float], i
     while len(sched.running) < n or any(r.num_output_tokens == 0 for r in sched.running):  # prefill
         out = sched.schedule()
         sched.update_from_output(out, runner_output(sched, out))
-    return timed_steps(sched, num_steps)
+    return sched
+
+
+def decode_workload(n: int, num_steps: int) -> tuple[list[float], list[float], int]:
+    return timed_steps(decode_scheduler(n), num_steps)
 
 
 def mixed_workload(num_steps: int) -> tuple[list[float], list[float], int]:
@@ -113,29 +130,111 @@ def mixed_workload(num_steps: int) -> tuple[list[float], list[float], int]:
     return timed_steps(sched, num_steps, arrivals)
 
 
-def report(name: str, sched_us: list[float], update_us: list[float], tokens: int, rounds: int = 5) -> None:
-    """Prints the median step of the best of ``rounds`` equal slices of the run (timeit's
-    "best of" convention: on a shared box the slowest slices measure the neighbours), and the
+def best_slice(total_us: list[float], rounds: int = 5) -> slice:
+    """The fastest of ``rounds`` equal slices of a run, by median step (timeit's "best of"
+    convention: on a shared box the slowest slices measure the neighbours)."""
+    size = max(len(total_us) // rounds, 1)
+    best = min(range(0, len(total_us), size), key=lambda k: statistics.median(total_us[k:k + size]))
+    return slice(best, best + size)
+
+
+def best_step_us(sched_us: list[float], update_us: list[float]) -> float:
+    """Median step (schedule + update) of the best slice."""
+    total = [a + b for a, b in zip(sched_us, update_us)]
+    return statistics.median(total[best_slice(total)])
+
+
+def report(name: str, sched_us: list[float], update_us: list[float], tokens: int) -> None:
+    """Prints the best slice's median step with its schedule and update medians, and the
     overall median and mean."""
     total = [a + b for a, b in zip(sched_us, update_us)]
-    size = max(len(total) // rounds, 1)
-    best = min(range(0, len(total), size), key=lambda k: statistics.median(total[k:k + size]))
-    sl = slice(best, best + size)
-    print(f"{name:<12} best-of-{rounds}: schedule {statistics.median(sched_us[sl]):7.1f} us + update "
+    sl = best_slice(total)
+    print(f"{name:<12} best-of-5: schedule {statistics.median(sched_us[sl]):7.1f} us + update "
           f"{statistics.median(update_us[sl]):7.1f} us = {statistics.median(total[sl]):7.1f} us/step | all steps: "
           f"median {statistics.median(total):7.1f} us, mean {statistics.fmean(total):7.1f} us"
           f" | {tokens / len(total):.0f} tokens/step")
 
 
+WORKLOADS = {
+    "decode-256": lambda steps: decode_workload(256, steps),
+    "decode-1024": lambda steps: decode_workload(1024, steps),
+    "mixed": mixed_workload,
+}
+
+
+def replay_decode(num_steps: int) -> None:
+    """decode-256 steady state, ``num_steps`` steps with one prebuilt runner output (for
+    callgrind: no timers, no per-step runner work)."""
+    sched = decode_scheduler(256)
+    out = sched.schedule()
+    result = runner_output(sched, out)
+    sched.update_from_output(out, result)
+    for _ in range(16):  # warm up (and one block-boundary period)
+        sched.update_from_output(sched.schedule(), result)
+    for _ in range(num_steps):
+        sched.update_from_output(sched.schedule(), result)
+
+
+def clean_steps(num_steps: int, block_size: int = 16) -> list[bool]:
+    """Which of the first ``num_steps`` steps of :func:`replay_decode` no request crosses a
+    block boundary in (its ledger end fills a block, or its first token opens one)."""
+    sched = decode_scheduler(256)
+    out = sched.schedule()
+    result = runner_output(sched, out)
+    sched.update_from_output(out, result)
+    for _ in range(16):
+        sched.update_from_output(sched.schedule(), result)
+    clean = []
+    for _ in range(num_steps):
+        sched.update_from_output(sched.schedule(), result)
+        clean.append(all(r.num_computed_tokens % block_size > 1 for r in sched.running))
+    return clean
+
+
+def callgrind_instructions() -> None:
+    """Prints instructions per decode-256 step from callgrind totals of runs of different
+    lengths: over the longest stretch of steps with no block boundary, and over one 16-step
+    block period starting there (its boundary steps included)."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--callgrind needs valgrind (apt-get install valgrind)")
+    clean = clean_steps(48)
+    runs = [(k, j) for k in range(len(clean)) for j in range(k, len(clean)) if all(clean[k:j + 1])]
+    first, last = max(runs, key=lambda kj: kj[1] - kj[0])
+
+    def instructions(num_steps: int) -> int:
+        proc = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+                               os.path.abspath(__file__), "--replay-decode", str(num_steps)],
+                              capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+        return int(re.search(r"Collected : (\d+)", proc.stderr).group(1))
+
+    base, clean_end, period_end = instructions(first), instructions(last + 1), instructions(first + 16)
+    per_clean = (clean_end - base) / (last + 1 - first)
+    per_period = (period_end - base) / 16
+    print(f"decode-256   {per_clean / 1e6:.2f} M instructions per step with no block boundary "
+          f"({per_clean / 256:,.0f} per request; callgrind, steady-state steps {first + 1}..{last + 1})")
+    print(f"decode-256   {per_period / 1e6:.2f} M instructions per step over one 16-step block period "
+          f"({per_period / 256:,.0f} per request; steps {first + 1}..{first + 16})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per workload; the fastest is reported")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--callgrind", action="store_true", help="count instructions per decode-256 step instead")
+    parser.add_argument("--replay-decode", type=int, metavar="STEPS", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.replay_decode is not None:
+        replay_decode(args.replay_decode)
+        return
+    if args.callgrind:
+        callgrind_instructions()
+        return
     print(f"calibration: empty call {calibration_ns():.0f} ns, load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} CPUs; times are process CPU time (time.process_time)")
-    for n in (256, 1024):
-        report(f"decode-{n}", *decode_workload(n, args.steps))
-    report("mixed", *mixed_workload(args.steps))
+    for name in args.workloads:
+        runs = [WORKLOADS[name](args.steps) for _ in range(max(args.repeat, 1))]
+        report(name, *min(runs, key=lambda run: best_step_us(run[0], run[1])))
 
 
 if __name__ == "__main__":

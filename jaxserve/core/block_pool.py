@@ -62,9 +62,10 @@ class BlockPool:
         Raises:
           ValueError: fewer than ``num_blocks`` blocks are free.
         """
-        if num_blocks > self.free_block_queue.num_free_blocks:
-            raise ValueError(f"cannot get {num_blocks} blocks, {self.free_block_queue.num_free_blocks} free")
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} blocks, {queue.num_free_blocks} free")
+        blocks = [queue.popleft()] if num_blocks == 1 else queue.popleft_n(num_blocks)
         cache = self.cached_block_hash_to_block
         for block in blocks:
             if block.block_hash is not None:
@@ -87,12 +88,15 @@ class BlockPool:
         """Drops one reference from each block; blocks reaching 0 join the free queue's tail
         in the given order (so pass them in eviction order: a request's last block first).
         """
-        queue = self.free_block_queue
+        freed = []
         for block in ordered_blocks:
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, block
-            if block.ref_cnt == 0 and not block.is_null:
-                queue.append(block)
+            if block.ref_cnt == 0:
+                if not block.is_null:
+                    freed.append(block)
+            else:
+                assert block.ref_cnt > 0, block
+        self.free_block_queue.append_n(freed)
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
                           num_cached_blocks: int, num_full_blocks: int) -> None:

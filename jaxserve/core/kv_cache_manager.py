@@ -11,6 +11,9 @@ Typical use by the scheduler::
     ...
     new = kv.allocate_slots(req, 1)                         # a decode step (usually [])
     kv.free(req)                                            # finish / abort / preempt
+
+After each allocation the manager sets ``req.kv_noop_end``, the ledger end up to which the
+table needs nothing from it, so the scheduler skips ``allocate_slots`` for most decode steps.
 """
 
 from __future__ import annotations
@@ -129,32 +132,64 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        # Fast path (decode): the table has room and no block fills up (Request.kv_noop_end).
+        if end <= request.kv_noop_end and not new_computed_blocks:
+            return []
         req_id = request.request_id
         block_size = self.block_size
         blocks = self.req_to_blocks.get(req_id)
-        end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        # Fast path (decode): no hit, and the table already has room. A block can only have
-        # filled up if this allocation crosses a block boundary (the scheduler advances
-        # num_computed_tokens to ``end`` after each call); _cache_blocks re-checks exactly.
-        if blocks is not None and not new_computed_blocks and end <= len(blocks) * block_size:
-            if self.enable_caching and end // block_size > request.num_computed_tokens // block_size:
-                self._cache_blocks(request, blocks, end)
-            return []
+        if blocks is not None and not new_computed_blocks:
+            # A running request grows (a decode step crossing a block boundary, a prompt chunk).
+            num_new_blocks = -(-end // block_size) - len(blocks)
+            if num_new_blocks > 0:
+                pool = self.block_pool
+                available = pool.free_block_queue.num_free_blocks
+                if new_request:
+                    available -= self.watermark_blocks
+                if num_new_blocks > available:
+                    return None
+                new_blocks = pool.get_new_blocks(num_new_blocks)
+                blocks.extend(new_blocks)
+            else:
+                new_blocks = []  # room in the table, but a block fills up
+        else:
+            new_blocks = self._allocate_admission(request, blocks, end, num_new_computed_tokens,
+                                              new_computed_blocks, new_request)
+            if new_blocks is None:
+                return None
+            blocks = self.req_to_blocks[req_id]
+        capacity = len(blocks) * block_size
+        if self.enable_caching:
+            num_cached = self.num_cached_block[req_id]
+            if end // block_size > num_cached:
+                num_cached = self._cache_blocks(request, blocks, end, num_cached)
+            # Filling the first unregistered block is work for the manager: stop just before it.
+            first_unregistered_end = (num_cached + 1) * block_size
+            request.kv_noop_end = capacity if capacity < first_unregistered_end else first_unregistered_end - 1
+        else:
+            request.kv_noop_end = capacity
+        return new_blocks
 
-        if blocks is None:
+    def _allocate_admission(self, request: "Request", blocks: list[KVCacheBlock] | None, end: int,
+                        num_new_computed_tokens: int, new_computed_blocks: list[KVCacheBlock] | None,
+                        new_request: bool) -> list[KVCacheBlock] | None:
+        """allocate_slots for a request that holds no blocks yet (admission) or brings prefix-cache hits."""
+        req_id = request.request_id
+        first_allocation = blocks is None
+        if first_allocation:
             blocks = []
         new_computed_blocks = new_computed_blocks or []
-        num_required = -(-end // block_size)
-        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        num_new_blocks = -(-end // self.block_size) - len(blocks) - len(new_computed_blocks)
         # Touching free cached hits takes them out of the free queue.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        available = self.block_pool.get_num_free_blocks() - num_evictable_hits
+        available = self.block_pool.free_block_queue.num_free_blocks - \
+            sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if new_request:
             available -= self.watermark_blocks
         if num_new_blocks > available:
             return None
 
-        if req_id not in self.req_to_blocks:
+        if first_allocation:
             self.req_to_blocks[req_id] = blocks
             self.num_cached_block[req_id] = 0
             if self.enable_caching and request.num_preemptions == 0 and \
@@ -169,19 +204,20 @@ class KVCacheManager:
             self.num_cached_block[req_id] = len(blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         blocks.extend(new_blocks)
-        if self.enable_caching and end // block_size > self.num_cached_block[req_id]:
-            self._cache_blocks(request, blocks, end)
         return new_blocks
 
-    def _cache_blocks(self, request: "Request", blocks: list[KVCacheBlock], end: int) -> None:
-        req_id = request.request_id
-        num_full = min(end, request.num_tokens) // self.block_size
-        num_cached = self.num_cached_block[req_id]
+    def _cache_blocks(self, request: "Request", blocks: list[KVCacheBlock], end: int, num_cached: int) -> int:
+        """Registers the blocks that ``end`` fills (of the request's known tokens) in the prefix
+        cache; returns the request's new count of registered blocks."""
+        block_size = self.block_size
+        num_tokens = len(request._all_token_ids)
+        num_full = (end if end < num_tokens else num_tokens) // block_size
         if num_full <= num_cached:
-            return
-        hashes = update_block_hashes(request, self.block_size, self.none_hash)
+            return num_cached
+        hashes = update_block_hashes(request, block_size, self.none_hash)
         self.block_pool.cache_full_blocks(blocks, hashes, num_cached, num_full)
-        self.num_cached_block[req_id] = num_full
+        self.num_cached_block[request.request_id] = num_full
+        return num_full
 
     def free(self, request: "Request") -> None:
         """Releases the request's blocks, last block first (so its prefix is evicted last).
@@ -190,6 +226,7 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        request.kv_noop_end = 0
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 

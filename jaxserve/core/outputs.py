@@ -39,6 +39,8 @@ class ModelRunnerOutput:
       req_id_to_index: req_id -> index into the per-request lists below.
       sampled_token_ids: per request, the tokens sampled this step: ``[t]`` when the request
         reached the end of its known tokens, ``[]`` when the step only advanced a prompt chunk.
+        The scheduler may pass these lists on as ``EngineCoreOutput.new_token_ids``: build
+        fresh ones each step and do not mutate them afterwards.
       logprobs: None when no request in the step asked for logprobs; otherwise per request a
         list parallel to ``sampled_token_ids[i]`` (empty for requests that did not ask).
       prompt_logprobs_dict: req_id -> TokenLogprobs of the prompt tokens this step scored, in
@@ -66,7 +68,8 @@ class EngineCoreOutput:
     Attributes:
       req_id: the request id.
       new_token_ids: tokens appended this step (usually 0 or 1). A stop token id or EOS that
-        ended the request is included (the detokenizer hides special tokens).
+        ended the request is included (the detokenizer hides special tokens). Read-only: it
+        may be the runner's list from ``ModelRunnerOutput.sampled_token_ids``.
       finish_reason: None while running; "stop", "length", "abort" or "error" when finished.
       stop_reason: the stop token id (int) that ended it, else None (stop *strings* are
         found by the engine's detokenizer, which then calls ``Scheduler.finish_requests``).

@@ -97,6 +97,11 @@ class Request:
       preempted_times: monotonic seconds of each preemption.
       stop_token_set: token ids that end the request once more than min_tokens tokens exist
         (stop_token_ids, plus eos_token_id unless ignore_eos).
+      kv_noop_end: kept by the KV-cache manager: the largest ledger end (``num_computed_tokens``
+        + new tokens) that its block table serves with no work for the manager (no new block,
+        no block filling up), so ``allocate_slots`` would return ``[]`` and change nothing; 0
+        while it holds no blocks. The scheduler checks it before calling ``allocate_slots``
+        (the decode fast path: 14 of 16 decode steps with 16-token blocks).
     """
 
     __slots__ = (
@@ -104,7 +109,7 @@ class Request:
         "priority", "cache_salt", "status", "output_token_ids", "_all_token_ids",
         "num_computed_tokens", "num_cached_tokens", "max_tokens", "stop_reason", "error_message",
         "num_preemptions", "block_hashes", "first_scheduled_time", "first_token_time",
-        "finished_time", "preempted_times", "sort_key", "stop_token_set",
+        "finished_time", "preempted_times", "sort_key", "stop_token_set", "kv_noop_end",
     )
 
     def __init__(
@@ -147,6 +152,7 @@ class Request:
         if eos_token_id is not None and not sampling_params.ignore_eos:
             stop.add(eos_token_id)
         self.stop_token_set = frozenset(stop)
+        self.kv_noop_end = 0
 
     @property
     def all_token_ids(self) -> list[int]:

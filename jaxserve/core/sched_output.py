@@ -64,7 +64,8 @@ class CachedRequestData:
       req_ids: request ids.
       new_block_ids: block ids appended to each request's block table this step (usually
         empty for decode; one id when a block boundary is crossed). Block tables are
-        append-only while a request runs.
+        append-only while a request runs. Read-only: the requests that get no new block
+        share one empty list.
       num_computed_tokens: tokens in the cache before this step; this step's tokens start at
         this position.
       new_token_ids: the token ids this step feeds for each request,

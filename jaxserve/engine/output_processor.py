@@ -75,6 +75,7 @@ class OutputProcessor:
         self._child_to_parent: dict[str, tuple[_ParentState, _SampleState]] = {}
         self.num_prompt_tokens_step = 0
         self.num_generation_tokens_step = 0
+        self._anchor: tuple[list[int], str] | None = None      # see _decode_token_uncached
         self._decode_token = functools.lru_cache(maxsize=65536)(self._decode_token_uncached)
 
     def __len__(self) -> int:
@@ -129,7 +130,22 @@ class OutputProcessor:
         return ids
 
     def _decode_token_uncached(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
+        """The text one token adds after other text (logprobs' ``decoded_token``).
+
+        Decoding a token alone drops sentencepiece's word-boundary space ("▁has" -> "has"), so
+        the logprob tokens of a completion would not join into its text. The token is decoded
+        after an anchor token instead and the anchor's own text is cut off (" has").
+        """
+        if not self.tokenizer:
+            return None
+        if self._anchor is None:
+            ids = self.tokenizer.encode("a", add_special_tokens=False)[-1:]
+            self._anchor = (ids, self.tokenizer.decode(ids, skip_special_tokens=False))
+        anchor_ids, anchor_text = self._anchor
+        text = self.tokenizer.decode(anchor_ids + [token_id], skip_special_tokens=False)
+        if anchor_ids and text.startswith(anchor_text):
+            return text[len(anchor_text):]
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _to_logprob_dict(self, entry: "TokenLogprobs") -> dict[int, Logprob]:
         """Chosen token first (with its rank), then the top-k alternatives (ranks 1..k)."""

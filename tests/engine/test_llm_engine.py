@@ -80,6 +80,17 @@ def test_prompt_logprobs_and_sample_logprobs_with_generation(base, make_engine, 
     assert all(len(e) == 1 for e in out.prompt_logprobs[1:])   # only the actual token
 
 
+def test_logprob_tokens_join_into_the_output_text(make_engine, run):
+    """Each sampled token's decoded text keeps its word-boundary space, so the completion's
+    logprob tokens concatenate to exactly its text (OpenAI's ``tokens`` / ``text_offset``)."""
+    engine = make_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
+    comp = run(engine, [("join", "The king said", params)])["join"].outputs[0]
+    pieces = [entry[tok].decoded_token for tok, entry in zip(comp.token_ids, comp.logprobs)]
+    assert "".join(pieces) == comp.text
+    assert any(p.startswith(" ") for p in pieces)
+
+
 @pytest.mark.parametrize("prompt,params,match", [
     ([], GREEDY, "prompt: the prompt is empty"),
     ([1] * 300, GREEDY, "prompt: the prompt has 300 tokens, more than max_model_len .256."),
