@@ -163,6 +163,7 @@ def kv_cache_shapes(spec: KVCacheSpec) -> KVCaches:
 
 def log_kv_cache_spec(spec: KVCacheSpec) -> None:
     """Logs blocks, tokens and bytes per token at start-up."""
-    logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes/token, %.3f GiB, dtype %s",
+    logger.info("KV cache (%s): %d blocks x %d tokens (block 0 is the null block: %d usable tokens), "
+                "%d bytes/token, %.3f GiB, dtype %s",
                 spec.source, spec.num_blocks, spec.block_size, spec.num_tokens, spec.bytes_per_token,
                 spec.total_bytes / 2**30, spec.dtype)

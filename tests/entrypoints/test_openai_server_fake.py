@@ -490,9 +490,11 @@ def test_startup_report(server):
     assert "KV pool: 64 blocks x 16 tokens (1008 usable tokens" in report
     assert "1.5 s" in report
     # with a real engine the model runner's warm-up time is reported (it was never found before)
-    real_like = SimpleNamespace(engine_config=server.llm.engine_config,
-                                engine=SimpleNamespace(runner=SimpleNamespace(compile_seconds=18.75)))
-    assert "compile time: 18.8 s (startup 21.0 s)" in _startup_report(real_like, 21.0)
+    runner = SimpleNamespace(compile_seconds=18.75, token_buckets=(16, 32, 64), seq_buckets=(16, 32))
+    real_like = SimpleNamespace(engine_config=server.llm.engine_config, engine=SimpleNamespace(runner=runner))
+    report = _startup_report(real_like, 21.0)
+    assert "compile time: 18.8 s (startup 21.0 s)" in report
+    assert "step token buckets: [16, 32, 64] (sequence buckets [16, 32])" in report
 
 
 def test_serve_cli_flags():

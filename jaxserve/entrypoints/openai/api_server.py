@@ -421,10 +421,14 @@ def _startup_report(llm: Any, startup_s: float) -> str:
     lines = ["resolved config:"]
     for part in dataclasses.fields(cfg):
         lines.append(f"  {part.name}: {dataclasses.asdict(getattr(cfg, part.name))}")
+    runner = getattr(llm.engine, "runner", None)
+    if runner is not None and hasattr(runner, "token_buckets"):
+        lines.append(f"  step token buckets: {list(runner.token_buckets)} "
+                     f"(sequence buckets {list(runner.seq_buckets)})")
     blocks, size = cfg.cache.num_gpu_blocks, cfg.cache.block_size
     lines.append(f"KV pool: {blocks} blocks x {size} tokens ({max(blocks - 1, 0) * size} usable tokens; "
                  f"block 0 is the null block)")
-    compile_s = getattr(getattr(llm.engine, "runner", None), "compile_seconds", None)
+    compile_s = getattr(runner, "compile_seconds", None)
     if compile_s is not None:
         lines.append(f"compile time: {compile_s:.1f} s (startup {startup_s:.1f} s)")
     else:
