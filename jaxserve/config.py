@@ -31,8 +31,12 @@ class ModelConfig:
       dtype: "auto" (the checkpoint's torch_dtype), "float32" or "bfloat16".
       load_format: "auto", "safetensors", "orbax" or "dummy" (random weights of the config).
       served_model_name: the name clients send as ``model``; defaults to the directory name.
-      max_model_len: longest sequence (prompt + output) in tokens.
+      max_model_len: longest sequence (prompt + output) in tokens (>= 0; the dataclass
+        accepts 0, ``EngineArgs.create_engine_config`` always sets the resolved length).
       seed: engine seed for requests without their own.
+
+    Raises:
+      ValueError: an unknown dtype or load_format, or a negative max_model_len (naming it).
     """
 
     model: str
@@ -63,6 +67,10 @@ class CacheConfig:
       enable_prefix_caching: reuse cached blocks of identical prefixes.
       watermark: fraction of blocks kept free against newly admitted requests.
       num_gpu_blocks: resolved pool size (set by the runner after profiling); 0 = unknown yet.
+
+    Raises:
+      ValueError: block_size not in (8, 16, 32, 64, 128), gpu_memory_utilization outside
+        (0, 1], num_gpu_blocks_override < 2, or watermark outside [0, 1) (naming the field).
     """
 
     block_size: int = 16
@@ -97,6 +105,11 @@ class SchedulerConfig:
       policy: "fcfs" or "priority" (by (priority, arrival time); smaller priority is more urgent).
       max_model_len: longest sequence (prompt + output) in tokens.
       max_waiting_requests: the server answers 503 above this many waiting requests (0 = no cap).
+
+    Raises:
+      ValueError: max_num_batched_tokens, max_num_seqs or max_model_len < 1,
+        long_prefill_token_threshold or max_waiting_requests < 0, or an unknown policy
+        (reported as ``scheduling_policy``, the CLI flag's name).
     """
 
     max_num_batched_tokens: int = 8192
@@ -141,6 +154,10 @@ class RunnerConfig:
       token_buckets: padded step sizes in tokens (ascending); empty = derived from the budget.
       compilation_cache_dir: persistent JAX compilation cache ("" disables it).
       warmup: compile every bucket before serving.
+
+    Raises:
+      ValueError: an unknown attention_backend, or token_buckets not strictly ascending
+        positive integers.
     """
 
     attention_backend: str = "auto"

@@ -67,6 +67,7 @@ class CompletionOutput:
 
     @property
     def finished(self) -> bool:
+        """True once ``finish_reason`` is set."""
         return self.finish_reason is not None
 
 

@@ -42,7 +42,7 @@ SMEM_BUDGET = 200 * 1024
 
 
 def shared_memory_estimate(block_m, block_k, head_dim, itemsize, num_stages) -> int:
-  """Upper estimate of the kernel's shared memory in bytes: the query tile,
+  """Upper estimate of the kernel's shared memory, in bytes: the query tile,
   ``num_stages`` K and V tiles and the probabilities tile, x1.5 for float32
   (Triton's FMA dot path stages more). Checked against the Triton compiler's
   figures for sm_90, which it exceeds for the tilings choose_config makes."""
@@ -59,6 +59,7 @@ def next_power_of_2(x: int) -> int:
 
 
 def is_power_of_2(x: int) -> bool:
+  """True when ``x`` is 1, 2, 4, 8, ... (False for ``x <= 0``)."""
   return x >= 1 and (x & (x - 1)) == 0
 
 
@@ -77,6 +78,10 @@ class KernelConfig:
       partials that are merged by a log-sum-exp reduction.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining stages of the KV loop.
+
+  Raises:
+    ValueError: if ``block_q``, ``block_k``, ``num_splits`` or ``num_warps``
+      is not a power of two, or ``num_stages < 1`` (naming the field).
   """
 
   block_q: int

@@ -479,8 +479,10 @@ def ragged_paged_attention(
 
   Raises:
     ValueError: on inconsistent shapes or dtypes (the message names the
-      field), on a head dim or block size that is not a power of two >= 16,
-      or on a non-positive ``sm_scale``/``soft_cap``/``sliding_window``.
+      field), on a head dim that is not a power of two >= 16 or a block size
+      that is not a power of two, on a non-positive
+      ``sm_scale``/``soft_cap``/``sliding_window``, or on a ``config`` whose
+      query tile (``block_q * group_pad`` rows) or ``block_k`` is below 16.
   """
   _check_inputs(
       q, k_cache, v_cache, block_tables, context_lens, query_start_loc, num_seqs,

@@ -132,6 +132,12 @@ def compile_ttir(path: str, *, num_warps: int, num_stages: int, capability: int 
 
   Returns ``shared`` (bytes of shared memory), ``spills`` (bytes spilled, from
   ``ptxas -v``) and ``registers`` per thread. Needs ``triton`` but no GPU.
+  ``spills`` and ``registers`` are None when ``ptxas`` printed no such figure
+  (for instance when the ``ptxas-blackwell`` binary bundled with triton is
+  missing; its failure is not raised).
+
+  Raises:
+    ImportError: if the ``triton`` package is not importable.
   """
   import triton
   from triton.backends.compiler import GPUTarget
@@ -157,6 +163,14 @@ def compile_ttir(path: str, *, num_warps: int, num_stages: int, capability: int 
 
 
 def compile_dir(out_dir: str) -> None:
+  """Compiles every ``<case>.ttir`` written by ``dump`` (with the launch
+  parameters from its ``<case>.json``) and prints shared memory (bytes),
+  registers per thread and spill stores (bytes) for each.
+
+  Raises:
+    FileNotFoundError: if ``out_dir`` or a ``.ttir``'s ``.json`` is missing.
+    ImportError: if ``triton`` is not importable.
+  """
   for entry in sorted(os.listdir(out_dir)):
     if entry.endswith(".ttir"):
       path = os.path.join(out_dir, entry)

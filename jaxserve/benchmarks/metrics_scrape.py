@@ -75,6 +75,9 @@ class MetricsPoller:
 
     Attributes:
       samples: ``(seconds since start, snapshot)`` per successful poll.
+
+    Raises:
+      ValueError: ``interval_s`` is not > 0 (named ``metrics_interval``, the CLI flag).
     """
 
     def __init__(self, session: aiohttp.ClientSession, metrics_url: str, interval_s: float = 0.5) -> None:
@@ -88,6 +91,8 @@ class MetricsPoller:
         self._t0 = 0.0
 
     def start(self) -> None:
+        """Starts polling in an asyncio task (call from a running event loop); sample times
+        count from now."""
         self._t0 = time.perf_counter()
         self._task = asyncio.create_task(self._run())
 
@@ -99,6 +104,7 @@ class MetricsPoller:
             await asyncio.sleep(self.interval_s)
 
     async def stop(self) -> None:
+        """Cancels the polling task and waits for it; ``samples`` keeps what was gathered."""
         if self._task is not None:
             self._task.cancel()
             try:

@@ -152,7 +152,12 @@ class TokenSource:
         return self.ids[rng.integers(0, self.ids.size, size=n)].tolist()
 
     def word_ids(self) -> np.ndarray:
-        """Ids whose piece is a whole alphabetic word with a leading space marker (▁ or Ġ)."""
+        """Ids whose piece is a whole alphabetic word with a leading space marker (▁ or Ġ).
+
+        Raises:
+          ValueError: the source has no tokenizer, or its vocabulary has no such piece (both
+            named as ``prompt_format``: use id prompts then).
+        """
         if self._word_ids is None:
             if self.tokenizer is None:
                 raise ValueError("prompt_format: text prompts need a tokenizer")

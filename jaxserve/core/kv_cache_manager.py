@@ -70,6 +70,7 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks in the free queue, evictable prefix-cached blocks included (null block excluded)."""
         return self.block_pool.get_num_free_blocks()
 
     def get_computed_blocks(self, request: "Request") -> tuple[list[KVCacheBlock], int]:

@@ -187,7 +187,11 @@ class FreeKVCacheBlockQueue:
         return out
 
     def remove(self, block: KVCacheBlock) -> None:
-        """Unlinks ``block`` from anywhere in the queue."""
+        """Unlinks ``block`` from anywhere in the queue (O(1)).
+
+        Raises:
+          ValueError: if ``block`` is not linked into the queue (naming its block id).
+        """
         prev, nxt = block.prev_free_block, block.next_free_block
         if prev is None or nxt is None:
             raise ValueError(f"block {block.block_id} is not in the free queue")
@@ -229,7 +233,20 @@ class FreeKVCacheBlockQueue:
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """Bytes of K and V one token occupies across all layers: ``2 * L * Hkv * D * itemsize``."""
+    """Bytes of K and V one token occupies across all layers: ``2 * L * Hkv * D * itemsize``.
+
+    Args:
+      num_layers: hidden layers ``L``.
+      num_kv_heads: KV heads ``Hkv`` per layer.
+      head_dim: ``D``.
+      itemsize: bytes per element of the cache dtype (2 for bfloat16).
+
+    Returns:
+      Bytes per token (e.g. 131072 for Llama-3-8B in bfloat16).
+
+    Raises:
+      ValueError: if any argument is < 1 (naming it).
+    """
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("itemsize", itemsize)):
         if value < 1:
@@ -278,6 +295,7 @@ class PrefixCacheStats:
 
     @property
     def hit_rate(self) -> float:
+        """hits / queries in [0, 1] (token-weighted); 0.0 when nothing was queried."""
         return self.hits / self.queries if self.queries else 0.0
 
 

@@ -71,7 +71,8 @@ class EngineCoreOutput:
         ended the request is included (the detokenizer hides special tokens). Read-only: it
         may be the runner's list from ``ModelRunnerOutput.sampled_token_ids``.
       finish_reason: None while running; "stop", "length", "abort" or "error" when finished.
-      stop_reason: the stop token id (int) that ended it, else None (stop *strings* are
+      stop_reason: the ``stop_token_ids`` entry (int) that ended it; None when EOS ended it
+        (unless ``ignore_eos``) or for any other finish, as vLLM reports it (stop *strings* are
         found by the engine's detokenizer, which then calls ``Scheduler.finish_requests``).
       new_logprobs: TokenLogprobs parallel to new_token_ids, when the request asked for
         logprobs; else None.
@@ -90,6 +91,7 @@ class EngineCoreOutput:
 
     @property
     def finished(self) -> bool:
+        """True when this step ended the request (``finish_reason`` is set)."""
         return self.finish_reason is not None
 
 

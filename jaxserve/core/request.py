@@ -166,10 +166,12 @@ class Request:
 
     @property
     def num_prompt_tokens(self) -> int:
+        """len(prompt_token_ids), in tokens."""
         return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
+        """Tokens generated so far (kept across preemption), in tokens."""
         return len(self.output_token_ids)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
@@ -182,9 +184,11 @@ class Request:
             self._all_token_ids.extend(token_ids)
 
     def is_finished(self) -> bool:
+        """True once the status is any FINISHED_* one."""
         return self.status > RequestStatus.PREEMPTED
 
     def get_finish_reason(self) -> FinishReason | None:
+        """The OpenAI-style finish reason of this request's status; None while unfinished."""
         return _FINISH_REASONS.get(self.status)
 
     def __repr__(self) -> str:

@@ -34,10 +34,15 @@ class FCFSRequestQueue:
         return self._queue[0]
 
     def pop(self) -> Request:
+        """Removes and returns the front request (IndexError when empty)."""
         return self._queue.popleft()
 
     def remove(self, request: Request) -> None:
-        """O(n); for aborts. ValueError if absent."""
+        """Removes ``request``; O(n), for aborts.
+
+        Raises:
+          ValueError: if ``request`` is not in the queue (from ``deque.remove``).
+        """
         self._queue.remove(request)
 
     def __len__(self) -> int:
@@ -57,6 +62,7 @@ class PriorityRequestQueue:
         self._heap: list[tuple[tuple, Request]] = []
 
     def add(self, request: Request) -> None:
+        """Inserts ``request`` by its ``sort_key`` (O(log n))."""
         heapq.heappush(self._heap, (request.sort_key, request))
 
     def add_preempted(self, request: Request) -> None:
@@ -64,13 +70,19 @@ class PriorityRequestQueue:
         heapq.heappush(self._heap, (request.sort_key, request))
 
     def peek(self) -> Request:
+        """The most urgent request (IndexError when empty)."""
         return self._heap[0][1]
 
     def pop(self) -> Request:
+        """Removes and returns the most urgent request (IndexError when empty)."""
         return heapq.heappop(self._heap)[1]
 
     def remove(self, request: Request) -> None:
-        """O(n); for aborts. ValueError if absent."""
+        """Removes ``request`` (matched by identity); O(n), for aborts.
+
+        Raises:
+          ValueError: if ``request`` is not in the queue.
+        """
         for i, (_, r) in enumerate(self._heap):
             if r is request:
                 self._heap[i] = self._heap[-1]
@@ -91,7 +103,14 @@ class PriorityRequestQueue:
 
 
 def make_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
-    """The waiting queue of a policy ("fcfs" or "priority"). ValueError on anything else."""
+    """The waiting queue of a scheduling policy.
+
+    Args:
+      policy: "fcfs" or "priority" (``SchedulerConfig.policy``, vLLM's ``--scheduling-policy``).
+
+    Raises:
+      ValueError: for any other policy.
+    """
     if policy == "fcfs":
         return FCFSRequestQueue()
     if policy == "priority":

@@ -81,6 +81,7 @@ class CachedRequestData:
 
     @property
     def num_reqs(self) -> int:
+        """Number of cached requests scheduled this step (len(req_ids))."""
         return len(self.req_ids)
 
 

@@ -180,9 +180,11 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
 
     def get_num_unfinished_requests(self) -> int:
+        """Requests added and not yet finished or aborted (waiting, running and preempted)."""
         return len(self.requests)
 
     def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting, running or preempted."""
         return bool(self.requests)
 
     def has_finished_requests(self) -> bool:

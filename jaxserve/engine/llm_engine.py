@@ -278,9 +278,11 @@ class LLMEngine:
                 self.scheduler.abort_requests(children)
 
     def has_unfinished_requests(self) -> bool:
+        """True while any parent request (n > 1 counts once) has not produced its final output."""
         return len(self.output_processor) > 0
 
     def get_num_unfinished_requests(self) -> int:
+        """Parent requests (n > 1 counts once) not yet finished or aborted."""
         return len(self.output_processor)
 
     # ------------------------------------------------------------------ one step

@@ -54,6 +54,8 @@ class RMSNorm(nnx.Module):
         self.weight = _param(None, (dim,), dtype, (axis,), init="ones")
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """``x [..., dim]`` -> ``[..., dim]`` in the model dtype; normalised in float32 and cast
+        back before the scale by ``weight``, HF ``LlamaRMSNorm``'s order."""
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return xf.astype(x.dtype) * self.weight[...]
@@ -120,6 +122,7 @@ class MLP(nnx.Module):
         self.down_bias = _param(None, (e,), dtype, ("embed",), "zeros") if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """``x [..., e]`` -> ``[..., e]`` in the model dtype."""
         gate = jnp.einsum("...e,ef->...f", x, self.gate_proj[...])
         up = jnp.einsum("...e,ef->...f", x, self.up_proj[...])
         if self.gate_bias is not None:
@@ -138,6 +141,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(self, x, positions, inv_freq, kv_cache=None, metadata=None):
+        """``x [T, e]`` (paged, with ``kv_cache`` and ``metadata``) or ``[B, L, e]`` (dense),
+        positions int32 ``[T]`` / ``[B, L]``, ``inv_freq`` float32 ``[D // 2]`` ->
+        ``(x' of x's shape, updated kv_cache or None)``; see ``Attention.__call__``."""
         h, kv_cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_cache, metadata)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache

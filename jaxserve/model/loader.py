@@ -36,8 +36,19 @@ PARAMS_DIR = "params"   # our orbax layout: OUT_DIR/config.json + OUT_DIR/params
 
 
 def resolve_dtype(dtype: str, cfg: ModelArchConfig):
-    """"auto" -> the checkpoint's torch_dtype (float16 -> bfloat16, unknown -> float32);
-    "float32" / "bfloat16" as named. ValueError names ``dtype`` otherwise."""
+    """The model's parameter (and KV cache) dtype from the ``--dtype`` flag.
+
+    Args:
+      dtype: "auto" -> the checkpoint's ``torch_dtype`` (float16 -> bfloat16, missing or
+        unknown -> float32); "float32" / "bfloat16" as named.
+      cfg: the parsed HF config (for ``torch_dtype``).
+
+    Returns:
+      ``jnp.float32`` or ``jnp.bfloat16``.
+
+    Raises:
+      ValueError: for any other ``dtype`` (naming the field).
+    """
     if dtype == "auto":
         return {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
                 "float16": jnp.bfloat16}.get(cfg.torch_dtype or "", jnp.float32)

@@ -42,7 +42,14 @@ def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
 
 def logical_to_pspec(axes: tuple[str | None, ...] | None,
                      rules: dict[str, str | None] = LOGICAL_AXIS_RULES) -> PartitionSpec:
-    """``("embed", "mlp") -> PartitionSpec(None, "model")``; unknown names raise ValueError."""
+    """Maps logical axis names to a ``PartitionSpec`` (MaxText's logical axis rules).
+
+    ``("embed", "mlp") -> PartitionSpec(None, "model")``; ``None`` or ``()`` -> ``PartitionSpec()``
+    (replicated); a ``None`` entry stays unsharded.
+
+    Raises:
+      ValueError: if a name has no rule in ``rules`` (the message lists the known names).
+    """
     if not axes:
         return PartitionSpec()
     for a in axes:

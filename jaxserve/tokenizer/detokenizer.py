@@ -84,6 +84,7 @@ class IncrementalDetokenizer:
 
     @property
     def token_ids(self) -> list[int]:
+        """The output token ids seen so far (prompt excluded); a fresh list."""
         return self._ids[self._num_prompt:]
 
     def _decode(self, ids: list[int]) -> str:

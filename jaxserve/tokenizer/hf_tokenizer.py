@@ -40,6 +40,7 @@ class HFTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (1 + the largest id)."""
         return self._vocab_size
 
     def _backend_special_ids(self) -> set[int]:
@@ -49,12 +50,22 @@ class HFTokenizer(Tokenizer):
         return self.tok.token_to_id(token)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary strings of ``ids`` (byte-level BPE pieces such as "Ġthe"); None for
+        an id ``tokenizers`` does not know."""
         return [self.tok.id_to_token(int(i)) for i in ids]
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. When tokenizer_config.json sets ``add_bos_token`` or
+        ``add_eos_token`` (or ``add_special_tokens`` is False) the base class adds them;
+        otherwise tokenizer.json's own post-processor adds its special tokens (e.g. Llama 3's
+        ``<|begin_of_text|>``), as transformers' fast tokenizers do.
+
+        Raises:
+          ValueError: ``text`` is not a string.
+        """
         if self._config_adds_specials or not add_special_tokens:
             return super().encode(text, add_special_tokens)
         if not isinstance(text, str):

@@ -51,6 +51,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
+        """Number of sentencepiece pieces (token ids are ``[0, vocab_size)``)."""
         return self.sp.get_piece_size()
 
     def _backend_special_ids(self) -> set[int]:
@@ -64,6 +65,11 @@ class SentencePieceTokenizer(Tokenizer):
         return tid
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The sentencepiece pieces of ``ids`` (e.g. "▁the", "<0x0A>").
+
+        Raises:
+          IndexError: from sentencepiece, for an id outside ``[0, vocab_size)``.
+        """
         return [self.sp.id_to_piece(int(i)) for i in ids]
 
     @functools.cached_property

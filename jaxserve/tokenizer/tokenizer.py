@@ -117,11 +117,15 @@ class Tokenizer(abc.ABC):
 
     @property
     def bos_token_id(self) -> int | None:
+        """Id of ``bos_token``; else ``bos_token_id`` of generation_config.json / config.json;
+        else None."""
         found = self._lookup(self.bos_token)
         return found if found is not None else self._bos_fallback
 
     @property
     def eos_token_id(self) -> int | None:
+        """Id of ``eos_token``; else the first ``eos_token_id`` of generation_config.json /
+        config.json; else None."""
         found = self._lookup(self.eos_token)
         if found is not None:
             return found
@@ -129,6 +133,8 @@ class Tokenizer(abc.ABC):
 
     @property
     def eos_token_ids(self) -> set[int]:
+        """Every id that ends generation: ``eos_token_id`` plus all ``eos_token_id`` entries
+        of generation_config.json and config.json (Llama 3 lists several)."""
         ids = set(self._extra_eos)
         if self.eos_token_id is not None:
             ids.add(self.eos_token_id)

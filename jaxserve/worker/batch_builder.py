@@ -145,6 +145,7 @@ class StepBatch:
 
     @property
     def num_reqs(self) -> int:
+        """Real (unpadded) sequences of the step, len(req_ids)."""
         return len(self.req_ids)
 
 
@@ -305,7 +306,12 @@ class BatchBuilder:
     def build_from_arrays(self, req_ids: list[str], rows: np.ndarray, start: np.ndarray,
                           n_sched: np.ndarray) -> StepBatch:
         """``build`` on explicit arrays: ``rows``, ``start`` (num_computed_tokens) and
-        ``n_sched`` (tokens this step), each ``[num_reqs]``."""
+        ``n_sched`` (tokens this step), each integer ``[num_reqs]``, in ``req_ids`` order.
+
+        Raises:
+          AssertionError: a request is scheduled past its known tokens, or no token bucket
+            holds ``n_sched.sum()`` tokens.
+        """
         batch = self.batch
         num_reqs = len(req_ids)
         total = int(n_sched.sum())

@@ -45,7 +45,7 @@ class KVCacheSpec:
       block_size: tokens per block.
       num_layers, num_kv_heads, head_dim: per-layer array shape parts.
       dtype: element dtype name ("float32", "bfloat16").
-      bytes_per_token: ``2 * num_layers * num_kv_heads * head_dim * itemsize``.
+      bytes_per_token: ``2 * num_layers * num_kv_heads * head_dim * itemsize``, bytes.
       source: how num_blocks was chosen: "override", "memory" or "cpu-default".
     """
 
@@ -65,6 +65,7 @@ class KVCacheSpec:
 
     @property
     def total_bytes(self) -> int:
+        """Device bytes of the whole pool, K and V of every layer, the null block included."""
         return self.num_blocks * self.block_size * self.bytes_per_token
 
     @property

@@ -93,7 +93,12 @@ def _uses_penalties(params: SamplingParams) -> bool:
 
 
 def resolve_attention_backend(name: str, platform: str) -> str:
-    """"auto" -> "pallas" on GPU/TPU, "reference" on CPU; else the name itself."""
+    """The attention backend to run: "auto" -> "pallas" on GPU/TPU, "reference" on CPU
+    (``platform == "cpu"``); "pallas" / "reference" as named.
+
+    Raises:
+      ValueError: for any other name (naming ``attention_backend``).
+    """
     if name == "auto":
         return "reference" if platform == "cpu" else "pallas"
     if name not in ("pallas", "reference"):

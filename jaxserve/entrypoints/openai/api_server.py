@@ -126,6 +126,12 @@ def dumps(obj: Any) -> bytes:
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """An ``application/json`` response with ``dumps(obj)`` as its body.
+
+    Raises:
+      ValueError: if ``obj`` holds NaN or infinity (``allow_nan=False``).
+      TypeError: if ``obj`` is not JSON-serialisable.
+    """
     return web.Response(body=dumps(obj), status=status, headers=headers, content_type="application/json")
 
 
@@ -171,6 +177,10 @@ async def serve_request(llm: Any, url: str, body: dict[str, Any], info: ServingI
     Returns:
       ``(status, body)``: 200 and the OpenAI response object, or the error status and
       ``{"error": {...}}`` (400 bad input, 404 unknown model or URL, 503 engine dead).
+
+    Raises:
+      Nothing for bad input or a dead engine: ``APIError`` and ``EngineDeadError`` are turned
+      into ``(status, body)``. Other exceptions (bugs) propagate.
     """
     info = info or ServingInfo.from_engine(llm)
     try:
