@@ -17,15 +17,32 @@ Shapes are Llama-3-8B's head layout (32 query heads, 8 KV heads, head dim
   ``jax.nn.dot_product_attention(..., implementation="cudnn")`` on contiguous
   K/V, and the XLA reference where its gather fits in memory.
 
-Timing: jitted functions, two warm-up calls, then the median of >= 10 runs,
-each run being ``repeat`` chained calls (the output is the next call's query,
-so calls cannot overlap or be elided) divided by ``repeat``; Python dispatch
-cost per call is printed as "dispatch floor" to read the smallest figures.
-Every measurement is wrapped in try/except: a failure prints its error and
-the run goes on. Without a GPU only a tiny CPU smoke run (interpret mode)
-happens, as with ``--smoke``.
+Timing, two modes (``--timing``):
+
+* in-jit (default for decode): ``R`` chained calls inside ONE jitted
+  ``lax.fori_loop`` (each iteration's output is the next one's query, and the
+  other arguments pass through ``lax.optimization_barrier`` with it, so XLA
+  can neither elide, overlap nor hoist work out of the loop); the loop is run
+  >= 7 times after a warm-up and the median divided by ``R``. ``R`` is sized
+  from the H200 roofline so a loop runs >= ``--target-ms`` (2 ms): host
+  dispatch is paid once per loop, as inside the model's jitted step. The
+  per-iteration cost of a loop whose body is one trivial elementwise kernel
+  is printed as "in-jit floor"; the flash-decoding merge alone (the
+  log-sum-exp reduction of the split partials, a fixed cost per call) is
+  printed as "merge" for each decode shape whose automatic tiling splits.
+* per-call (default for prefill, the first run's only mode): two warm-up
+  calls, then the median of >= 10 runs, each run being ``repeat`` chained
+  calls from Python (the output is the next call's query) divided by
+  ``repeat``. Python dispatch cost per call is printed as "dispatch floor":
+  figures near it are dispatch-bound, not kernel-bound.
+
+The decode targets 1 x 8,192 and 64 x 2,048 are timed both ways so the two
+can be compared. Every measurement is wrapped in try/except: a failure prints
+its error and the run goes on. Without a GPU only a tiny CPU smoke run
+(interpret mode) happens, as with ``--smoke``.
 
 Run:  PYTHONPATH=. python benchmarks/bench_attention.py [--quick] [--smoke] [--json FILE]
+          [--timing auto|in-jit|per-call] [--target-ms 2] [--loop-repeat R]
 """
 
 from __future__ import annotations

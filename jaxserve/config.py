@@ -52,7 +52,7 @@ class ModelConfig:
         if self.load_format not in ("auto", "safetensors", "orbax", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, orbax or dummy, got {self.load_format!r}")
         if self.max_model_len < 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+            raise ValueError(f"max_model_len must be >= 0 (0: not resolved yet), got {self.max_model_len}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,4 +115,4 @@ def make_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
         return FCFSRequestQueue()
     if policy == "priority":
         return PriorityRequestQueue()
-    raise ValueError(f"policy must be fcfs or priority, got {policy!r}")
+    raise ValueError(f"scheduling_policy must be fcfs or priority, got {policy!r}")
