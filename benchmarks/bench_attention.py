@@ -58,6 +58,7 @@ import traceback
 import warnings
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels.attention_tuning import KernelConfig
@@ -66,6 +67,13 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 COPY_BANDWIDTH_GBS = 4300.0  # H200 device copy bandwidth used for "% of copy"
+# H200 peaks, only to size the in-jit loop (a lower bound on a call's time).
+HBM_PEAK_BYTES_S = 4.8e12
+BF16_PEAK_FLOPS = 989e12
+MIN_CALL_S = 2e-6  # no kernel call in a loop iteration takes less
+MAX_LOOP_REPEAT = 1024
+SMOKE_LOOP_REPEAT = 4  # interpret mode on CPU: a few iterations prove the path
+TARGET_SHAPES_BOTH_TIMINGS = ((1, 8192), (64, 2048))  # decode (batch, ctx)
 XLA_REFERENCE_MAX_BYTES = 24 << 30  # skip the gather baseline beyond this
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -137,7 +145,8 @@ def make_problem(layout: Layout, batch: int, q_len: int, ctx: int, seed: int = 0
 # Timing.
 # ---------------------------------------------------------------------------
 def time_chained(fn, q, *rest, min_runs: int = 10, target_s: float = 0.02) -> float:
-  """Median microseconds per call of ``q = fn(q, *rest)`` chained calls."""
+  """Per-call timing: median microseconds per call of ``q = fn(q, *rest)``
+  chained calls dispatched one by one from Python (includes host dispatch)."""
   jitted = jax.jit(fn)
   out = jitted(q, *rest)
   out = jitted(out.astype(q.dtype), *rest)
@@ -157,9 +166,110 @@ def time_chained(fn, q, *rest, min_runs: int = 10, target_s: float = 0.02) -> fl
   return statistics.median(runs) * 1e6
 
 
+def time_in_jit(fn, q, *rest, repeat: int, min_runs: int = 7) -> float:
+  """In-jit timing: median microseconds per iteration of one jitted
+  ``lax.fori_loop`` running ``repeat`` chained calls ``x = fn(x, *rest)``.
+
+  The iteration's output is the next one's ``x`` (a true dependency: calls
+  cannot be elided or overlapped), and ``rest`` passes through
+  ``lax.optimization_barrier`` together with ``x`` each iteration, so
+  query-independent work (the reference's K/V gather, say) cannot be hoisted
+  out of the loop. Host dispatch is paid once per loop, not per call.
+
+  Args:
+    fn: ``fn(x, *rest) -> array`` of ``x``'s shape (cast back to its dtype).
+    q: [T, Hq, D] the first iteration's input.
+    rest: further arguments, loop-invariant.
+    repeat: iterations per loop (static: the trip count is known to XLA).
+    min_runs: timed loops after the compile and one warm-up loop.
+
+  Returns:
+    Microseconds per iteration (median over loops).
+  """
+
+  def looped(x, *rest):
+    def body(_, x):
+      x, rest_ = lax.optimization_barrier((x, rest))
+      return fn(x, *rest_).astype(x.dtype)
+
+    return lax.fori_loop(0, repeat, body, x)
+
+  jitted = jax.jit(looped)
+  jax.block_until_ready(jitted(q, *rest))  # compile
+  jax.block_until_ready(jitted(q, *rest))  # warm-up
+  runs = []
+  for _ in range(min_runs):
+    t0 = time.perf_counter()
+    jax.block_until_ready(jitted(q, *rest))
+    runs.append(time.perf_counter() - t0)
+  return statistics.median(runs) / repeat * 1e6
+
+
+def loop_repeat(p: Problem, *, on_gpu: bool, target_s: float, override: int | None) -> int:
+  """Iterations of the in-jit loop for problem ``p``: a power of two such
+  that the loop takes >= ``target_s`` even at the H200's roofline (HBM peak
+  for the K/V bytes, bf16 dense peak for the FLOPs, >= 2 us a call), which is
+  a lower bound on a call's time, so the real loop runs at least that long.
+  Clamped to [4, 1024]; ``SMOKE_LOOP_REPEAT`` without a GPU (interpret mode
+  is ~1000x slower); ``override`` wins when given."""
+  if override:
+    return override
+  if not on_gpu:
+    return SMOKE_LOOP_REPEAT
+  floor_s = max(p.kv_bytes() / HBM_PEAK_BYTES_S, p.flops() / BF16_PEAK_FLOPS, MIN_CALL_S)
+  want = max(1, int(-(-target_s // floor_s)))
+  return min(MAX_LOOP_REPEAT, max(4, 1 << (want - 1).bit_length()))
+
+
 def dispatch_floor_us(problem: Problem) -> float:
   """Per-call cost of a trivial jitted function with the same arguments."""
   return time_chained(lambda q, *rest: q, *problem.args())
+
+
+def in_jit_floor_us(problem: Problem, repeat: int) -> float:
+  """In-jit cost of one loop iteration whose body is one trivial elementwise
+  kernel on q (``x + 1``), same arguments and barrier as the timed loops."""
+  return time_in_jit(lambda q, *rest: q + jnp.asarray(1, q.dtype), *problem.args(),
+                     repeat=repeat)
+
+
+def merge_partials(acc, m, l, dtype):
+  """The flash-decoding merge, as in ``_ragged_paged_attention_pallas`` (keep
+  in step with it): ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``.
+
+  Args:
+    acc: float32 [splits, T, Hkv, Gp, D] unnormalised partial outputs.
+    m, l: float32 [splits, T, Hkv, Gp] running max (base 2) and softmax sums.
+    dtype: output dtype.
+
+  Returns:
+    [T, Hkv, Gp, D] in ``dtype``.
+  """
+  m_max = m.max(axis=0)
+  w = jnp.exp2(m - m_max[None])
+  l_sum = (w * l).sum(axis=0)
+  o = (w[..., None] * acc).sum(axis=0)
+  return (o / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]).astype(dtype)
+
+
+def merge_cost_us(p: Problem, num_splits: int, repeat: int) -> float:
+  """In-jit microseconds of the flash-decoding merge alone for ``p``'s head
+  layout and ``num_splits`` splits: the fixed cost a split call pays after
+  the kernel (float32 partials written and read back, separate XLA fusions).
+  Iterations are chained through ``l`` (a tiny [splits, T, Hkv, Gp] update)."""
+  lay = p.layout
+  group_pad = 1 << (lay.num_q_heads // lay.num_kv_heads - 1).bit_length()
+  part = (num_splits, p.q.shape[0], lay.num_kv_heads, group_pad)
+  keys = jax.random.split(jax.random.key(2), 3)
+  acc = jax.random.normal(keys[0], (*part, lay.head_dim), jnp.float32)
+  m = jax.random.normal(keys[1], part, jnp.float32)
+  l = 1.0 + jax.random.uniform(keys[2], part, jnp.float32)
+
+  def step(l, acc, m):
+    o = merge_partials(acc, m, l, lay.dtype)
+    return l + 1e-6 * jnp.abs(o[None, ..., 0]).astype(jnp.float32)
+
+  return time_in_jit(step, l, acc, m, repeat=repeat)
 
 
 # ---------------------------------------------------------------------------
@@ -278,11 +388,20 @@ class Reporter:
   def __init__(self, json_path: str | None):
     self.json = open(json_path, "a") if json_path else None
 
-  def row(self, kind: str, p: Problem, impl: str, us: float | None, error: str | None = None):
-    rec = dict(kind=kind, batch=p.batch, q_len=p.q_len, ctx=p.ctx, impl=impl)
+  def row(self, kind: str, p: Problem, impl: str, us: float | None, error: str | None = None,
+          *, timing: str = "per-call", repeat: int | None = None):
+    """Prints one measurement and appends its JSON line. ``timing`` is
+    "in-jit" or "per-call"; when it is not the default of ``kind`` it is
+    appended to ``impl`` (so a summary taking the best per impl shows it)."""
+    if timing != default_timing(kind):
+      impl = f"{impl} [{timing}]"
+    rec = dict(kind=kind, batch=p.batch, q_len=p.q_len, ctx=p.ctx, impl=impl, timing=timing)
+    if repeat:
+      rec["loop_repeat"] = repeat
+    how = f"{timing} x{repeat}" if timing == "in-jit" else timing
     if us is None:
-      print(f"{kind:8s} B={p.batch:<4d} q={p.q_len:<5d} ctx={p.ctx:<6d} {impl:44s} "
-            f"FAILED: {error}", flush=True)
+      print(f"{kind:8s} B={p.batch:<4d} q={p.q_len:<5d} ctx={p.ctx:<6d} {impl:48s} "
+            f"{how:13s} FAILED: {error}", flush=True)
       rec["error"] = error
     else:
       gbs = p.kv_bytes() / (us * 1e-6) / 1e9
@@ -290,52 +409,115 @@ class Reporter:
       rec.update(us=us, kv_gbs=gbs, copy_pct=100 * gbs / COPY_BANDWIDTH_GBS, tflops=tflops)
       extra = (f"{gbs:8.0f} GB/s {100 * gbs / COPY_BANDWIDTH_GBS:5.1f}% of copy"
                if kind == "decode" else f"{tflops:7.1f} TFLOP/s")
-      print(f"{kind:8s} B={p.batch:<4d} q={p.q_len:<5d} ctx={p.ctx:<6d} {impl:44s} "
-            f"{us:10.1f} us  {extra}", flush=True)
+      print(f"{kind:8s} B={p.batch:<4d} q={p.q_len:<5d} ctx={p.ctx:<6d} {impl:48s} "
+            f"{how:13s} {us:10.1f} us  {extra}", flush=True)
+    self.write(rec)
+
+  def note(self, kind: str, p: Problem, what: str, us: float | None = None,
+           error: str | None = None):
+    """Prints and records a side figure (a floor, the merge cost), in
+    microseconds, or its error. Its JSON line keeps the figure under
+    "note_us" (no "us" key), so summaries of kernel rows skip it."""
+    text = f"{us:.1f} us" if us is not None else f"FAILED: {error}"
+    print(f"{kind:8s} B={p.batch:<4d} q={p.q_len:<5d} ctx={p.ctx:<6d} {what}: {text}", flush=True)
+    rec = dict(kind=kind, batch=p.batch, q_len=p.q_len, ctx=p.ctx, note=what)
+    if us is not None:
+      rec["note_us"] = us
+    else:
+      rec["error"] = error
+    self.write(rec)
+
+  def write(self, rec: dict):
     if self.json:
       self.json.write(json.dumps(rec) + "\n")
       self.json.flush()
 
 
-def measure(rep: Reporter, kind: str, p: Problem, impl: str, make):
+def default_timing(kind: str) -> str:
+  """In-jit for decode (per-call timing of small decode shapes measures host
+  dispatch), per-call for prefill (long enough that dispatch hides)."""
+  return "in-jit" if kind == "decode" else "per-call"
+
+
+def _error_text(e: Exception) -> str:
+  return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def measure(rep: Reporter, kind: str, p: Problem, impl: str, make, *, timing: str,
+            repeat: int):
+  """Times ``make() -> (fn, rest)`` in one timing mode and reports it; a
+  failure is reported as a row and the run goes on."""
   try:
     fn, rest = make()
-    us = time_chained(fn, p.q, *rest)
-    rep.row(kind, p, impl, us)
+    if timing == "in-jit":
+      us = time_in_jit(fn, p.q, *rest, repeat=repeat)
+    else:
+      us = time_chained(fn, p.q, *rest)
+    rep.row(kind, p, impl, us, timing=timing, repeat=repeat if timing == "in-jit" else None)
   except Exception as e:  # noqa: BLE001 - one failure must not end the run
-    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    rep.row(kind, p, impl, None, msg)
+    rep.row(kind, p, impl, None, _error_text(e), timing=timing,
+            repeat=repeat if timing == "in-jit" else None)
     if "--traceback" in sys.argv:
       traceback.print_exc()
 
 
+def timings_for(kind: str, p: Problem, mode: str) -> tuple[str, ...]:
+  """Timing modes for a problem: ``mode`` "in-jit" or "per-call" forces one;
+  "auto" uses ``default_timing`` and adds per-call on the decode targets
+  (``TARGET_SHAPES_BOTH_TIMINGS``, and the smoke run) to compare the two."""
+  if mode != "auto":
+    return (mode,)
+  if kind == "decode" and ((p.batch, p.ctx) in TARGET_SHAPES_BOTH_TIMINGS
+                           or jax.default_backend() != "gpu"):
+    return ("in-jit", "per-call")
+  return (default_timing(kind),)
+
+
 def run_problem(rep: Reporter, kind: str, p: Problem, *, interpret: bool, sweep: bool,
-                baselines: bool):
+                baselines: bool, timing: str = "auto", repeat: int = 4):
+  timings = timings_for(kind, p, timing)
+  auto = auto_config(p)
+  if kind == "decode" and auto.num_splits > 1:
+    try:
+      rep.note(kind, p, f"flash-decoding merge alone ({auto.num_splits} splits, in-jit "
+               f"x{repeat})", us=merge_cost_us(p, auto.num_splits, repeat))
+    except Exception as e:  # noqa: BLE001
+      rep.note(kind, p, "flash-decoding merge alone", error=_error_text(e))
   if sweep:
     configs = decode_sweep(p) if kind == "decode" else prefill_sweep(p)
   else:
-    configs = [auto_config(p)]
+    configs = [auto]
   for cfg in configs:
-    name = "ours " + ("auto" if cfg is None else describe(cfg))
-    if cfg is not None and cfg == auto_config(p):
-      name += " (auto)"
-    measure(rep, kind, p, name,
-            lambda cfg=cfg: (ours(p, cfg, interpret), p.args()[1:]))
+    name = "ours " + describe(cfg) + (" (auto)" if cfg == auto else "")
+    for t in timings:
+      measure(rep, kind, p, name, lambda cfg=cfg: (ours(p, cfg, interpret), p.args()[1:]),
+              timing=t, repeat=repeat)
   if not baselines:
     return
-  if kind == "decode":
-    measure(rep, kind, p, "jax pallas paged_attention",
-            lambda: jax_paged_attention(p, interpret))
-  else:
-    if jax.default_backend() == "gpu":
+  for t in timings:
+    if kind == "decode":
+      measure(rep, kind, p, "jax pallas paged_attention",
+              lambda: jax_paged_attention(p, interpret), timing=t, repeat=repeat)
+    elif jax.default_backend() == "gpu":
       measure(rep, kind, p, "cudnn dot_product_attention (contiguous)",
-              lambda: cudnn_attention(p))
-  if reference_bytes(p) <= XLA_REFERENCE_MAX_BYTES:
-    measure(rep, kind, p, "xla gather+attend (reference)",
-            lambda: (xla_reference(p), p.args()[1:]))
-  else:
-    rep.row(kind, p, "xla gather+attend (reference)", None,
-            f"skipped: would materialise {reference_bytes(p) / 2**30:.0f} GiB")
+              lambda: cudnn_attention(p), timing=t, repeat=repeat)
+    if reference_bytes(p) <= XLA_REFERENCE_MAX_BYTES:
+      measure(rep, kind, p, "xla gather+attend (reference)",
+              lambda: (xla_reference(p), p.args()[1:]), timing=t, repeat=repeat)
+    else:
+      rep.row(kind, p, "xla gather+attend (reference)", None,
+              f"skipped: would materialise {reference_bytes(p) / 2**30:.0f} GiB", timing=t)
+
+
+def report_floors(rep: Reporter, p: Problem, repeat: int):
+  """Prints the per-call dispatch floor and the in-jit per-iteration floor."""
+  for what, timer in (("dispatch floor (per-call, trivial jit)", dispatch_floor_us),
+                      (f"in-jit floor (x{repeat}, one elementwise kernel per iteration)",
+                       lambda p: in_jit_floor_us(p, repeat))):
+    try:
+      rep.note("floor", p, what, us=timer(p))
+    except Exception as e:  # noqa: BLE001
+      rep.note("floor", p, what, error=_error_text(e))
 
 
 def main(argv=None):
@@ -345,26 +527,43 @@ def main(argv=None):
   parser.add_argument("--no-sweep", action="store_true", help="only the automatic tiling")
   parser.add_argument("--json", help="append one JSON line per measurement to this file")
   parser.add_argument("--traceback", action="store_true", help="print tracebacks of failures")
+  parser.add_argument(
+      "--timing", choices=("auto", "in-jit", "per-call"), default="auto",
+      help="auto: in-jit for decode (plus per-call on the decode targets), per-call for "
+           "prefill; in-jit / per-call: that mode everywhere (per-call = the first run's)")
+  parser.add_argument("--target-ms", type=float, default=2.0,
+                      help="minimum duration of one in-jit loop (sizes its repeat count)")
+  parser.add_argument("--loop-repeat", type=int, default=None,
+                      help="fixed iterations per in-jit loop instead of the sizing rule")
   args = parser.parse_args(argv)
+  if args.target_ms <= 0:
+    parser.error("--target-ms must be > 0")
+  if args.loop_repeat is not None and args.loop_repeat < 1:
+    parser.error("--loop-repeat must be >= 1")
 
   on_gpu = jax.default_backend() == "gpu"
   device = jax.devices()[0]
   print(f"device: {device.platform} {device.device_kind}; jax {jax.__version__}", flush=True)
   rep = Reporter(args.json)
+  sizing = dict(on_gpu=on_gpu, target_s=args.target_ms * 1e-3, override=args.loop_repeat)
   if args.smoke or not on_gpu:
     if not on_gpu:
       print("no GPU: tiny smoke run in interpret mode (figures are not kernel speed)")
     lay = Layout(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.float32)
     interpret = not on_gpu
-    for kind, batch, q_len, ctx in [("decode", 2, 1, 64), ("prefill", 1, 32, 64)]:
+    # Decode context 256: the automatic tiling splits it, so the merge is timed too.
+    for kind, batch, q_len, ctx in [("decode", 2, 1, 256), ("prefill", 1, 32, 64)]:
       p = make_problem(lay, batch, q_len, ctx)
-      run_problem(rep, kind, p, interpret=interpret, sweep=False, baselines=True)
+      if kind == "decode":
+        report_floors(rep, p, loop_repeat(p, **sizing))
+      run_problem(rep, kind, p, interpret=interpret, sweep=False, baselines=True,
+                  timing=args.timing, repeat=loop_repeat(p, **sizing))
     return
 
   lay = Layout()
-  floor = dispatch_floor_us(make_problem(lay, 1, 1, 512))
-  print(f"dispatch floor: {floor:.1f} us per call (figures near it are dispatch-bound)",
-        flush=True)
+  small = make_problem(lay, 1, 1, 512)
+  report_floors(rep, small, loop_repeat(small, **sizing))
+  del small
   # Targets first, so that a run cut short still reports them.
   decode = [(64, 2048), (1, 8192), (256, 2048), (8, 2048)]
   prefill = [(4096, 4096), (512, 4096)]  # (chunk, context incl. chunk)
@@ -382,7 +581,7 @@ def main(argv=None):
         print(f"{kind} {a}x{b}: could not build inputs: {e}", flush=True)
         continue
       run_problem(rep, kind, p, interpret=False, sweep=sweep and not args.no_sweep,
-                  baselines=True)
+                  baselines=True, timing=args.timing, repeat=loop_repeat(p, **sizing))
       del p
       gc.collect()
 

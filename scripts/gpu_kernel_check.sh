@@ -29,8 +29,10 @@ cat "$OUT/env.txt"
 
 echo "== 1. kernel tests, compiled (budget ${TEST_BUDGET}s)"
 if "$PY" -c "import pytest" 2>/dev/null; then
+  # console_output_style=times prints each test's duration as it ends, so a run
+  # stopped by the budget still shows where the time went.
   timeout -k 10 "$TEST_BUDGET" "$PY" -m pytest -v -rfEs -p no:cacheprovider \
-      -o addopts="" tests/pallas_kernels 2>&1 | tee "$OUT/tests.log"
+      -o addopts="" -o console_output_style=times tests/pallas_kernels 2>&1 | tee "$OUT/tests.log"
 else
   echo "(pytest not installed: built-in runner)"
   timeout -k 10 "$TEST_BUDGET" "$PY" - tests/pallas_kernels <<'EOF' 2>&1 | tee "$OUT/tests.log"
