@@ -65,6 +65,7 @@ from pallas_kernels.attention_tuning import KernelConfig
 from pallas_kernels.attention_tuning import choose_config
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention import merge_split_partials
 
 COPY_BANDWIDTH_GBS = 4300.0  # H200 device copy bandwidth used for "% of copy"
 # H200 peaks, only to size the in-jit loop (a lower bound on a call's time).
@@ -233,25 +234,6 @@ def in_jit_floor_us(problem: Problem, repeat: int) -> float:
                      repeat=repeat)
 
 
-def merge_partials(acc, m, l, dtype):
-  """The flash-decoding merge, as in ``_ragged_paged_attention_pallas`` (keep
-  in step with it): ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``.
-
-  Args:
-    acc: float32 [splits, T, Hkv, Gp, D] unnormalised partial outputs.
-    m, l: float32 [splits, T, Hkv, Gp] running max (base 2) and softmax sums.
-    dtype: output dtype.
-
-  Returns:
-    [T, Hkv, Gp, D] in ``dtype``.
-  """
-  m_max = m.max(axis=0)
-  w = jnp.exp2(m - m_max[None])
-  l_sum = (w * l).sum(axis=0)
-  o = (w[..., None] * acc).sum(axis=0)
-  return (o / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]).astype(dtype)
-
-
 def merge_cost_us(p: Problem, num_splits: int, repeat: int) -> float:
   """In-jit microseconds of the flash-decoding merge alone for ``p``'s head
   layout and ``num_splits`` splits: the fixed cost a split call pays after
@@ -266,7 +248,7 @@ def merge_cost_us(p: Problem, num_splits: int, repeat: int) -> float:
   l = 1.0 + jax.random.uniform(keys[2], part, jnp.float32)
 
   def step(l, acc, m):
-    o = merge_partials(acc, m, l, lay.dtype)
+    o = merge_split_partials(acc, m, l, dtype=lay.dtype)
     return l + 1e-6 * jnp.abs(o[None, ..., 0]).astype(jnp.float32)
 
   return time_in_jit(step, l, acc, m, repeat=repeat)

@@ -41,6 +41,8 @@ from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
 
+from bench_kv_cache import calibration_ns  # benchmarks/ is on sys.path when run as a script
+
 TOKEN = 7
 
 
@@ -54,19 +56,6 @@ def runner_output(sched: Scheduler, out) -> ModelRunnerOutput:
         sampled.append([TOKEN] if r.num_computed_tokens >= r.num_tokens else [])
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=sampled)
-
-
-def calibration_ns() -> float:
-    """ns per empty Python function call now (about 25-40 ns on an idle modern x86 core)."""
-    def noop():
-        pass
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.process_time()
-        for _ in range(200_000):
-            noop()
-        best = min(best, (time.process_time() - t0) / 200_000 * 1e9)
-    return best
 
 
 def timed_steps(sched: Scheduler, num_steps: int, on_step=None) -> tuple[list[float], list[float], int]:

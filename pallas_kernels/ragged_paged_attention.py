@@ -263,6 +263,28 @@ def _attention_kernel(
     plgpu.store(l_ref.at[tok_rows, :], l_i.reshape(block_q, group_pad), mask=out_mask)
 
 
+def merge_split_partials(acc: jax.Array, m: jax.Array, l: jax.Array, *, dtype) -> jax.Array:
+  """The flash-decoding merge of per-split partial results (Dao et al., Flash-Decoding, 2023).
+
+  ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s``; a row
+  whose keys were all masked in every split (``l`` sums to 0) comes out as zeros.
+
+  Args:
+    acc: float32 [splits, T, Hkv, Gp, D], unnormalised partial outputs.
+    m: float32 [splits, T, Hkv, Gp], running maxima of the scores (base-2 logits).
+    l: float32 [splits, T, Hkv, Gp], softmax denominators relative to ``m``.
+    dtype: output dtype.
+
+  Returns:
+    [T, Hkv, Gp, D] in ``dtype``.
+  """
+  m_max = m.max(axis=0)
+  w = jnp.exp2(m - m_max[None])  # [splits, T, Hkv, Gp]
+  l_sum = (w * l).sum(axis=0)
+  o = (w[..., None] * acc).sum(axis=0)
+  return (o / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]).astype(dtype)
+
+
 # Layer 2: the pallas_call wrapper: grid, block specs, split merge.
 def num_query_tiles(num_tokens: int, num_seq_slots: int, block_q: int) -> int:
   """Static size of grid axis 0: each sequence's tiles start at
@@ -360,13 +382,7 @@ def _ragged_paged_attention_pallas(
   if num_splits == 1:
     (o,) = outs  # [T, Hkv, Gp, D]
   else:
-    # Flash-decoding merge: sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
-    acc, m, l = outs
-    m_max = m.max(axis=0)
-    w = jnp.exp2(m - m_max[None])  # [splits, T, Hkv, Gp]
-    l_sum = (w * l).sum(axis=0)
-    o = (w[..., None] * acc).sum(axis=0)
-    o = (o / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]).astype(q.dtype)
+    o = merge_split_partials(*outs, dtype=q.dtype)
   if group_pad != group:
     o = o[:, :, :group]
   return o.reshape(num_tokens, num_q_heads, head_dim)
