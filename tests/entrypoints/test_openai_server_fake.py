@@ -43,6 +43,9 @@ def test_models_health_version(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
     assert models["data"][0]["object"] == "model" and models["data"][0]["max_model_len"] == 256
+    assert client.get("/v1/models/fake-model").json() == models["data"][0]
+    error = assert_error(client.get("/v1/models/other"), 404, "model", "model_not_found")
+    assert "other" in error["message"]
     assert client.get("/health").status_code == 200
     assert client.get("/version").json()["version"]
 
@@ -395,8 +398,11 @@ def test_api_key():
             assert_error(c.get("/v1/models"), 401, code="invalid_api_key")
             assert_error(c.post(COMPL, json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401)
             assert_error(c.post("/tokenize", json={"prompt": "x"}), 401)
-            ok = c.post(COMPL, json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer sesame"})
-            assert ok.status_code == 200
+            assert_error(c.post(COMPL, json={"prompt": "x"}, headers={"Authorization": "Basic sesame"}), 401)
+            assert_error(c.post(COMPL, json={"prompt": "x"}, headers={"Authorization": "sesame"}), 401)
+            for scheme in ("Bearer", "bearer", "BEARER"):   # the scheme is case-insensitive (RFC 7235)
+                ok = c.post(COMPL, json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": f"{scheme} sesame"})
+                assert ok.status_code == 200
             assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
     finally:
         srv.close()

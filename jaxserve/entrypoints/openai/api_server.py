@@ -60,7 +60,7 @@ from jaxserve.engine.async_llm import EngineDeadError, RequestStream
 from jaxserve.entrypoints.openai.common import ServingInfo, check_priority, check_prompt_ids, check_queue
 from jaxserve.entrypoints.openai.engine_calls import abort_all, engine_error
 from jaxserve.entrypoints.openai.errors import APIError, bad_request, error_body, from_validation_error, \
-    from_value_error
+    from_value_error, model_not_found
 from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest)
 from jaxserve.entrypoints.openai.serving_chat import create_chat, messages_as_dicts, prepare_chat, stream_chat
@@ -246,11 +246,23 @@ def _generation_handler(url: str) -> Callable[[web.Request], Awaitable[web.Strea
     return handler
 
 
+def _model_card(info: ServingInfo) -> dict[str, Any]:
+    return {"id": info.model_name, "object": "model", "created": info.created, "owned_by": "jaxserve",
+            "root": info.model_path, "parent": None, "max_model_len": info.max_model_len}
+
+
 async def _models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the served model (OpenAI's list-models shape)."""
+    return json_response({"object": "list", "data": [_model_card(request.app[INFO_KEY])]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: the served model's card, or 404 ``model_not_found``."""
     info = request.app[INFO_KEY]
-    return json_response({"object": "list", "data": [{
-        "id": info.model_name, "object": "model", "created": info.created, "owned_by": "jaxserve",
-        "root": info.model_path, "parent": None, "max_model_len": info.max_model_len}]})
+    name = request.match_info["model"]
+    if name != info.model_name:
+        raise model_not_found(name)
+    return json_response(_model_card(info))
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -326,13 +338,14 @@ async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamRe
 
 
 def _auth_middleware(api_key: str) -> Any:
-    expected = f"Bearer {api_key}".encode()
+    expected = api_key.encode()
 
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path.startswith(_PROTECTED_PREFIXES):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
                 raise APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
                                type="invalid_request_error", code="invalid_api_key")
         return await handler(request)
@@ -359,6 +372,7 @@ def build_app(llm: Any, *, api_key: str | None = None, info: ServingInfo | None 
     app.router.add_post("/v1/completions", _generation_handler("/v1/completions"))
     app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/version", _version)
