@@ -47,8 +47,10 @@ def _timeit(fn, repeat: int) -> float:
 
 def calibration_ns() -> float:
     """ns per empty Python function call now (about 25-40 ns on an idle modern x86 core)."""
+
     def noop():
         pass
+
     best = float("inf")
     for _ in range(5):
         t0 = time.process_time()
@@ -63,8 +65,10 @@ def bench(num_blocks: int, repeat: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=16)
     prompt = [(t * 7919) % 32000 for t in range(PROMPT_LEN)]
     # Fill most of the pool with other requests' cached blocks so the free queue is long and mixed.
-    filler = [Request(f"fill{i}", [(i * 131 + t) % 32000 for t in range(PROMPT_LEN)], params)
-              for i in range(min(num_blocks // 256, 200))]
+    filler = [
+        Request(f"fill{i}", [(i * 131 + t) % 32000 for t in range(PROMPT_LEN)], params)
+        for i in range(min(num_blocks // 256, 200))
+    ]
     for r in filler:
         kv.allocate_slots(r, PROMPT_LEN)
     for r in filler[::2]:
@@ -121,8 +125,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=200)
     args = parser.parse_args()
-    print(f"calibration: empty call {calibration_ns():.0f} ns, load average {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} CPUs; times are process CPU time, median of 5 runs")
+    print(
+        f"calibration: empty call {calibration_ns():.0f} ns, load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} CPUs; times are process CPU time, median of 5 runs"
+    )
     for num_blocks in (10_000, 100_000):
         for name, us in bench(num_blocks, args.repeat).items():
             print(f"num_blocks={num_blocks:>7}  {name:<45} {us:9.2f} us")

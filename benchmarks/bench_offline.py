@@ -32,13 +32,19 @@ from jaxserve.config import EngineArgs  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     EngineArgs.add_cli_args(parser, positional_model=False)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    parser.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
+    parser.add_argument(
+        "--output-len", type=int, default=64, help="output tokens per request (ignore_eos)"
+    )
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--time-limit-s", type=float, default=0.0, help="stop after this long (0 = no limit)")
+    parser.add_argument(
+        "--time-limit-s", type=float, default=0.0, help="stop after this long (0 = no limit)"
+    )
     parser.add_argument("--report-every-s", type=float, default=10.0)
     parser.add_argument("--json-out", default="", help="also write the JSON summary here")
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
@@ -63,15 +69,21 @@ def main(argv=None) -> dict:
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     startup_s = time.perf_counter() - t0
     runner = engine.runner
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), attention {runner.backend}, "
-          f"dtype {runner.dtype.name}, KV {engine.config.cache.num_gpu_blocks} blocks "
-          f"({runner.kv_spec.num_tokens} tokens), buckets {runner.token_buckets}", flush=True)
-    print(f"start-up {startup_s:.1f} s (compile/warm-up {runner.compile_seconds:.1f} s)", flush=True)
+    print(
+        f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), attention {runner.backend}, "
+        f"dtype {runner.dtype.name}, KV {engine.config.cache.num_gpu_blocks} blocks "
+        f"({runner.kv_spec.num_tokens} tokens), buckets {runner.token_buckets}",
+        flush=True,
+    )
+    print(
+        f"start-up {startup_s:.1f} s (compile/warm-up {runner.compile_seconds:.1f} s)", flush=True
+    )
 
     rng = np.random.default_rng(args.bench_seed)
     vocab = engine.vocab_size
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True,
-                            seed=None)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=None
+    )
     for i in range(args.num_prompts):
         prompt = rng.integers(3, vocab, size=args.input_len).tolist()
         engine.add_request(str(i), prompt, params, final_only=True)
@@ -90,10 +102,13 @@ def main(argv=None) -> dict:
             st = engine.get_stats()
             gen = st.num_generation_tokens_total - stats0.num_generation_tokens_total
             rate = (gen - window_tokens) / (now - window_t)
-            print(f"[{now - start:7.1f} s] finished {finished}/{args.num_prompts}, output tokens {gen}, "
-                  f"{gen / (now - start):.1f} tok/s overall, {rate:.1f} tok/s last {now - window_t:.0f} s, "
-                  f"running {st.num_running_reqs}, waiting {st.num_waiting_reqs}, "
-                  f"KV {100 * st.kv_cache_usage:.0f}%", flush=True)
+            print(
+                f"[{now - start:7.1f} s] finished {finished}/{args.num_prompts}, output tokens {gen}, "
+                f"{gen / (now - start):.1f} tok/s overall, {rate:.1f} tok/s last {now - window_t:.0f} s, "
+                f"running {st.num_running_reqs}, waiting {st.num_waiting_reqs}, "
+                f"KV {100 * st.kv_cache_usage:.0f}%",
+                flush=True,
+            )
             last_report, window_t, window_tokens = now, now, gen
         if args.time_limit_s and now - start >= args.time_limit_s:
             timed_out = True
@@ -106,15 +121,24 @@ def main(argv=None) -> dict:
     prompt_tokens = st.num_scheduled_tokens_total - stats0.num_scheduled_tokens_total - gen
     per_step = lambda name: 1e3 * (getattr(st, name) - getattr(stats0, name)) / max(steps, 1)  # noqa: E731
     summary = {
-        "model": engine.config.model.served_model_name, "device": jax.devices()[0].device_kind,
-        "backend": runner.backend, "dtype": runner.dtype.name,
-        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+        "model": engine.config.model.served_model_name,
+        "device": jax.devices()[0].device_kind,
+        "backend": runner.backend,
+        "dtype": runner.dtype.name,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
         "max_num_seqs": engine.config.scheduler.max_num_seqs,
         "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
-        "finished_requests": finished, "timed_out": timed_out, "elapsed_s": round(elapsed, 3),
-        "output_tokens": gen, "output_tok_per_s": round(gen / elapsed, 1),
+        "finished_requests": finished,
+        "timed_out": timed_out,
+        "elapsed_s": round(elapsed, 3),
+        "output_tokens": gen,
+        "output_tok_per_s": round(gen / elapsed, 1),
         "total_tok_per_s": round((gen + prompt_tokens) / elapsed, 1),
-        "steps": steps, "startup_s": round(startup_s, 1), "compile_s": round(runner.compile_seconds, 1),
+        "steps": steps,
+        "startup_s": round(startup_s, 1),
+        "compile_s": round(runner.compile_seconds, 1),
         "ms_per_step": {
             "schedule": round(per_step("schedule_s"), 3),
             "runner_host": round(per_step("runner_host_s"), 3),
@@ -125,10 +149,14 @@ def main(argv=None) -> dict:
         "compiles_after_warmup": runner.compile_counts(),
     }
     ms = summary["ms_per_step"]
-    print(f"\n{'(time limit hit) ' if timed_out else ''}{finished}/{args.num_prompts} requests in {elapsed:.1f} s: "
-          f"{summary['output_tok_per_s']} output tok/s, {summary['total_tok_per_s']} total tok/s over {steps} steps")
-    print(f"per step: schedule {ms['schedule']} ms, runner host {ms['runner_host']} ms, device {ms['device']} ms, "
-          f"output {ms['output']} ms, wall {ms['wall']} ms")
+    print(
+        f"\n{'(time limit hit) ' if timed_out else ''}{finished}/{args.num_prompts} requests in {elapsed:.1f} s: "
+        f"{summary['output_tok_per_s']} output tok/s, {summary['total_tok_per_s']} total tok/s over {steps} steps"
+    )
+    print(
+        f"per step: schedule {ms['schedule']} ms, runner host {ms['runner_host']} ms, device {ms['device']} ms, "
+        f"output {ms['output']} ms, wall {ms['wall']} ms"
+    )
     line = json.dumps(summary)
     print(line, flush=True)
     if args.json_out:

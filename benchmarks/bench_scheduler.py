@@ -35,13 +35,13 @@ import subprocess
 import sys
 import time
 
+from bench_kv_cache import calibration_ns  # benchmarks/ is on sys.path when run as a script
+
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.outputs import ModelRunnerOutput
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
-
-from bench_kv_cache import calibration_ns  # benchmarks/ is on sys.path when run as a script
 
 TOKEN = 7
 
@@ -54,11 +54,16 @@ def runner_output(sched: Scheduler, out) -> ModelRunnerOutput:
     for req_id in req_ids:
         r = sched.requests[req_id]
         sampled.append([TOKEN] if r.num_computed_tokens >= r.num_tokens else [])
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=sampled)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
 
 
-def timed_steps(sched: Scheduler, num_steps: int, on_step=None) -> tuple[list[float], list[float], int]:
+def timed_steps(
+    sched: Scheduler, num_steps: int, on_step=None
+) -> tuple[list[float], list[float], int]:
     sched_us, update_us, tokens = [], [], 0
     gc.collect()
     for step in range(num_steps):
@@ -81,12 +86,17 @@ def decode_scheduler(n: int) -> Scheduler:
     """A scheduler with ``n`` requests (100-token prompts) that have all finished prefill."""
     prompt_len, max_len = 100, 2048
     blocks = n * (-(-max_len // 16)) + 1
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=n, max_model_len=max_len),
-                      CacheConfig(block_size=16), num_gpu_blocks=blocks)
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=n, max_model_len=max_len),
+        CacheConfig(block_size=16),
+        num_gpu_blocks=blocks,
+    )
     params = SamplingParams(max_tokens=max_len - prompt_len, ignore_eos=True)
     rng = random.Random(0)
     for i in range(n):
-        sched.add_request(Request(f"r{i}", [rng.randrange(32000) for _ in range(prompt_len)], params))
+        sched.add_request(
+            Request(f"r{i}", [rng.randrange(32000) for _ in range(prompt_len)], params)
+        )
     while len(sched.running) < n or any(r.num_output_tokens == 0 for r in sched.running):  # prefill
         out = sched.schedule()
         sched.update_from_output(out, runner_output(sched, out))
@@ -98,9 +108,16 @@ def decode_workload(n: int, num_steps: int) -> tuple[list[float], list[float], i
 
 
 def mixed_workload(num_steps: int) -> tuple[list[float], list[float], int]:
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, long_prefill_token_threshold=512,
-                                      max_model_len=2048),
-                      CacheConfig(block_size=16), num_gpu_blocks=20_000)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=2048,
+            max_num_seqs=256,
+            long_prefill_token_threshold=512,
+            max_model_len=2048,
+        ),
+        CacheConfig(block_size=16),
+        num_gpu_blocks=20_000,
+    )
     rng = random.Random(0)
     shared = [rng.randrange(32000) for _ in range(512)]
     counter = [0]
@@ -111,9 +128,14 @@ def mixed_workload(num_steps: int) -> tuple[list[float], list[float], int]:
             p = rng.randint(32, 1024)
             prompt = [rng.randrange(32000) for _ in range(p)]
             if rng.random() < 0.3:
-                prompt = shared + prompt[:max(p - 512, 1)]
-            sched.add_request(Request(f"m{counter[0]}", prompt,
-                                      SamplingParams(max_tokens=rng.randint(16, 256), ignore_eos=True)))
+                prompt = shared + prompt[: max(p - 512, 1)]
+            sched.add_request(
+                Request(
+                    f"m{counter[0]}",
+                    prompt,
+                    SamplingParams(max_tokens=rng.randint(16, 256), ignore_eos=True),
+                )
+            )
 
     timed_steps(sched, 300, arrivals)  # reach a steady state
     return timed_steps(sched, num_steps, arrivals)
@@ -123,7 +145,9 @@ def best_slice(total_us: list[float], rounds: int = 5) -> slice:
     """The fastest of ``rounds`` equal slices of a run, by median step (timeit's "best of"
     convention: on a shared box the slowest slices measure the neighbours)."""
     size = max(len(total_us) // rounds, 1)
-    best = min(range(0, len(total_us), size), key=lambda k: statistics.median(total_us[k:k + size]))
+    best = min(
+        range(0, len(total_us), size), key=lambda k: statistics.median(total_us[k : k + size])
+    )
     return slice(best, best + size)
 
 
@@ -138,10 +162,12 @@ def report(name: str, sched_us: list[float], update_us: list[float], tokens: int
     overall median and mean."""
     total = [a + b for a, b in zip(sched_us, update_us)]
     sl = best_slice(total)
-    print(f"{name:<12} best-of-5: schedule {statistics.median(sched_us[sl]):7.1f} us + update "
-          f"{statistics.median(update_us[sl]):7.1f} us = {statistics.median(total[sl]):7.1f} us/step | all steps: "
-          f"median {statistics.median(total):7.1f} us, mean {statistics.fmean(total):7.1f} us"
-          f" | {tokens / len(total):.0f} tokens/step")
+    print(
+        f"{name:<12} best-of-5: schedule {statistics.median(sched_us[sl]):7.1f} us + update "
+        f"{statistics.median(update_us[sl]):7.1f} us = {statistics.median(total[sl]):7.1f} us/step | all steps: "
+        f"median {statistics.median(total):7.1f} us, mean {statistics.fmean(total):7.1f} us"
+        f" | {tokens / len(total):.0f} tokens/step"
+    )
 
 
 WORKLOADS = {
@@ -187,30 +213,56 @@ def callgrind_instructions() -> None:
     if shutil.which("valgrind") is None:
         raise SystemExit("--callgrind needs valgrind (apt-get install valgrind)")
     clean = clean_steps(48)
-    runs = [(k, j) for k in range(len(clean)) for j in range(k, len(clean)) if all(clean[k:j + 1])]
+    runs = [
+        (k, j) for k in range(len(clean)) for j in range(k, len(clean)) if all(clean[k : j + 1])
+    ]
     first, last = max(runs, key=lambda kj: kj[1] - kj[0])
 
     def instructions(num_steps: int) -> int:
-        proc = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
-                               os.path.abspath(__file__), "--replay-decode", str(num_steps)],
-                              capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+        proc = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--callgrind-out-file=/dev/null",
+                sys.executable,
+                os.path.abspath(__file__),
+                "--replay-decode",
+                str(num_steps),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+        )
         return int(re.search(r"Collected : (\d+)", proc.stderr).group(1))
 
-    base, clean_end, period_end = instructions(first), instructions(last + 1), instructions(first + 16)
+    base, clean_end, period_end = (
+        instructions(first),
+        instructions(last + 1),
+        instructions(first + 16),
+    )
     per_clean = (clean_end - base) / (last + 1 - first)
     per_period = (period_end - base) / 16
-    print(f"decode-256   {per_clean / 1e6:.2f} M instructions per step with no block boundary "
-          f"({per_clean / 256:,.0f} per request; callgrind, steady-state steps {first + 1}..{last + 1})")
-    print(f"decode-256   {per_period / 1e6:.2f} M instructions per step over one 16-step block period "
-          f"({per_period / 256:,.0f} per request; steps {first + 1}..{first + 16})")
+    print(
+        f"decode-256   {per_clean / 1e6:.2f} M instructions per step with no block boundary "
+        f"({per_clean / 256:,.0f} per request; callgrind, steady-state steps {first + 1}..{last + 1})"
+    )
+    print(
+        f"decode-256   {per_period / 1e6:.2f} M instructions per step over one 16-step block period "
+        f"({per_period / 256:,.0f} per request; steps {first + 1}..{first + 16})"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--repeat", type=int, default=3, help="runs per workload; the fastest is reported")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs per workload; the fastest is reported"
+    )
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--callgrind", action="store_true", help="count instructions per decode-256 step instead")
+    parser.add_argument(
+        "--callgrind", action="store_true", help="count instructions per decode-256 step instead"
+    )
     parser.add_argument("--replay-decode", type=int, metavar="STEPS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.replay_decode is not None:
@@ -219,8 +271,10 @@ def main() -> None:
     if args.callgrind:
         callgrind_instructions()
         return
-    print(f"calibration: empty call {calibration_ns():.0f} ns, load average {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} CPUs; times are process CPU time (time.process_time)")
+    print(
+        f"calibration: empty call {calibration_ns():.0f} ns, load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} CPUs; times are process CPU time (time.process_time)"
+    )
     for name in args.workloads:
         runs = [WORKLOADS[name](args.steps) for _ in range(max(args.repeat, 1))]
         report(name, *min(runs, key=lambda run: best_step_us(run[0], run[1])))

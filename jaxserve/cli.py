@@ -13,22 +13,39 @@ import sys
 
 # name -> (module, parser-adding function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "serve": ("jaxserve.entrypoints.openai.api_server", "add_serve_parser",
-              "run the OpenAI-compatible HTTP server"),
-    "run-batch": ("jaxserve.entrypoints.run_batch", "add_run_batch_parser",
-                  "offline inference over a JSONL file in the OpenAI batch format"),
-    "bench": ("jaxserve.benchmarks.cli", "add_bench_parser",
-              "benchmark a server (bench serve) or the offline engine (bench throughput)"),
-    "generate": ("jaxserve.reference_generate", "add_generate_parser",
-                 "greedy text from the dense reference generator (no KV cache, no batching)"),
-    "convert": ("jaxserve.model.checkpoint", "add_convert_parser",
-                "convert a Hugging Face model directory to our orbax checkpoint layout"),
+    "serve": (
+        "jaxserve.entrypoints.openai.api_server",
+        "add_serve_parser",
+        "run the OpenAI-compatible HTTP server",
+    ),
+    "run-batch": (
+        "jaxserve.entrypoints.run_batch",
+        "add_run_batch_parser",
+        "offline inference over a JSONL file in the OpenAI batch format",
+    ),
+    "bench": (
+        "jaxserve.benchmarks.cli",
+        "add_bench_parser",
+        "benchmark a server (bench serve) or the offline engine (bench throughput)",
+    ),
+    "generate": (
+        "jaxserve.reference_generate",
+        "add_generate_parser",
+        "greedy text from the dense reference generator (no KV cache, no batching)",
+    ),
+    "convert": (
+        "jaxserve.model.checkpoint",
+        "add_convert_parser",
+        "convert a Hugging Face model directory to our orbax checkpoint layout",
+    ),
 }
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The top-level parser, with the full parser of the subcommand named in ``argv`` (if any)."""
-    parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference server on JAX/XLA.")
+    parser = argparse.ArgumentParser(
+        prog="jaxserve", description="LLM inference server on JAX/XLA."
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, adder, help_text) in COMMANDS.items():

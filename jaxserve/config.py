@@ -50,9 +50,13 @@ class ModelConfig:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "orbax", "dummy"):
-            raise ValueError(f"load_format must be auto, safetensors, orbax or dummy, got {self.load_format!r}")
+            raise ValueError(
+                f"load_format must be auto, safetensors, orbax or dummy, got {self.load_format!r}"
+            )
         if self.max_model_len < 0:
-            raise ValueError(f"max_model_len must be >= 0 (0: not resolved yet), got {self.max_model_len}")
+            raise ValueError(
+                f"max_model_len must be >= 0 (0: not resolved yet), got {self.max_model_len}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +88,13 @@ class CacheConfig:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
-            raise ValueError(f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}"
+            )
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
@@ -122,12 +130,15 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
-                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
+            )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}")
         if self.max_model_len < 1:
@@ -168,9 +179,14 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "pallas", "reference"):
             raise ValueError(
-                f"attention_backend must be auto, pallas or reference, got {self.attention_backend!r}")
-        if list(self.token_buckets) != sorted(set(self.token_buckets)) or any(b < 1 for b in self.token_buckets):
-            raise ValueError(f"token_buckets must be ascending positive integers, got {self.token_buckets}")
+                f"attention_backend must be auto, pallas or reference, got {self.attention_backend!r}"
+            )
+        if list(self.token_buckets) != sorted(set(self.token_buckets)) or any(
+            b < 1 for b in self.token_buckets
+        ):
+            raise ValueError(
+                f"token_buckets must be ascending positive integers, got {self.token_buckets}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,44 +211,85 @@ class EngineArgs:
     ``max_position_embeddings``.
     """
 
-    model: str | None = dataclasses.field(default=None, metadata=_meta(
-        "model directory (HF or our orbax layout); default: the bundled checkpoint", positional=True))
-    dtype: str = dataclasses.field(default="auto", metadata=_meta(
-        "weights and activations dtype", choices=["auto", "float32", "bfloat16"]))
-    load_format: str = dataclasses.field(default="auto", metadata=_meta(
-        "weights format; dummy = random weights of the config", choices=["auto", "safetensors", "orbax", "dummy"]))
-    served_model_name: str | None = dataclasses.field(default=None, metadata=_meta(
-        "model name clients send; default: the model directory's name"))
-    max_model_len: int | None = dataclasses.field(default=None, metadata=_meta(
-        "longest sequence (prompt + output), tokens; default: the model's max_position_embeddings"))
+    model: str | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "model directory (HF or our orbax layout); default: the bundled checkpoint",
+            positional=True,
+        ),
+    )
+    dtype: str = dataclasses.field(
+        default="auto",
+        metadata=_meta("weights and activations dtype", choices=["auto", "float32", "bfloat16"]),
+    )
+    load_format: str = dataclasses.field(
+        default="auto",
+        metadata=_meta(
+            "weights format; dummy = random weights of the config",
+            choices=["auto", "safetensors", "orbax", "dummy"],
+        ),
+    )
+    served_model_name: str | None = dataclasses.field(
+        default=None, metadata=_meta("model name clients send; default: the model directory's name")
+    )
+    max_model_len: int | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "longest sequence (prompt + output), tokens; default: the model's max_position_embeddings"
+        ),
+    )
     seed: int = dataclasses.field(default=0, metadata=_meta("engine sampling seed"))
     block_size: int = dataclasses.field(default=16, metadata=_meta("tokens per KV block"))
-    gpu_memory_utilization: float = dataclasses.field(default=0.9, metadata=_meta(
-        "fraction of device memory for weights, activations and the KV cache"))
-    num_gpu_blocks_override: int | None = dataclasses.field(default=None, metadata=_meta(
-        "KV blocks to allocate, instead of sizing from memory"))
-    enable_prefix_caching: bool = dataclasses.field(default=True, metadata=_meta(
-        "reuse KV blocks of identical prompt prefixes"))
-    max_num_batched_tokens: int = dataclasses.field(default=8192, metadata=_meta("token budget per step"))
+    gpu_memory_utilization: float = dataclasses.field(
+        default=0.9,
+        metadata=_meta("fraction of device memory for weights, activations and the KV cache"),
+    )
+    num_gpu_blocks_override: int | None = dataclasses.field(
+        default=None, metadata=_meta("KV blocks to allocate, instead of sizing from memory")
+    )
+    enable_prefix_caching: bool = dataclasses.field(
+        default=True, metadata=_meta("reuse KV blocks of identical prompt prefixes")
+    )
+    max_num_batched_tokens: int = dataclasses.field(
+        default=8192, metadata=_meta("token budget per step")
+    )
     max_num_seqs: int = dataclasses.field(default=256, metadata=_meta("most requests per step"))
-    long_prefill_token_threshold: int = dataclasses.field(default=4096, metadata=_meta(
-        "most tokens one request may take per step (chunked prefill)"))
-    enable_chunked_prefill: bool = dataclasses.field(default=True, metadata=_meta(
-        "cut long prompts into chunks across steps"))
-    scheduling_policy: str = dataclasses.field(default="fcfs", metadata=_meta(
-        "request order", choices=["fcfs", "priority"]))
-    max_waiting_requests: int = dataclasses.field(default=0, metadata=_meta(
-        "answer 503 above this many waiting requests (0: no cap)"))
-    attention_backend: str = dataclasses.field(default="auto", metadata=_meta(
-        "attention implementation", choices=["auto", "pallas", "reference"]))
-    compilation_cache_dir: str | None = dataclasses.field(default=None, metadata=_meta(
-        "persistent XLA compilation cache ('' disables); default: ~/.cache/jaxserve/xla"))
-    token_buckets: str | None = dataclasses.field(default=None, metadata=_meta(
-        "comma-separated padded step sizes in tokens; default: powers of two up to the budget"))
-    warmup: bool = dataclasses.field(default=True, metadata=_meta("compile every bucket before serving"))
+    long_prefill_token_threshold: int = dataclasses.field(
+        default=4096, metadata=_meta("most tokens one request may take per step (chunked prefill)")
+    )
+    enable_chunked_prefill: bool = dataclasses.field(
+        default=True, metadata=_meta("cut long prompts into chunks across steps")
+    )
+    scheduling_policy: str = dataclasses.field(
+        default="fcfs", metadata=_meta("request order", choices=["fcfs", "priority"])
+    )
+    max_waiting_requests: int = dataclasses.field(
+        default=0, metadata=_meta("answer 503 above this many waiting requests (0: no cap)")
+    )
+    attention_backend: str = dataclasses.field(
+        default="auto",
+        metadata=_meta("attention implementation", choices=["auto", "pallas", "reference"]),
+    )
+    compilation_cache_dir: str | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "persistent XLA compilation cache ('' disables); default: ~/.cache/jaxserve/xla"
+        ),
+    )
+    token_buckets: str | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "comma-separated padded step sizes in tokens; default: powers of two up to the budget"
+        ),
+    )
+    warmup: bool = dataclasses.field(
+        default=True, metadata=_meta("compile every bucket before serving")
+    )
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, *, positional_model: bool = True
+    ) -> None:
         """Adds one flag per field (``--max-num-batched-tokens`` ...); bools get ``--no-`` forms."""
         for field in dataclasses.fields(cls):
             meta = dict(field.metadata)
@@ -243,20 +300,24 @@ class EngineArgs:
                 continue
             flag = "--" + field.name.replace("_", "-")
             if field.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
-                                    help=help_text)
+                parser.add_argument(
+                    flag,
+                    action=argparse.BooleanOptionalAction,
+                    default=field.default,
+                    help=help_text,
+                )
                 continue
             kind = {"int": int, "int | None": int, "float": float}.get(str(field.type), str)
             parser.add_argument(flag, type=kind, default=field.default, help=help_text, **meta)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """Builds EngineArgs from a parsed namespace (extra attributes are ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """Builds EngineArgs from ``LLM(**kwargs)``.
 
         Raises:
@@ -273,6 +334,7 @@ class EngineArgs:
         if self.model:
             return self.model
         from jaxserve.model import default_model_path  # local: keeps this module jax-free
+
         return str(default_model_path())
 
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
@@ -288,28 +350,50 @@ class EngineArgs:
         max_len = self.max_model_len or model_max_len
         if max_len > model_max_len:
             raise ValueError(
-                f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({model_max_len})")
+                f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({model_max_len})"
+            )
         name = self.served_model_name or os.path.basename(os.path.normpath(path))
         buckets: tuple[int, ...] = ()
         if self.token_buckets:
             try:
                 buckets = tuple(int(b) for b in self.token_buckets.split(","))
             except ValueError:
-                raise ValueError(f"token_buckets must be comma-separated integers, got {self.token_buckets!r}") from None
-        cache_dir = (_default_compilation_cache_dir() if self.compilation_cache_dir is None
-                     else self.compilation_cache_dir)
+                raise ValueError(
+                    f"token_buckets must be comma-separated integers, got {self.token_buckets!r}"
+                ) from None
+        cache_dir = (
+            _default_compilation_cache_dir()
+            if self.compilation_cache_dir is None
+            else self.compilation_cache_dir
+        )
         return EngineConfig(
-            model=ModelConfig(model=path, dtype=self.dtype, load_format=self.load_format,
-                              served_model_name=name, max_model_len=max_len, seed=self.seed),
-            cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
-                              num_gpu_blocks_override=self.num_gpu_blocks_override,
-                              enable_prefix_caching=self.enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_num_seqs=self.max_num_seqs,
-                                      long_prefill_token_threshold=self.long_prefill_token_threshold,
-                                      enable_chunked_prefill=self.enable_chunked_prefill,
-                                      policy=self.scheduling_policy, max_model_len=max_len,
-                                      max_waiting_requests=self.max_waiting_requests),
-            runner=RunnerConfig(attention_backend=self.attention_backend, token_buckets=buckets,
-                                compilation_cache_dir=cache_dir, warmup=self.warmup),
+            model=ModelConfig(
+                model=path,
+                dtype=self.dtype,
+                load_format=self.load_format,
+                served_model_name=name,
+                max_model_len=max_len,
+                seed=self.seed,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
+                max_model_len=max_len,
+                max_waiting_requests=self.max_waiting_requests,
+            ),
+            runner=RunnerConfig(
+                attention_backend=self.attention_backend,
+                token_buckets=buckets,
+                compilation_cache_dir=cache_dir,
+                warmup=self.warmup,
+            ),
         )

@@ -24,9 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
@@ -36,12 +44,74 @@ if TYPE_CHECKING:
 PREFIX = "jaxserve:"
 
 # vLLM V1's buckets (seconds).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
@@ -66,7 +136,7 @@ class EngineMetrics:
       registry: this server's own ``CollectorRegistry``.
     """
 
-    def __init__(self, model_name: str, cache_config: "CacheConfig | None" = None) -> None:
+    def __init__(self, model_name: str, cache_config: CacheConfig | None = None) -> None:
         # No ``*_created`` series (vLLM does the same; the switch is process-wide).
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
@@ -74,54 +144,103 @@ class EngineMetrics:
         labels = ["model_name"]
         reg = self.registry
         self.num_requests_running = Gauge(
-            PREFIX + "num_requests_running", "Requests holding KV blocks (in the running batch).", labels,
-            registry=reg).labels(model_name)
+            PREFIX + "num_requests_running",
+            "Requests holding KV blocks (in the running batch).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.num_requests_waiting = Gauge(
-            PREFIX + "num_requests_waiting", "Requests waiting to be scheduled (preempted included).", labels,
-            registry=reg).labels(model_name)
+            PREFIX + "num_requests_waiting",
+            "Requests waiting to be scheduled (preempted included).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.kv_cache_usage_perc = Gauge(
-            PREFIX + "kv_cache_usage_perc", "KV-cache usage, fraction of blocks in use (1 = full).", labels,
-            registry=reg).labels(model_name)
+            PREFIX + "kv_cache_usage_perc",
+            "KV-cache usage, fraction of blocks in use (1 = full).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.num_preemptions = Counter(
-            PREFIX + "num_preemptions", "Preemptions (recompute) of running requests.", labels,
-            registry=reg).labels(model_name)
+            PREFIX + "num_preemptions",
+            "Preemptions (recompute) of running requests.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.prefix_cache_queries = Counter(
-            PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels,
-            registry=reg).labels(model_name)
+            PREFIX + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.prefix_cache_hits = Counter(
-            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
-            registry=reg).labels(model_name)
+            PREFIX + "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of requests that started generating.", labels,
-            registry=reg).labels(model_name)
+            PREFIX + "prompt_tokens",
+            "Prompt tokens of requests that started generating.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Generated tokens.", labels, registry=reg).labels(model_name)
+            PREFIX + "generation_tokens", "Generated tokens.", labels, registry=reg
+        ).labels(model_name)
         success = Counter(
-            PREFIX + "request_success", "Finished samples, by finish reason.", labels + ["finished_reason"],
-            registry=reg)
-        self.request_success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
+            PREFIX + "request_success",
+            "Finished samples, by finish reason.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
+        self.request_success = {
+            reason: success.labels(model_name, reason) for reason in FINISHED_REASONS
+        }
         self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time to first token (TTFT), seconds.", labels,
-            buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token (TTFT), seconds.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
         self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Inter-token latency (ITL), seconds.", labels,
-            buckets=ITL_BUCKETS, registry=reg).labels(model_name)
+            PREFIX + "inter_token_latency_seconds",
+            "Inter-token latency (ITL), seconds.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
         self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "End-to-end request latency, seconds.", labels,
-            buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+            PREFIX + "e2e_request_latency_seconds",
+            "End-to-end request latency, seconds.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
         self.request_queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds", "Time from arrival to first scheduling, seconds.", labels,
-            buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+            PREFIX + "request_queue_time_seconds",
+            "Time from arrival to first scheduling, seconds.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
         if cache_config is not None:
-            knobs = {f.name: str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)}
-            info = Gauge(PREFIX + "cache_config_info", "Information of the KV cache configuration.",
-                         list(knobs), registry=reg)
+            knobs = {
+                f.name: str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)
+            }
+            info = Gauge(
+                PREFIX + "cache_config_info",
+                "Information of the KV cache configuration.",
+                list(knobs),
+                registry=reg,
+            )
             info.labels(**knobs).set(1)
         self._requests: dict[str, _RequestState] = {}
         self._totals: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def record_step(self, stats: Any | None, outputs: Iterable["RequestOutput"]) -> None:
+    def record_step(self, stats: Any | None, outputs: Iterable[RequestOutput]) -> None:
         """Folds one engine step into the metrics (called from the engine thread).
 
         Args:
@@ -151,18 +270,20 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        for name, counter in (("num_preemptions_total", self.num_preemptions),
-                              ("prefix_cache_queries_total", self.prefix_cache_queries),
-                              ("prefix_cache_hits_total", self.prefix_cache_hits),
-                              ("num_prompt_tokens_total", self.prompt_tokens),
-                              ("num_generation_tokens_total", self.generation_tokens)):
+        for name, counter in (
+            ("num_preemptions_total", self.num_preemptions),
+            ("prefix_cache_queries_total", self.prefix_cache_queries),
+            ("prefix_cache_hits_total", self.prefix_cache_hits),
+            ("num_prompt_tokens_total", self.prompt_tokens),
+            ("num_generation_tokens_total", self.generation_tokens),
+        ):
             total = getattr(stats, name)
             grown = total - self._totals.get(name, 0)
             self._totals[name] = total
             if grown > 0:
                 counter.inc(grown)
 
-    def _record_output(self, output: "RequestOutput") -> None:
+    def _record_output(self, output: RequestOutput) -> None:
         state = self._requests.setdefault(output.request_id, _RequestState())
         new_tokens = sum(len(c.delta_token_ids) for c in output.outputs)
         m = output.metrics
@@ -170,10 +291,16 @@ class EngineMetrics:
             if not state.ttft_recorded and m.first_token_time is not None:
                 self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
                 if m.first_scheduled_time is not None:
-                    self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+                    self.request_queue_time.observe(
+                        max(0.0, m.first_scheduled_time - m.arrival_time)
+                    )
                 state.ttft_recorded = True
-            elif (new_tokens and state.last_token_time is not None and m.last_token_time is not None
-                  and m.last_token_time > state.last_token_time):
+            elif (
+                new_tokens
+                and state.last_token_time is not None
+                and m.last_token_time is not None
+                and m.last_token_time > state.last_token_time
+            ):
                 self.inter_token_latency.observe(m.last_token_time - state.last_token_time)
             if m.last_token_time is not None:
                 state.last_token_time = m.last_token_time
@@ -186,5 +313,7 @@ class EngineMetrics:
             if m is not None and m.finished_time is not None:
                 self.e2e_request_latency.observe(max(0.0, m.finished_time - m.arrival_time))
                 if not state.ttft_recorded and m.first_scheduled_time is not None:
-                    self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+                    self.request_queue_time.observe(
+                        max(0.0, m.first_scheduled_time - m.arrival_time)
+                    )
             del self._requests[output.request_id]

@@ -29,12 +29,17 @@ def bucket_len(n: int) -> int:
 @functools.partial(jax.jit, static_argnums=0)
 def _greedy_next(graphdef, state, input_ids, last):
     """argmax of the logits at position ``last`` of ``input_ids [1, L]`` -> int32 []."""
-    logits = nnx.merge(graphdef, state).forward_dense(input_ids)   # [1, L, vocab] float32
+    logits = nnx.merge(graphdef, state).forward_dense(input_ids)  # [1, L, vocab] float32
     return jnp.argmax(logits[0, last])
 
 
-def generate_dense(model, prompt_token_ids: Sequence[int], max_tokens: int,
-                   eos_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> list[int]:
+def generate_dense(
+    model,
+    prompt_token_ids: Sequence[int],
+    max_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+) -> list[int]:
     """Greedy continuation of ``prompt_token_ids`` by full recompute.
 
     Args:
@@ -57,19 +62,22 @@ def generate_dense(model, prompt_token_ids: Sequence[int], max_tokens: int,
     if not tokens:
         raise ValueError("prompt_token_ids must not be empty")
     if min(tokens) < 0 or max(tokens) >= cfg.vocab_size:
-        raise ValueError(f"prompt_token_ids must be in [0, {cfg.vocab_size}), got {min(tokens)}..{max(tokens)}")
+        raise ValueError(
+            f"prompt_token_ids must be in [0, {cfg.vocab_size}), got {min(tokens)}..{max(tokens)}"
+        )
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if len(tokens) + max_tokens > cfg.max_position_embeddings:
         raise ValueError(
             f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-            f"max_position_embeddings ({cfg.max_position_embeddings})")
+            f"max_position_embeddings ({cfg.max_position_embeddings})"
+        )
     eos = set() if ignore_eos else {int(e) for e in eos_token_ids}
     graphdef, state = nnx.split(model)
     generated: list[int] = []
     for _ in range(max_tokens):
         n = len(tokens)
-        input_ids = np.zeros((1, bucket_len(n)), np.int32)   # right-padded with id 0
+        input_ids = np.zeros((1, bucket_len(n)), np.int32)  # right-padded with id 0
         input_ids[0, :n] = tokens
         next_id = int(_greedy_next(graphdef, state, input_ids, n - 1))
         generated.append(next_id)
@@ -82,21 +90,39 @@ def generate_dense(model, prompt_token_ids: Sequence[int], max_tokens: int,
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     """``jaxserve generate PROMPT [--max-tokens N] [--model PATH] [--dtype ...]``."""
     p = subparsers.add_parser(
-        "generate", help="greedy text continuation with the dense reference generator",
+        "generate",
+        help="greedy text continuation with the dense reference generator",
         description="Prints the greedy continuation of PROMPT computed by full recompute (no KV "
-                    "cache): the oracle the engine is tested against. Greedy only: there are no "
-                    "sampling options (temperature, top-p, ...); use `serve` or the LLM API for those.")
+        "cache): the oracle the engine is tested against. Greedy only: there are no "
+        "sampling options (temperature, top-p, ...); use `serve` or the LLM API for those.",
+    )
     p.add_argument("prompt", help="prompt text (tokenized with the model's tokenizer, BOS added)")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
-    p.add_argument("--model", default=None,
-                   help="model directory (HF or our orbax layout); default: the bundled checkpoint")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weights and activations dtype (default: the config's torch_dtype)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "orbax", "dummy"],
-                   help="weights format (default: detected)")
+    p.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)"
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model directory (HF or our orbax layout); default: the bundled checkpoint",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="weights and activations dtype (default: the config's torch_dtype)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "orbax", "dummy"],
+        help="weights format (default: detected)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    p.add_argument("--show-token-ids", action="store_true",
-                   help="also print the prompt and generated token ids")
+    p.add_argument(
+        "--show-token-ids",
+        action="store_true",
+        help="also print the prompt and generated token ids",
+    )
     p.set_defaults(func=run_generate)
     return p
 

@@ -113,14 +113,19 @@ class SamplingParams:
             self.top_k = 0
         self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
         self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.frequency_penalty = _check_float(
+            "frequency_penalty", self.frequency_penalty, -2.0, 2.0
+        )
         self.repetition_penalty = _check_float(
-            "repetition_penalty", self.repetition_penalty, 0.0, 2.0**31, lo_open=True)
+            "repetition_penalty", self.repetition_penalty, 0.0, 2.0**31, lo_open=True
+        )
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed, -(2**63), 2**64 - 1)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, (list, tuple)) or not all(
+            isinstance(s, str) for s in self.stop
+        ):
             raise ValueError("stop must be a string or a list of strings")
         if any(s == "" for s in self.stop):
             raise ValueError("stop must not contain empty strings")
@@ -136,11 +141,14 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
-                f"and max_tokens={self.max_tokens}")
+                f"and max_tokens={self.max_tokens}"
+            )
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
-            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+            self.prompt_logprobs = _check_int(
+                "prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS
+            )
         if not isinstance(self.logit_bias, dict):
             raise ValueError("logit_bias must be a map of token id to bias")
         bias: dict[int, float] = {}
@@ -170,11 +178,15 @@ class SamplingParams:
         """
         for token in self.logit_bias:
             if token >= vocab_size:
-                raise ValueError(f"logit_bias token id {token} is out of the vocabulary (size {vocab_size})")
+                raise ValueError(
+                    f"logit_bias token id {token} is out of the vocabulary (size {vocab_size})"
+                )
         for token in self.stop_token_ids:
             if token >= vocab_size:
-                raise ValueError(f"stop_token_ids token id {token} is out of the vocabulary (size {vocab_size})")
+                raise ValueError(
+                    f"stop_token_ids token id {token} is out of the vocabulary (size {vocab_size})"
+                )
 
-    def clone(self, **changes: Any) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         """A validated copy with ``changes`` applied (e.g. ``n=1, seed=s+k`` for child requests)."""
         return dataclasses.replace(self, **changes)

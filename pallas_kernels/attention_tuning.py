@@ -42,61 +42,61 @@ SMEM_BUDGET = 200 * 1024
 
 
 def shared_memory_estimate(block_m, block_k, head_dim, itemsize, num_stages) -> int:
-  """Upper estimate of the kernel's shared memory, in bytes: the query tile,
-  ``num_stages`` K and V tiles and the probabilities tile, x1.5 for float32
-  (Triton's FMA dot path stages more). Checked against the Triton compiler's
-  figures for sm_90, which it exceeds for the tilings choose_config makes."""
-  q_tile = block_m * head_dim * itemsize
-  kv = num_stages * 2 * block_k * head_dim * itemsize
-  probs = block_m * block_k * 4
-  total = q_tile + kv + probs
-  return int(total * 1.5) if itemsize >= 4 else total
+    """Upper estimate of the kernel's shared memory, in bytes: the query tile,
+    ``num_stages`` K and V tiles and the probabilities tile, x1.5 for float32
+    (Triton's FMA dot path stages more). Checked against the Triton compiler's
+    figures for sm_90, which it exceeds for the tilings choose_config makes."""
+    q_tile = block_m * head_dim * itemsize
+    kv = num_stages * 2 * block_k * head_dim * itemsize
+    probs = block_m * block_k * 4
+    total = q_tile + kv + probs
+    return int(total * 1.5) if itemsize >= 4 else total
 
 
 def next_power_of_2(x: int) -> int:
-  """Smallest power of two >= ``x`` (1 for ``x <= 1``)."""
-  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+    """Smallest power of two >= ``x`` (1 for ``x <= 1``)."""
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 def is_power_of_2(x: int) -> bool:
-  """True when ``x`` is 1, 2, 4, 8, ... (False for ``x <= 0``)."""
-  return x >= 1 and (x & (x - 1)) == 0
+    """True when ``x`` is 1, 2, 4, 8, ... (False for ``x <= 0``)."""
+    return x >= 1 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Static tiling of one ragged paged-attention call.
+    """Static tiling of one ragged paged-attention call.
 
-  Attributes:
-    block_q: query tokens per program (power of two). The query tile has
-      ``block_q * group_pad`` rows, ``group_pad`` being the query heads per KV
-      head rounded up to a power of two.
-    block_k: KV tokens per inner-loop step (power of two >= 16): several
-      cache blocks when the block size is smaller, part of one when larger.
-    num_splits: programs sharing the context of one query tile
-      (flash-decoding); 1 writes the output directly, > 1 writes float32
-      partials that are merged by a log-sum-exp reduction.
-    num_warps: Triton warps per program.
-    num_stages: Triton software-pipelining stages of the KV loop.
+    Attributes:
+      block_q: query tokens per program (power of two). The query tile has
+        ``block_q * group_pad`` rows, ``group_pad`` being the query heads per KV
+        head rounded up to a power of two.
+      block_k: KV tokens per inner-loop step (power of two >= 16): several
+        cache blocks when the block size is smaller, part of one when larger.
+      num_splits: programs sharing the context of one query tile
+        (flash-decoding); 1 writes the output directly, > 1 writes float32
+        partials that are merged by a log-sum-exp reduction.
+      num_warps: Triton warps per program.
+      num_stages: Triton software-pipelining stages of the KV loop.
 
-  Raises:
-    ValueError: if ``block_q``, ``block_k``, ``num_splits`` or ``num_warps``
-      is not a power of two, or ``num_stages < 1`` (naming the field).
-  """
+    Raises:
+      ValueError: if ``block_q``, ``block_k``, ``num_splits`` or ``num_warps``
+        is not a power of two, or ``num_stages < 1`` (naming the field).
+    """
 
-  block_q: int
-  block_k: int
-  num_splits: int = 1
-  num_warps: int = 4
-  num_stages: int = 2
+    block_q: int
+    block_k: int
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
 
-  def __post_init__(self):
-    for name in ("block_q", "block_k", "num_splits", "num_warps"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or not is_power_of_2(value):
-        raise ValueError(f"KernelConfig.{name} must be a power of two, got {value!r}")
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
-      raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages!r}")
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "num_splits", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not is_power_of_2(value):
+                raise ValueError(f"KernelConfig.{name} must be a power of two, got {value!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages!r}")
 
 
 def choose_config(
@@ -110,69 +110,70 @@ def choose_config(
     pages_per_seq: int,
     dtype,
 ) -> KernelConfig:
-  """Picks tile sizes and the KV split count from static shapes.
+    """Picks tile sizes and the KV split count from static shapes.
 
-  Args:
-    num_tokens: padded query-token bucket ``T``.
-    num_seqs: padded sequence bucket ``S``.
-    num_q_heads, num_kv_heads, head_dim: the attention head layout.
-    block_size: tokens per KV-cache block.
-    pages_per_seq: width ``P`` of the block table (max blocks per sequence).
-    dtype: dtype of queries and KV cache.
+    Args:
+      num_tokens: padded query-token bucket ``T``.
+      num_seqs: padded sequence bucket ``S``.
+      num_q_heads, num_kv_heads, head_dim: the attention head layout.
+      block_size: tokens per KV-cache block.
+      pages_per_seq: width ``P`` of the block table (max blocks per sequence).
+      dtype: dtype of queries and KV cache.
 
-  Returns:
-    A ``KernelConfig``. A batch with at most two query tokens per sequence on
-    average is treated as decode-heavy: 16-row query tiles (the tensor-core
-    minimum) and a context split until about ``TARGET_PROGRAMS`` programs run.
-    Otherwise prefill tiles of 128 rows (64 for rows over 256 bytes) are used
-    and the context is split only when the query tiles alone cannot fill the
-    GPU.
-  """
-  itemsize = np.dtype(dtype).itemsize
-  group_pad = next_power_of_2(num_q_heads // num_kv_heads)
-  decode_heavy = num_tokens <= 2 * num_seqs
-  row_bytes = head_dim * itemsize
+    Returns:
+      A ``KernelConfig``. A batch with at most two query tokens per sequence on
+      average is treated as decode-heavy: 16-row query tiles (the tensor-core
+      minimum) and a context split until about ``TARGET_PROGRAMS`` programs run.
+      Otherwise prefill tiles of 128 rows (64 for rows over 256 bytes) are used
+      and the context is split only when the query tiles alone cannot fill the
+      GPU.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    group_pad = next_power_of_2(num_q_heads // num_kv_heads)
+    decode_heavy = num_tokens <= 2 * num_seqs
+    row_bytes = head_dim * itemsize
 
-  if decode_heavy:
-    # Memory bound: the smallest tensor-core tile.
-    block_m = max(MIN_DOT_ROWS, group_pad)
-  else:
-    # Compute bound: 128-row tiles (64 for rows over 256 bytes) keep the
-    # float32 accumulator and logits in registers without spilling.
-    block_m = max(MIN_DOT_ROWS, group_pad, 128 if row_bytes <= 256 else 64)
-  block_q = max(1, block_m // group_pad)
-  block_k = min(256, max(MIN_DOT_ROWS, KV_TILE_BYTES // row_bytes))
-  block_k = min(block_k, max(MIN_DOT_ROWS, next_power_of_2(pages_per_seq * block_size)))
-  max_iters = -(-(pages_per_seq * block_size) // block_k)
-
-  if decode_heavy:
-    query_tiles = num_seqs
-    max_splits = MAX_SPLITS
-  else:
-    query_tiles = -(-num_tokens // block_q)
-    max_splits = 8
-  programs = max(1, query_tiles * num_kv_heads)
-  num_splits = 1
-  while (programs * num_splits * 2 <= TARGET_PROGRAMS
-         and num_splits * 2 <= min(max_iters, max_splits)):
-    num_splits *= 2
-
-  num_warps = 8 if block_m * max(head_dim, 128) >= 128 * 128 else 4
-  num_stages = NUM_STAGES
-  # Fit shared memory: fewer stages first, then (prefill) fewer query rows.
-  while shared_memory_estimate(block_m, block_k, head_dim, itemsize, num_stages) > SMEM_BUDGET:
-    if num_stages > 1:
-      num_stages -= 1
-    elif block_m // 2 >= max(MIN_DOT_ROWS, group_pad):
-      block_m //= 2
-      block_q = max(1, block_m // group_pad)
-      num_stages = NUM_STAGES
+    if decode_heavy:
+        # Memory bound: the smallest tensor-core tile.
+        block_m = max(MIN_DOT_ROWS, group_pad)
     else:
-      break
-  return KernelConfig(
-      block_q=block_q,
-      block_k=block_k,
-      num_splits=num_splits,
-      num_warps=num_warps,
-      num_stages=num_stages,
-  )
+        # Compute bound: 128-row tiles (64 for rows over 256 bytes) keep the
+        # float32 accumulator and logits in registers without spilling.
+        block_m = max(MIN_DOT_ROWS, group_pad, 128 if row_bytes <= 256 else 64)
+    block_q = max(1, block_m // group_pad)
+    block_k = min(256, max(MIN_DOT_ROWS, KV_TILE_BYTES // row_bytes))
+    block_k = min(block_k, max(MIN_DOT_ROWS, next_power_of_2(pages_per_seq * block_size)))
+    max_iters = -(-(pages_per_seq * block_size) // block_k)
+
+    if decode_heavy:
+        query_tiles = num_seqs
+        max_splits = MAX_SPLITS
+    else:
+        query_tiles = -(-num_tokens // block_q)
+        max_splits = 8
+    programs = max(1, query_tiles * num_kv_heads)
+    num_splits = 1
+    while programs * num_splits * 2 <= TARGET_PROGRAMS and num_splits * 2 <= min(
+        max_iters, max_splits
+    ):
+        num_splits *= 2
+
+    num_warps = 8 if block_m * max(head_dim, 128) >= 128 * 128 else 4
+    num_stages = NUM_STAGES
+    # Fit shared memory: fewer stages first, then (prefill) fewer query rows.
+    while shared_memory_estimate(block_m, block_k, head_dim, itemsize, num_stages) > SMEM_BUDGET:
+        if num_stages > 1:
+            num_stages -= 1
+        elif block_m // 2 >= max(MIN_DOT_ROWS, group_pad):
+            block_m //= 2
+            block_q = max(1, block_m // group_pad)
+            num_stages = NUM_STAGES
+        else:
+            break
+    return KernelConfig(
+        block_q=block_q,
+        block_k=block_k,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -73,8 +73,20 @@ def fetch_sentencepiece_sdist(cache: str) -> str:
     os.makedirs(dest, exist_ok=True)
     found = glob.glob(os.path.join(dest, "sentencepiece-*.tar.gz"))
     if not found:
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-              SENTENCEPIECE_SDIST, "-d", dest])
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                SENTENCEPIECE_SDIST,
+                "-d",
+                dest,
+            ]
+        )
         found = glob.glob(os.path.join(dest, "sentencepiece-*.tar.gz"))
     return found[0]
 
@@ -91,8 +103,9 @@ def fetch_debian_packages(cache: str) -> dict[str, str]:
             try:
                 _run(["apt-get", "download", f"{name}={version}"], cwd=dest)
             except subprocess.CalledProcessError as e:
-                raise SystemExit(f"apt-get download {name}={version} failed ({e}); run "
-                                 "`apt-get update` first") from e
+                raise SystemExit(
+                    f"apt-get download {name}={version} failed ({e}); run `apt-get update` first"
+                ) from e
             found = glob.glob(os.path.join(dest, f"{name}_*.deb"))
         debs[name] = found[0]
         _run(["dpkg-deb", "-x", found[0], root])
@@ -136,8 +149,12 @@ def fortune_documents(root: str) -> list[str]:
     seen, docs = set(), []
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
-        if ("." in name or name in FORTUNE_FILES_SKIPPED or os.path.islink(path)
-                or not os.path.isfile(path)):
+        if (
+            "." in name
+            or name in FORTUNE_FILES_SKIPPED
+            or os.path.islink(path)
+            or not os.path.isfile(path)
+        ):
             continue
         with open(path, encoding="utf-8", errors="replace") as f:
             for cookie in re.split(r"^%\n", f.read(), flags=re.MULTILINE):
@@ -153,9 +170,17 @@ def fortune_documents(root: str) -> list[str]:
 def kjv_documents(root: str) -> list[str]:
     """The King James Bible, one document per chapter, one verse per line (no references)."""
     out = subprocess.run(
-        [os.path.join(root, "usr/bin/bible"), "-f", "-p", os.path.join(root, "usr/lib"),
-         "gen1:1-rev22:21"],
-        check=True, capture_output=True, stdin=subprocess.DEVNULL).stdout.decode("utf-8")
+        [
+            os.path.join(root, "usr/bin/bible"),
+            "-f",
+            "-p",
+            os.path.join(root, "usr/lib"),
+            "gen1:1-rev22:21",
+        ],
+        check=True,
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+    ).stdout.decode("utf-8")
     chapters: dict[str, list[str]] = {}
     for line in out.splitlines():
         m = re.match(r"^(\S+?)(\d+):(\d+) (.*)$", line)
@@ -175,10 +200,17 @@ def _is_valid(doc: str, fraction: float) -> bool:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="data/corpus", help="output directory")
-    ap.add_argument("--cache", default="/tmp/jaxserve_corpus_src",
-                    help="where downloaded archives are kept and unpacked")
-    ap.add_argument("--valid-fraction", type=float, default=0.02,
-                    help="share of documents held out for validation")
+    ap.add_argument(
+        "--cache",
+        default="/tmp/jaxserve_corpus_src",
+        help="where downloaded archives are kept and unpacked",
+    )
+    ap.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.02,
+        help="share of documents held out for validation",
+    )
     args = ap.parse_args(argv)
     if not 0.0 < args.valid_fraction < 0.5:
         raise SystemExit("--valid-fraction must be in (0, 0.5)")
@@ -189,22 +221,38 @@ def main(argv: list[str] | None = None) -> None:
     root = os.path.join(args.cache, "root")
 
     sources = [
-        ("botchan", botchan_documents(sdist), {
-            "origin": f"PyPI {SENTENCEPIECE_SDIST} sdist, test/botchan.txt",
-            "sha256": _sha256_file(sdist),
-            "licence": "Public domain (Project Gutenberg EBook #8868; Gutenberg header and "
-                       "licence footer removed)"}),
-        ("fortunes", fortune_documents(root), {
-            "origin": "Debian fortunes + fortunes-min " + DEBIAN_PACKAGES["fortunes"],
-            "sha256": {k: _sha256_file(debs[k]) for k in ("fortunes", "fortunes-min")},
-            "licence": "BSD (fortune-mod, University of California; see "
-                       "/usr/share/doc/fortunes/copyright); offensive set not used"}),
-        ("kjv", kjv_documents(root), {
-            "origin": "Debian bible-kjv-text " + DEBIAN_PACKAGES["bible-kjv-text"]
-                      + " decoded by bible-kjv's `bible`",
-            "sha256": {k: _sha256_file(debs[k]) for k in ("bible-kjv", "bible-kjv-text")},
-            "licence": "Public domain (King James Version, 1611; copyright expired per the "
-                       "package's copyright file)"}),
+        (
+            "botchan",
+            botchan_documents(sdist),
+            {
+                "origin": f"PyPI {SENTENCEPIECE_SDIST} sdist, test/botchan.txt",
+                "sha256": _sha256_file(sdist),
+                "licence": "Public domain (Project Gutenberg EBook #8868; Gutenberg header and "
+                "licence footer removed)",
+            },
+        ),
+        (
+            "fortunes",
+            fortune_documents(root),
+            {
+                "origin": "Debian fortunes + fortunes-min " + DEBIAN_PACKAGES["fortunes"],
+                "sha256": {k: _sha256_file(debs[k]) for k in ("fortunes", "fortunes-min")},
+                "licence": "BSD (fortune-mod, University of California; see "
+                "/usr/share/doc/fortunes/copyright); offensive set not used",
+            },
+        ),
+        (
+            "kjv",
+            kjv_documents(root),
+            {
+                "origin": "Debian bible-kjv-text "
+                + DEBIAN_PACKAGES["bible-kjv-text"]
+                + " decoded by bible-kjv's `bible`",
+                "sha256": {k: _sha256_file(debs[k]) for k in ("bible-kjv", "bible-kjv-text")},
+                "licence": "Public domain (King James Version, 1611; copyright expired per the "
+                "package's copyright file)",
+            },
+        ),
     ]
 
     train, valid, manifest = [], [], {}
@@ -216,8 +264,9 @@ def main(argv: list[str] | None = None) -> None:
                 n_valid += 1
             else:
                 train.append(doc)
-        manifest[name] = dict(meta, documents=len(docs), valid_documents=n_valid,
-                              characters=sum(len(d) for d in docs))
+        manifest[name] = dict(
+            meta, documents=len(docs), valid_documents=n_valid, characters=sum(len(d) for d in docs)
+        )
     random.Random(0).shuffle(train)
     random.Random(1).shuffle(valid)
 

@@ -25,26 +25,61 @@ import numpy as np
 import torch
 import transformers
 
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 FIXTURES = {
     # Llama 3.1-style llama3 RoPE scaling (all three frequency bands at head_dim 16), untied head,
     # and Llama's optional attention/MLP biases.
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
-        rope_theta=10000.0, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=64)), [2, 3]),
+    "llama": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            rope_theta=10000.0,
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=False,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+        [2, 3],
+    ),
     # Mistral: a sliding window shorter than the prompts.
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(
-        sliding_window=4, rope_theta=10000.0, tie_word_embeddings=False), 2),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(sliding_window=4, rope_theta=10000.0, tie_word_embeddings=False),
+        2,
+    ),
     # Qwen2: q/k/v biases, tied embeddings.
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
-        rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False), 2),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False),
+        2,
+    ),
     # Qwen3: per-head q/k RMSNorm, head_dim (24) != hidden_size / num_heads (16), tied.
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
-        head_dim=24, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False), 2),
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(head_dim=24, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False),
+        2,
+    ),
 }
 
 PROMPTS = [
@@ -87,14 +122,18 @@ def make_fixture(name: str, out_root: str, seed: int) -> None:
     arrays.update({f"logits_{i}": lg.astype(np.float32) for i, lg in enumerate(logits)})
     np.savez_compressed(os.path.join(out, "golden.npz"), **arrays)
     size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-    print(f"{name}: {size / 1024:.0f} KiB, logits std {np.std(logits[0]):.2f}, "
-          f"transformers {transformers.__version__}")
+    print(
+        f"{name}: {size / 1024:.0f} KiB, logits std {np.std(logits[0]):.2f}, "
+        f"transformers {transformers.__version__}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests",
-                                                      "fixtures", "golden"))
+    parser.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "golden"),
+    )
     args = parser.parse_args()
     for seed, name in enumerate(FIXTURES):
         make_fixture(name, args.out, seed)

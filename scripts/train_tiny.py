@@ -70,8 +70,13 @@ TINY_LLAMA_CONFIG = {
     "eos_token_id": 2,
     "torch_dtype": "float32",
 }
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                   "generation_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
 
 
 # ---------------------------------------------------------------- optimiser
@@ -135,6 +140,7 @@ def make_fns(graphdef, compute_dtype, batch_size: int, seq_len: int, steps_per_c
     @jax.jit
     def train_chunk(params, opt, data, key, lrs):
         """``steps_per_call`` optimiser steps; lrs float32 ``[steps_per_call]``."""
+
         def body(carry, lr):
             params, opt, key = carry
             key, sub = jax.random.split(key)
@@ -156,16 +162,19 @@ def make_fns(graphdef, compute_dtype, batch_size: int, seq_len: int, steps_per_c
     return train_chunk, eval_loss, forward
 
 
-def evaluate(eval_loss, params, ids: np.ndarray, seq_len: int, batch_size: int,
-             max_tokens: int | None) -> float:
+def evaluate(
+    eval_loss, params, ids: np.ndarray, seq_len: int, batch_size: int, max_tokens: int | None
+) -> float:
     """Mean loss over non-overlapping windows of the held-out stream (nats per token)."""
     n = (len(ids) - 1) // seq_len
     if max_tokens:
         n = max(1, min(n, max_tokens // seq_len))
-    windows = np.stack([ids[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)]).astype(np.int32)
+    windows = np.stack([ids[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)]).astype(
+        np.int32
+    )
     total, count = 0.0, 0
     for i in range(0, n, batch_size):
-        chunk = windows[i:i + batch_size]
+        chunk = windows[i : i + batch_size]
         real = len(chunk)
         if real < batch_size:  # pad to one shape (no recompile); padded rows are not counted
             chunk = np.concatenate([chunk, np.repeat(chunk[:1], batch_size - real, axis=0)])
@@ -189,7 +198,7 @@ def greedy_sample(forward, params, tokenizer, prompt: str, new_tokens: int, buf_
         if nxt in tokenizer.eos_token_ids:
             break
         out.append(nxt)
-    return prompt + tokenizer.decode(ids + out)[len(tokenizer.decode(ids)):]
+    return prompt + tokenizer.decode(ids + out)[len(tokenizer.decode(ids)) :]
 
 
 def export_hf(params_state, out_dir: str) -> int:
@@ -238,17 +247,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokenizer-dir", default="checkpoints/tiny-llama")
     ap.add_argument("--steps", type=int, default=100_000, help="upper bound on optimiser steps")
-    ap.add_argument("--max-epochs", type=float, default=40.0, help="upper bound, in passes over train")
-    ap.add_argument("--time-budget-s", type=float, default=None, help="wall-clock limit for training")
+    ap.add_argument(
+        "--max-epochs", type=float, default=40.0, help="upper bound, in passes over train"
+    )
+    ap.add_argument(
+        "--time-budget-s", type=float, default=None, help="wall-clock limit for training"
+    )
     ap.add_argument("--batch-size", type=int, default=None, help="default 128 on GPU/TPU, 8 on CPU")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--steps-per-call", type=int, default=None, help="default 20 on GPU, 1 on CPU")
-    ap.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
-                    help="default bfloat16 on GPU/TPU, float32 on CPU")
+    ap.add_argument(
+        "--compute-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="default bfloat16 on GPU/TPU, float32 on CPU",
+    )
     ap.add_argument("--eval-every", type=int, default=200)
-    ap.add_argument("--eval-tokens", type=int, default=None, help="cap on held-out tokens (smoke runs)")
+    ap.add_argument(
+        "--eval-tokens", type=int, default=None, help="cap on held-out tokens (smoke runs)"
+    )
     ap.add_argument("--patience", type=int, default=4)
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--sample-tokens", type=int, default=60)
@@ -262,8 +281,11 @@ def main(argv: list[str] | None = None) -> None:
     per_call = args.steps_per_call or (20 if accel else 1)
     compute_dtype = jnp.dtype(args.compute_dtype or ("bfloat16" if accel else "float32"))
     L = args.seq_len
-    print(f"device {device.device_kind} ({device.platform}), batch {batch} x {L}, "
-          f"compute {compute_dtype.name}", flush=True)
+    print(
+        f"device {device.device_kind} ({device.platform}), batch {batch} x {L}, "
+        f"compute {compute_dtype.name}",
+        flush=True,
+    )
 
     train_ids = np.load(os.path.join(args.corpus, "train_ids.npy")).astype(np.int32)
     valid_ids = np.load(os.path.join(args.corpus, "valid_ids.npy")).astype(np.int32)
@@ -276,19 +298,32 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_step = batch * L
     horizon = max(1, min(args.steps, int(args.max_epochs * len(train_ids) / tokens_per_step)))
     warmup = max(1, min(args.warmup, horizon // 10))
-    print(f"params {n_params:,}; train tokens {len(train_ids):,}, valid {len(valid_ids):,}; "
-          f"horizon {horizon} steps", flush=True)
+    print(
+        f"params {n_params:,}; train tokens {len(train_ids):,}, valid {len(valid_ids):,}; "
+        f"horizon {horizon} steps",
+        flush=True,
+    )
 
     train_chunk, eval_loss, forward = make_fns(graphdef, compute_dtype, batch, L, per_call)
     data = jax.device_put(train_ids)
     opt = adamw_init(params)
     key = jax.random.key(args.seed)
 
-    log = {"device": f"{device.device_kind} ({device.platform})", "jax": jax.__version__,
-           "config": TINY_LLAMA_CONFIG, "num_params": int(n_params), "batch_size": batch,
-           "seq_len": L, "peak_lr": args.lr, "warmup": warmup, "horizon_steps": horizon,
-           "compute_dtype": compute_dtype.name, "train_tokens_available": int(len(train_ids)),
-           "loss_curve": [], "valid_curve": []}
+    log = {
+        "device": f"{device.device_kind} ({device.platform})",
+        "jax": jax.__version__,
+        "config": TINY_LLAMA_CONFIG,
+        "num_params": int(n_params),
+        "batch_size": batch,
+        "seq_len": L,
+        "peak_lr": args.lr,
+        "warmup": warmup,
+        "horizon_steps": horizon,
+        "compute_dtype": compute_dtype.name,
+        "train_tokens_available": int(len(train_ids)),
+        "loss_curve": [],
+        "valid_curve": [],
+    }
     best = (float("inf"), 0, params)
     bad_evals, step, t_train = 0, 0, time.time()
     t_compiled, first_chunk = t_train, 0
@@ -301,8 +336,13 @@ def main(argv: list[str] | None = None) -> None:
             break
         frac_time = elapsed / args.time_budget_s if args.time_budget_s else 0.0
         n = min(per_call, horizon - step)
-        lrs = np.array([lr_at(step + i, max((step + i) / horizon, frac_time), args.lr, warmup)
-                        for i in range(n)], np.float32)
+        lrs = np.array(
+            [
+                lr_at(step + i, max((step + i) / horizon, frac_time), args.lr, warmup)
+                for i in range(n)
+            ],
+            np.float32,
+        )
         params, opt, key, losses, gnorms = train_chunk(params, opt, data, key, lrs)
         losses = np.asarray(losses)
         if step == 0:
@@ -312,11 +352,19 @@ def main(argv: list[str] | None = None) -> None:
         recent.extend(losses.tolist())
         prev, step = step, step + n
         if step // args.log_every > prev // args.log_every or step >= horizon:
-            entry = [step, round(float(np.mean(recent)), 4), float(lrs[-1]),
-                     round(float(np.asarray(gnorms)[-1]), 3), round(time.time() - t_start, 1)]
+            entry = [
+                step,
+                round(float(np.mean(recent)), 4),
+                float(lrs[-1]),
+                round(float(np.asarray(gnorms)[-1]), 3),
+                round(time.time() - t_start, 1),
+            ]
             log["loss_curve"].append(entry)
-            print(f"step {step:6d} loss {entry[1]:.4f} lr {entry[2]:.2e} gnorm {entry[3]:.2f} "
-                  f"t {entry[4]:.0f}s", flush=True)
+            print(
+                f"step {step:6d} loss {entry[1]:.4f} lr {entry[2]:.2e} gnorm {entry[3]:.2f} "
+                f"t {entry[4]:.0f}s",
+                flush=True,
+            )
             recent = []
         if step // args.eval_every > prev // args.eval_every:
             vloss = evaluate(eval_loss, params, valid_ids, L, batch, args.eval_tokens)
@@ -337,10 +385,12 @@ def main(argv: list[str] | None = None) -> None:
         if final_vloss < best[0]:
             best = (final_vloss, step, params)
     vloss, best_step, params = best
-    tloss = evaluate(eval_loss, params, train_ids[:len(valid_ids)], L, batch, args.eval_tokens)
-    print(f"stopped after {step} steps ({stop_reason}); best held-out loss {vloss:.4f} "
-          f"(ppl {math.exp(vloss):.2f}) at step {best_step}; train-sample loss {tloss:.4f}",
-          flush=True)
+    tloss = evaluate(eval_loss, params, train_ids[: len(valid_ids)], L, batch, args.eval_tokens)
+    print(
+        f"stopped after {step} steps ({stop_reason}); best held-out loss {vloss:.4f} "
+        f"(ppl {math.exp(vloss):.2f}) at step {best_step}; train-sample loss {tloss:.4f}",
+        flush=True,
+    )
 
     os.makedirs(args.out, exist_ok=True)
     count = export_hf(params, args.out)
@@ -363,35 +413,56 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"reloaded model.safetensors differs from the trained model: {reload_err}")
 
     hf_err = transformers_logit_diff(args.out, probe, ref)
-    print(f"reload check: max |logit diff| {reload_err:.2e} (our loader), "
-          f"{hf_err} (transformers)", flush=True)
+    print(
+        f"reload check: max |logit diff| {reload_err:.2e} (our loader), {hf_err} (transformers)",
+        flush=True,
+    )
 
     sample = ""
     try:
         from jaxserve.tokenizer import get_tokenizer
+
         tok = get_tokenizer(args.tokenizer_dir)
         sample = greedy_sample(forward, params, tok, "Once upon a time", args.sample_tokens, 128)
         print("greedy sample:", repr(sample), flush=True)
     except (ImportError, ValueError) as e:  # tokenizer missing: still keep the weights
         print(f"no sample: {e}", flush=True)
 
-    log.update({
-        "steps": step, "tokens_seen": int(step * tokens_per_step),
-        "epochs": round(step * tokens_per_step / len(train_ids), 2),
-        "stop_reason": stop_reason, "best_step": best_step,
-        "valid_loss": round(vloss, 4), "valid_ppl": round(math.exp(vloss), 3),
-        "train_sample_loss": round(tloss, 4), "train_wall_s": round(train_wall, 1),
-        "wall_s": round(time.time() - t_start, 1),
-        "tokens_per_s": round((step - first_chunk) * tokens_per_step
-                              / max(t_train + train_wall - t_compiled, 1e-9)),
-        "exported_params": int(count), "reload_max_abs_logit_diff": reload_err,
-        "transformers_max_abs_logit_diff": hf_err,
-        "sample_prompt": "Once upon a time", "sample_greedy": sample,
-    })
+    log.update(
+        {
+            "steps": step,
+            "tokens_seen": int(step * tokens_per_step),
+            "epochs": round(step * tokens_per_step / len(train_ids), 2),
+            "stop_reason": stop_reason,
+            "best_step": best_step,
+            "valid_loss": round(vloss, 4),
+            "valid_ppl": round(math.exp(vloss), 3),
+            "train_sample_loss": round(tloss, 4),
+            "train_wall_s": round(train_wall, 1),
+            "wall_s": round(time.time() - t_start, 1),
+            "tokens_per_s": round(
+                (step - first_chunk)
+                * tokens_per_step
+                / max(t_train + train_wall - t_compiled, 1e-9)
+            ),
+            "exported_params": int(count),
+            "reload_max_abs_logit_diff": reload_err,
+            "transformers_max_abs_logit_diff": hf_err,
+            "sample_prompt": "Once upon a time",
+            "sample_greedy": sample,
+        }
+    )
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump(log, f, indent=2)
-    print(json.dumps({k: log[k] for k in ("steps", "epochs", "valid_loss", "valid_ppl", "wall_s",
-                                          "tokens_per_s")}), flush=True)
+    print(
+        json.dumps(
+            {
+                k: log[k]
+                for k in ("steps", "epochs", "valid_loss", "valid_ppl", "wall_s", "tokens_per_s")
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,10 @@ def train(corpus: str, out: str, vocab_size: int, model_type: str, threads: int)
         add_dummy_prefix=True,
         allow_whitespace_only_pieces=True,
         max_sentence_length=16384,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
         num_threads=threads,
         minloglevel=1,
     )
@@ -99,7 +102,8 @@ def pack(sp: spm.SentencePieceProcessor, text_path: str, ids_path: str, threads:
     if sp.get_piece_size() > np.iinfo(np.uint16).max + 1:
         raise SystemExit("vocab does not fit uint16")
     stream = np.fromiter(
-        (t for ids in encoded for t in (sp.bos_id(), *ids, sp.eos_id())), dtype=np.uint16)
+        (t for ids in encoded for t in (sp.bos_id(), *ids, sp.eos_id())), dtype=np.uint16
+    )
     np.save(ids_path, stream)
     return int(stream.size)
 
@@ -119,8 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     write_configs(sp, args.out, args.max_len)
     stats = {"tokenizer": path, "vocab_size": sp.get_piece_size()}
     for split in ("train", "valid"):
-        n = pack(sp, os.path.join(args.corpus, f"{split}.txt"),
-                 os.path.join(args.corpus, f"{split}_ids.npy"), args.threads)
+        n = pack(
+            sp,
+            os.path.join(args.corpus, f"{split}.txt"),
+            os.path.join(args.corpus, f"{split}_ids.npy"),
+            args.threads,
+        )
         chars = os.path.getsize(os.path.join(args.corpus, f"{split}.txt"))
         stats[f"{split}_tokens"] = n
         stats[f"{split}_bytes_per_token"] = round(chars / n, 3)

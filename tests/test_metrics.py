@@ -20,25 +20,56 @@ def _samples(metrics: EngineMetrics) -> dict[tuple[str, tuple], float]:
 
 
 def _output(rid, new_tokens, *, finished=False, reason=None, t=None, prompt=(1, 2, 3), n=1):
-    m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=t[0] if t else None,
-                       last_token_time=t[-1] if t else None, finished_time=t[-1] if finished else None)
-    outs = [CompletionOutput(index=k, delta_token_ids=list(range(new_tokens)), finish_reason=reason)
-            for k in range(n)]
-    return RequestOutput(request_id=rid, prompt=None, prompt_token_ids=list(prompt), prompt_logprobs=None,
-                         outputs=outs, finished=finished, metrics=m)
+    m = RequestMetrics(
+        arrival_time=10.0,
+        first_scheduled_time=10.5,
+        first_token_time=t[0] if t else None,
+        last_token_time=t[-1] if t else None,
+        finished_time=t[-1] if finished else None,
+    )
+    outs = [
+        CompletionOutput(index=k, delta_token_ids=list(range(new_tokens)), finish_reason=reason)
+        for k in range(n)
+    ]
+    return RequestOutput(
+        request_id=rid,
+        prompt=None,
+        prompt_token_ids=list(prompt),
+        prompt_logprobs=None,
+        outputs=outs,
+        finished=finished,
+        metrics=m,
+    )
 
 
 def test_gauges_and_counters_from_stats():
     metrics = EngineMetrics("m", CacheConfig(block_size=16))
-    metrics.record_step(EngineStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25,
-                                    prefix_cache_queries_total=64, prefix_cache_hits_total=32,
-                                    num_preemptions_total=1, num_prompt_tokens_total=10,
-                                    num_generation_tokens_total=4), [])
-    stats = EngineStats(num_running_reqs=1, kv_cache_usage=0.5, prefix_cache_queries_total=80,
-                        prefix_cache_hits_total=48, num_preemptions_total=3, num_prompt_tokens_total=10,
-                        num_generation_tokens_total=9)
+    metrics.record_step(
+        EngineStats(
+            num_running_reqs=3,
+            num_waiting_reqs=2,
+            kv_cache_usage=0.25,
+            prefix_cache_queries_total=64,
+            prefix_cache_hits_total=32,
+            num_preemptions_total=1,
+            num_prompt_tokens_total=10,
+            num_generation_tokens_total=4,
+        ),
+        [],
+    )
+    stats = EngineStats(
+        num_running_reqs=1,
+        kv_cache_usage=0.5,
+        prefix_cache_queries_total=80,
+        prefix_cache_hits_total=48,
+        num_preemptions_total=3,
+        num_prompt_tokens_total=10,
+        num_generation_tokens_total=9,
+    )
     metrics.record_step(stats, [])
-    metrics.record_step(stats, [])  # no step in between: the totals did not grow, nothing counted twice
+    metrics.record_step(
+        stats, []
+    )  # no step in between: the totals did not grow, nothing counted twice
     s = _samples(metrics)
     assert s[("jaxserve:num_requests_running", ())] == 1
     assert s[("jaxserve:num_requests_waiting", ())] == 0
@@ -55,9 +86,9 @@ def test_gauges_and_counters_from_stats():
 
 def test_latencies_tokens_and_finish_reasons():
     metrics = EngineMetrics("m")
-    metrics.record_step(None, [_output("a", 0)])                       # prefill chunk, no token yet
-    metrics.record_step(None, [_output("a", 1, t=[11.0])])             # TTFT 1.0, queue 0.5
-    metrics.record_step(None, [_output("a", 1, t=[11.0, 11.2])])       # ITL 0.2
+    metrics.record_step(None, [_output("a", 0)])  # prefill chunk, no token yet
+    metrics.record_step(None, [_output("a", 1, t=[11.0])])  # TTFT 1.0, queue 0.5
+    metrics.record_step(None, [_output("a", 1, t=[11.0, 11.2])])  # ITL 0.2
     metrics.record_step(None, [_output("a", 2, t=[11.0, 11.5], finished=True, reason="stop", n=2)])
     metrics.record_abort("b", 2)
     s = _samples(metrics)

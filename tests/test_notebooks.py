@@ -24,7 +24,9 @@ def test_notebook_committed_without_outputs(path):
     nbformat.validate(nb)
     for cell in nb.cells:
         if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, f"clear the outputs of {path}"
+            assert cell.outputs == [] and cell.execution_count is None, (
+                f"clear the outputs of {path}"
+            )
 
 
 @pytest.mark.slow
@@ -37,8 +39,11 @@ def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": DEMOS}})
+    client = NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": DEMOS}}
+    )
     client.execute()  # raises CellExecutionError (with the cell and traceback) on an error
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    errors = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
+    ]
     assert not errors

@@ -24,12 +24,23 @@ from jaxserve.benchmarks.stats import RequestResult
 from jaxserve.benchmarks.workloads import BenchRequest
 
 
-def completion_payload(model: str, request: BenchRequest, *, ignore_eos: bool = True, temperature: float = 0.0,
-                       extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+def completion_payload(
+    model: str,
+    request: BenchRequest,
+    *,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+    extra_body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The JSON body of one streamed completion request."""
-    body: dict[str, Any] = {"model": model, "prompt": request.prompt, "max_tokens": request.output_len,
-                            "temperature": temperature, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.output_len,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if ignore_eos:
         body["ignore_eos"] = True
     if extra_body:
@@ -37,9 +48,15 @@ def completion_payload(model: str, request: BenchRequest, *, ignore_eos: bool = 
     return body
 
 
-async def send_completion(session: aiohttp.ClientSession, api_url: str, payload: dict[str, Any],
-                          request: BenchRequest, *, headers: dict[str, str] | None = None,
-                          start_time: float = 0.0) -> RequestResult:
+async def send_completion(
+    session: aiohttp.ClientSession,
+    api_url: str,
+    payload: dict[str, Any],
+    request: BenchRequest,
+    *,
+    headers: dict[str, str] | None = None,
+    start_time: float = 0.0,
+) -> RequestResult:
     """Sends one streamed completion and times its chunks.
 
     Args:
@@ -70,7 +87,7 @@ async def send_completion(session: aiohttp.ClientSession, api_url: str, payload:
                 line = raw.strip()
                 if not line.startswith(b"data:"):  # blank lines, comments, other SSE fields
                     continue
-                data = line[len(b"data:"):].strip()
+                data = line[len(b"data:") :].strip()
                 if data == b"[DONE]":
                     break
                 chunk = json.loads(data)

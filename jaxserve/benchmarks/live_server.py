@@ -38,8 +38,15 @@ class BackgroundServer:
       RuntimeError: the server did not start in time (the error it died of, if any, chained).
     """
 
-    def __init__(self, engine: Any, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        start_timeout_s: float = 60.0,
+    ) -> None:
         from jaxserve.engine.async_llm import AsyncLLM
         from jaxserve.entrypoints.openai.api_server import run_server
 
@@ -53,7 +60,9 @@ class BackgroundServer:
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
         self.exit_code: int | None = None
-        self._thread = threading.Thread(target=self._serve, name="jaxserve-background-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, name="jaxserve-background-server", daemon=True
+        )
         self._thread.start()
         if not self._ready.wait(start_timeout_s) or self._error is not None:
             self.close()
@@ -70,8 +79,14 @@ class BackgroundServer:
                 self._port = port
                 self._ready.set()
 
-            return await self._run_server(self.llm, host=self._host, port=self._port, api_key=self._api_key,
-                                          ready=ready, stop=self._stop)
+            return await self._run_server(
+                self.llm,
+                host=self._host,
+                port=self._port,
+                api_key=self._api_key,
+                ready=ready,
+                stop=self._stop,
+            )
 
         try:
             self.exit_code = asyncio.run(main())
@@ -89,7 +104,7 @@ class BackgroundServer:
             self.llm.shutdown()
         return self.exit_code
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -26,10 +26,16 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-GAUGES = {"waiting": ("num_requests_waiting",), "running": ("num_requests_running",),
-          "kv_cache_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc")}
-COUNTERS = {"preemptions": "num_preemptions_total", "prefix_cache_hits": "prefix_cache_hits_total",
-            "prefix_cache_queries": "prefix_cache_queries_total"}
+GAUGES = {
+    "waiting": ("num_requests_waiting",),
+    "running": ("num_requests_running",),
+    "kv_cache_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+}
+COUNTERS = {
+    "preemptions": "num_preemptions_total",
+    "prefix_cache_hits": "prefix_cache_hits_total",
+    "prefix_cache_queries": "prefix_cache_queries_total",
+}
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -59,7 +65,9 @@ def snapshot(metrics: dict[str, float]) -> dict[str, float | None]:
     return out
 
 
-async def fetch_snapshot(session: aiohttp.ClientSession, metrics_url: str) -> dict[str, float | None] | None:
+async def fetch_snapshot(
+    session: aiohttp.ClientSession, metrics_url: str
+) -> dict[str, float | None] | None:
     """The server's snapshot now, or None if ``/metrics`` cannot be read or parsed."""
     try:
         async with session.get(metrics_url) as response:
@@ -80,7 +88,9 @@ class MetricsPoller:
       ValueError: ``interval_s`` is not > 0 (named ``metrics_interval``, the CLI flag).
     """
 
-    def __init__(self, session: aiohttp.ClientSession, metrics_url: str, interval_s: float = 0.5) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, metrics_url: str, interval_s: float = 0.5
+    ) -> None:
         if not interval_s > 0:
             raise ValueError(f"metrics_interval must be > 0, got {interval_s}")
         self.session = session
@@ -118,13 +128,18 @@ def _peak(values: list[float | None]) -> float | None:
     return max(present) if present else None
 
 
-def _delta(before: dict[str, float | None], after: dict[str, float | None], key: str) -> float | None:
+def _delta(
+    before: dict[str, float | None], after: dict[str, float | None], key: str
+) -> float | None:
     a, b = after.get(key), before.get(key)
     return None if a is None or b is None else a - b
 
 
-def run_figures(before: dict[str, float | None] | None, after: dict[str, float | None] | None,
-                samples: list[tuple[float, dict[str, float | None]]]) -> dict[str, Any]:
+def run_figures(
+    before: dict[str, float | None] | None,
+    after: dict[str, float | None] | None,
+    samples: list[tuple[float, dict[str, float | None]]],
+) -> dict[str, Any]:
     """The server-side figures of a run (None where a metric was unavailable).
 
     Returns:
@@ -134,8 +149,15 @@ def run_figures(before: dict[str, float | None] | None, after: dict[str, float |
       "kv_cache_usage"}`` lists, one entry per poll.
     """
     snaps = [s for _, s in samples] + [s for s in (before, after) if s is not None]
-    out: dict[str, Any] = {k: None for k in ("preemptions", "prefix_cache_hits", "prefix_cache_queries",
-                                             "prefix_cache_hit_rate")}
+    out: dict[str, Any] = {
+        k: None
+        for k in (
+            "preemptions",
+            "prefix_cache_hits",
+            "prefix_cache_queries",
+            "prefix_cache_hit_rate",
+        )
+    }
     if before is not None and after is not None:
         for key in ("preemptions", "prefix_cache_hits", "prefix_cache_queries"):
             out[key] = _delta(before, after, key)
@@ -145,6 +167,8 @@ def run_figures(before: dict[str, float | None] | None, after: dict[str, float |
     out["peak_waiting"] = _peak([s.get("waiting") for s in snaps])
     out["peak_running"] = _peak([s.get("running") for s in snaps])
     out["peak_kv_cache_usage"] = _peak([s.get("kv_cache_usage") for s in snaps])
-    out["timeline"] = {"t": [t for t, _ in samples],
-                       **{k: [s.get(k) for _, s in samples] for k in ("waiting", "running", "kv_cache_usage")}}
+    out["timeline"] = {
+        "t": [t for t, _ in samples],
+        **{k: [s.get(k) for _, s in samples] for k in ("waiting", "running", "kv_cache_usage")},
+    }
     return out

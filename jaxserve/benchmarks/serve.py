@@ -78,7 +78,9 @@ class ServeBenchConfig:
 
     def __post_init__(self) -> None:
         if not self.request_rate > 0:
-            raise ValueError(f"request_rate must be > 0 (inf: all at once), got {self.request_rate}")
+            raise ValueError(
+                f"request_rate must be > 0 (inf: all at once), got {self.request_rate}"
+            )
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.num_warmup < 0:
@@ -91,7 +93,9 @@ class ServeBenchConfig:
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
 
 
-async def _first_model(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> str:
+async def _first_model(
+    session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]
+) -> str:
     async with session.get(base_url + "/v1/models", headers=headers) as response:
         if response.status != 200:
             raise RuntimeError(f"GET /v1/models answered {response.status}; pass --model")
@@ -101,8 +105,11 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str, headers: d
     return data[0]["id"]
 
 
-async def benchmark_serve(config: ServeBenchConfig, requests: Sequence[BenchRequest],
-                          warmup_requests: Sequence[BenchRequest] = ()) -> dict[str, Any]:
+async def benchmark_serve(
+    config: ServeBenchConfig,
+    requests: Sequence[BenchRequest],
+    warmup_requests: Sequence[BenchRequest] = (),
+) -> dict[str, Any]:
     """Runs the benchmark (see the module docstring) and returns its result.
 
     Args:
@@ -131,9 +138,16 @@ async def benchmark_serve(config: ServeBenchConfig, requests: Sequence[BenchRequ
         api_url = base + config.endpoint
 
         async def one(req: BenchRequest, start: float = 0.0) -> RequestResult:
-            payload = completion_payload(model, req, ignore_eos=config.ignore_eos,
-                                         temperature=config.temperature, extra_body=config.extra_body)
-            return await send_completion(session, api_url, payload, req, headers=headers, start_time=start)
+            payload = completion_payload(
+                model,
+                req,
+                ignore_eos=config.ignore_eos,
+                temperature=config.temperature,
+                extra_body=config.extra_body,
+            )
+            return await send_completion(
+                session, api_url, payload, req, headers=headers, start_time=start
+            )
 
         semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
 
@@ -151,7 +165,11 @@ async def benchmark_serve(config: ServeBenchConfig, requests: Sequence[BenchRequ
 
         metrics_url = base + "/metrics"
         before = await fetch_snapshot(session, metrics_url) if config.scrape_metrics else None
-        poller = MetricsPoller(session, metrics_url, config.metrics_interval_s) if before is not None else None
+        poller = (
+            MetricsPoller(session, metrics_url, config.metrics_interval_s)
+            if before is not None
+            else None
+        )
         arrivals = poisson_arrivals(len(requests), config.request_rate, config.seed)
         t0 = time.perf_counter()
         if poller is not None:
@@ -172,10 +190,15 @@ async def benchmark_serve(config: ServeBenchConfig, requests: Sequence[BenchRequ
         after = await fetch_snapshot(session, metrics_url) if before is not None else None
 
     out: dict[str, Any] = {
-        "base_url": base, "endpoint": config.endpoint, "model": model, "num_prompts": len(requests),
+        "base_url": base,
+        "endpoint": config.endpoint,
+        "model": model,
+        "num_prompts": len(requests),
         "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
-        "max_concurrency": config.max_concurrency, "num_warmup": config.num_warmup,
-        "ignore_eos": config.ignore_eos, "temperature": config.temperature,
+        "max_concurrency": config.max_concurrency,
+        "num_warmup": config.num_warmup,
+        "ignore_eos": config.ignore_eos,
+        "temperature": config.temperature,
         "percentiles": list(config.percentiles),
     }
     out.update(compute_metrics(results, duration, config.percentiles))
@@ -191,8 +214,11 @@ async def benchmark_serve(config: ServeBenchConfig, requests: Sequence[BenchRequ
     return out
 
 
-def run_serve_benchmark(config: ServeBenchConfig, requests: Sequence[BenchRequest],
-                        warmup_requests: Sequence[BenchRequest] = ()) -> dict[str, Any]:
+def run_serve_benchmark(
+    config: ServeBenchConfig,
+    requests: Sequence[BenchRequest],
+    warmup_requests: Sequence[BenchRequest] = (),
+) -> dict[str, Any]:
     """``benchmark_serve`` from synchronous code; inside a running event loop (a notebook) it
     runs on a fresh loop in a worker thread. Raises like ``benchmark_serve``."""
     coro = benchmark_serve(config, requests, warmup_requests)
@@ -206,10 +232,11 @@ def run_serve_benchmark(config: ServeBenchConfig, requests: Sequence[BenchReques
 
 # ---- the table ---------------------------------------------------------------------------------
 
+
 def _row(label: str, value: Any) -> str:
     if isinstance(value, float):
-        return "{:<40} {:<10.2f}".format(label, value)
-    return "{:<40} {:<10}".format(label, value)
+        return f"{label:<40} {value:<10.2f}"
+    return f"{label:<40} {value:<10}"
 
 
 def _title(text: str, fill: str = "-") -> str:
@@ -218,23 +245,33 @@ def _title(text: str, fill: str = "-") -> str:
 
 def format_table(result: dict[str, Any]) -> str:
     """The result as vLLM ``bench serve`` prints it, plus a server-metrics section."""
-    lines = [_title(" Serving Benchmark Result ", "="),
-             _row("Successful requests:", result["completed"]),
-             _row("Failed requests:", result["failed"]),
-             _row("Request rate configured (RPS):", result["request_rate"] if isinstance(result["request_rate"], str)
-                  else float(result["request_rate"])),
-             _row("Maximum request concurrency:", "none" if result["max_concurrency"] is None
-                  else result["max_concurrency"]),
-             _row("Benchmark duration (s):", float(result["duration"])),
-             _row("Total input tokens:", result["total_input_tokens"]),
-             _row("Total generated tokens:", result["total_output_tokens"]),
-             _row("Request throughput (req/s):", float(result["request_throughput"])),
-             _row("Output token throughput (tok/s):", float(result["output_throughput"])),
-             _row("Total token throughput (tok/s):", float(result["total_token_throughput"]))]
-    sections = (("ttft", "Time to First Token", "TTFT"),
-                ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
-                ("itl", "Inter-token Latency", "ITL"),
-                ("e2el", "End-to-end Latency", "E2EL"))
+    lines = [
+        _title(" Serving Benchmark Result ", "="),
+        _row("Successful requests:", result["completed"]),
+        _row("Failed requests:", result["failed"]),
+        _row(
+            "Request rate configured (RPS):",
+            result["request_rate"]
+            if isinstance(result["request_rate"], str)
+            else float(result["request_rate"]),
+        ),
+        _row(
+            "Maximum request concurrency:",
+            "none" if result["max_concurrency"] is None else result["max_concurrency"],
+        ),
+        _row("Benchmark duration (s):", float(result["duration"])),
+        _row("Total input tokens:", result["total_input_tokens"]),
+        _row("Total generated tokens:", result["total_output_tokens"]),
+        _row("Request throughput (req/s):", float(result["request_throughput"])),
+        _row("Output token throughput (tok/s):", float(result["output_throughput"])),
+        _row("Total token throughput (tok/s):", float(result["total_token_throughput"])),
+    ]
+    sections = (
+        ("ttft", "Time to First Token", "TTFT"),
+        ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+        ("itl", "Inter-token Latency", "ITL"),
+        ("e2el", "End-to-end Latency", "E2EL"),
+    )
     for key, title, short in sections:
         lines.append(_title(title))
         lines.append(_row(f"Mean {short} (ms):", float(result[f"mean_{key}_ms"])))
@@ -247,6 +284,7 @@ def format_table(result: dict[str, Any]) -> str:
     if server is None:
         lines.append("(not available)")
     else:
+
         def fmt(v: Any, scale: float = 1.0) -> Any:
             return "n/a" if v is None else float(v) * scale
 
@@ -257,6 +295,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(_row("Peak waiting requests:", count(server["peak_waiting"])))
         lines.append(_row("Peak running requests:", count(server["peak_running"])))
         lines.append(_row("Peak KV-cache usage (%):", fmt(server["peak_kv_cache_usage"], 100.0)))
-        lines.append(_row("Prefix-cache hit rate (%):", fmt(server["prefix_cache_hit_rate"], 100.0)))
+        lines.append(
+            _row("Prefix-cache hit rate (%):", fmt(server["prefix_cache_hit_rate"], 100.0))
+        )
     lines.append("=" * 50)
     return "\n".join(lines)

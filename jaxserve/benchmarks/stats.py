@@ -71,9 +71,11 @@ def summarize(values_s: Sequence[float], percentiles: Sequence[float] = (99,)) -
             raise ValueError(f"percentiles must be in [0, 100], got {q}")
     arr = np.asarray(values_s, dtype=np.float64) * 1000.0
     empty = arr.size == 0
-    out = {"mean": 0.0 if empty else float(arr.mean()),
-           "median": 0.0 if empty else float(np.median(arr)),
-           "std": 0.0 if empty else float(arr.std())}
+    out = {
+        "mean": 0.0 if empty else float(arr.mean()),
+        "median": 0.0 if empty else float(np.median(arr)),
+        "std": 0.0 if empty else float(arr.std()),
+    }
     for q in percentiles:
         out[percentile_key(q)] = 0.0 if empty else float(np.percentile(arr, q))
     return out
@@ -88,8 +90,9 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 """The latency metrics, named as in vLLM's result JSON (``mean_ttft_ms``, ``p99_itl_ms``, ...)."""
 
 
-def compute_metrics(results: Sequence[RequestResult], duration_s: float,
-                    percentiles: Sequence[float] = (99,)) -> dict[str, Any]:
+def compute_metrics(
+    results: Sequence[RequestResult], duration_s: float, percentiles: Sequence[float] = (99,)
+) -> dict[str, Any]:
     """Throughputs and latency statistics of a run (vLLM ``bench serve``'s field names).
 
     Args:

@@ -15,9 +15,15 @@ from typing import Any
 from jaxserve.benchmarks.workloads import BenchRequest
 
 
-def run_throughput(llm: Any, requests: Sequence[BenchRequest], *, ignore_eos: bool = True,
-                   temperature: float = 0.0, warmup_requests: Sequence[BenchRequest] = (),
-                   use_tqdm: bool = False) -> dict[str, Any]:
+def run_throughput(
+    llm: Any,
+    requests: Sequence[BenchRequest],
+    *,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+    warmup_requests: Sequence[BenchRequest] = (),
+    use_tqdm: bool = False,
+) -> dict[str, Any]:
     """Generates ``requests`` with ``llm`` and returns the run's figures.
 
     Args:
@@ -42,8 +48,10 @@ def run_throughput(llm: Any, requests: Sequence[BenchRequest], *, ignore_eos: bo
         raise ValueError("num_prompts: the workload has no requests")
 
     def params(reqs: Sequence[BenchRequest]) -> list[SamplingParams]:
-        return [SamplingParams(max_tokens=r.output_len, ignore_eos=ignore_eos, temperature=temperature)
-                for r in reqs]
+        return [
+            SamplingParams(max_tokens=r.output_len, ignore_eos=ignore_eos, temperature=temperature)
+            for r in reqs
+        ]
 
     if warmup_requests:
         llm.generate([r.prompt for r in warmup_requests], params(warmup_requests), use_tqdm=False)
@@ -74,12 +82,14 @@ def run_throughput(llm: Any, requests: Sequence[BenchRequest], *, ignore_eos: bo
 def format_throughput(result: dict[str, Any]) -> str:
     """vLLM ``bench throughput``'s summary line, plus the totals and engine counters."""
     rate = result["prefix_cache_hit_rate"]
-    return "\n".join([
-        f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.2f} total tokens/s, "
-        f"{result['output_tokens_per_s']:.2f} output tokens/s",
-        f"Total num prompt tokens:  {result['total_input_tokens']}",
-        f"Total num output tokens:  {result['total_output_tokens']}",
-        f"Elapsed: {result['elapsed_s']:.2f} s over {result['num_steps']} engine steps; "
-        f"preemptions: {result['preemptions']}; prefix-cache hit rate: "
-        + ("n/a" if rate is None else f"{100 * rate:.1f}%"),
-    ])
+    return "\n".join(
+        [
+            f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.2f} total tokens/s, "
+            f"{result['output_tokens_per_s']:.2f} output tokens/s",
+            f"Total num prompt tokens:  {result['total_input_tokens']}",
+            f"Total num output tokens:  {result['total_output_tokens']}",
+            f"Elapsed: {result['elapsed_s']:.2f} s over {result['num_steps']} engine steps; "
+            f"preemptions: {result['preemptions']}; prefix-cache hit rate: "
+            + ("n/a" if rate is None else f"{100 * rate:.1f}%"),
+        ]
+    )

@@ -25,8 +25,14 @@ from typing import Any
 from jaxserve.benchmarks.stats import RequestResult, compute_metrics
 from jaxserve.benchmarks.workloads import BenchRequest
 
-SCHEDULER_KNOBS = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-                   "enable_chunked_prefill", "policy", "max_waiting_requests")
+SCHEDULER_KNOBS = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "long_prefill_token_threshold",
+    "enable_chunked_prefill",
+    "policy",
+    "max_waiting_requests",
+)
 CACHE_KNOBS = ("enable_prefix_caching", "watermark")
 
 
@@ -76,9 +82,16 @@ class RequestTimes:
         if not self.token_times or self.finished is None:
             return RequestResult(prompt_len=self.prompt_len, kind=self.kind, error="did not finish")
         times = self.token_times
-        return RequestResult(success=True, prompt_len=self.prompt_len, output_tokens=self.output_tokens,
-                             ttft=times[0] - self.arrival, latency=times[-1] - self.arrival,
-                             itl=[b - a for a, b in zip(times, times[1:])], start_time=self.arrival, kind=self.kind)
+        return RequestResult(
+            success=True,
+            prompt_len=self.prompt_len,
+            output_tokens=self.output_tokens,
+            ttft=times[0] - self.arrival,
+            latency=times[-1] - self.arrival,
+            itl=[b - a for a, b in zip(times, times[1:])],
+            start_time=self.arrival,
+            kind=self.kind,
+        )
 
 
 @dataclasses.dataclass
@@ -95,11 +108,20 @@ class Timeline:
 
     def columns(self) -> dict[str, list[float]]:
         """The step records as columns (``{"t": [...], "num_running": [...], ...}``) for plotting."""
-        return {f.name: [getattr(s, f.name) for s in self.steps] for f in dataclasses.fields(StepRecord)}
+        return {
+            f.name: [getattr(s, f.name) for s in self.steps] for f in dataclasses.fields(StepRecord)
+        }
 
 
-def run_timeline(engine: Any, requests: Sequence[BenchRequest], *, arrival_times: Sequence[float] | None = None,
-                 ignore_eos: bool = True, temperature: float = 0.0, max_steps: int = 100_000) -> Timeline:
+def run_timeline(
+    engine: Any,
+    requests: Sequence[BenchRequest],
+    *,
+    arrival_times: Sequence[float] | None = None,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+    max_steps: int = 100_000,
+) -> Timeline:
     """Runs ``requests`` through ``engine`` step by step and records the timeline.
 
     Args:
@@ -134,19 +156,27 @@ def run_timeline(engine: Any, requests: Sequence[BenchRequest], *, arrival_times
         while nxt < len(order) and arrivals[order[nxt]] <= now:
             i = order[nxt]
             req = requests[i]
-            params = SamplingParams(max_tokens=req.output_len, ignore_eos=ignore_eos, temperature=temperature)
+            params = SamplingParams(
+                max_tokens=req.output_len, ignore_eos=ignore_eos, temperature=temperature
+            )
             try:
                 engine.add_request(f"timeline-{i}", req.prompt, params)
             except ValueError as e:
-                engine.abort_request([f"timeline-{j}" for j in range(len(requests)) if times[j] is not None])
+                engine.abort_request(
+                    [f"timeline-{j}" for j in range(len(requests)) if times[j] is not None]
+                )
                 raise ValueError(f"requests[{i}]: {e}") from e
-            times[i] = RequestTimes(arrival=time.perf_counter() - t0, prompt_len=req.prompt_len, kind=req.kind)
+            times[i] = RequestTimes(
+                arrival=time.perf_counter() - t0, prompt_len=req.prompt_len, kind=req.kind
+            )
             nxt += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[order[nxt]] - (time.perf_counter() - t0)))
             continue
         if len(steps) >= max_steps:
-            engine.abort_request([f"timeline-{j}" for j in range(len(requests)) if times[j] is not None])
+            engine.abort_request(
+                [f"timeline-{j}" for j in range(len(requests)) if times[j] is not None]
+            )
             raise RuntimeError(f"max_steps: the run did not finish in {max_steps} steps")
         outputs = engine.step()
         t = time.perf_counter() - t0
@@ -159,12 +189,20 @@ def run_timeline(engine: Any, requests: Sequence[BenchRequest], *, arrival_times
             if out.finished:
                 rec.finished = t
         st = engine.get_stats()
-        steps.append(StepRecord(t=t, num_running=st.num_running_reqs, num_waiting=st.num_waiting_reqs,
-                                kv_cache_usage=st.kv_cache_usage,
-                                preemptions=st.num_preemptions_total - base.num_preemptions_total,
-                                num_scheduled_tokens=st.num_scheduled_tokens,
-                                num_finished=st.num_finished_reqs_total - base.num_finished_reqs_total))
-    return Timeline(steps=steps, requests=[r for r in times if r is not None], duration=time.perf_counter() - t0)
+        steps.append(
+            StepRecord(
+                t=t,
+                num_running=st.num_running_reqs,
+                num_waiting=st.num_waiting_reqs,
+                kv_cache_usage=st.kv_cache_usage,
+                preemptions=st.num_preemptions_total - base.num_preemptions_total,
+                num_scheduled_tokens=st.num_scheduled_tokens,
+                num_finished=st.num_finished_reqs_total - base.num_finished_reqs_total,
+            )
+        )
+    return Timeline(
+        steps=steps, requests=[r for r in times if r is not None], duration=time.perf_counter() - t0
+    )
 
 
 def engine_variant(engine: Any, *, num_gpu_blocks: int | None = None, **knobs: Any) -> Any:
@@ -192,29 +230,41 @@ def engine_variant(engine: Any, *, num_gpu_blocks: int | None = None, **knobs: A
     engine = getattr(engine, "llm_engine", engine)
     unknown = sorted(set(knobs) - set(SCHEDULER_KNOBS) - set(CACHE_KNOBS))
     if unknown:
-        raise ValueError(f"unknown knob(s) {', '.join(unknown)}; allowed: num_gpu_blocks, "
-                         f"{', '.join(SCHEDULER_KNOBS + CACHE_KNOBS)}")
+        raise ValueError(
+            f"unknown knob(s) {', '.join(unknown)}; allowed: num_gpu_blocks, "
+            f"{', '.join(SCHEDULER_KNOBS + CACHE_KNOBS)}"
+        )
     if engine.has_unfinished_requests():
         raise ValueError("engine: it has unfinished requests; finish or abort them first")
     runner = engine.runner
     config = engine.engine_config
     budget = knobs.get("max_num_batched_tokens", config.scheduler.max_num_batched_tokens)
     if budget > runner.token_buckets[-1]:
-        raise ValueError(f"max_num_batched_tokens ({budget}) exceeds the runner's largest token bucket "
-                         f"({runner.token_buckets[-1]})")
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) exceeds the runner's largest token bucket "
+            f"({runner.token_buckets[-1]})"
+        )
     seqs = knobs.get("max_num_seqs", config.scheduler.max_num_seqs)
     if seqs > runner.max_num_seqs:
-        raise ValueError(f"max_num_seqs ({seqs}) exceeds the runner's max_num_seqs ({runner.max_num_seqs})")
+        raise ValueError(
+            f"max_num_seqs ({seqs}) exceeds the runner's max_num_seqs ({runner.max_num_seqs})"
+        )
     cache = {k: v for k, v in knobs.items() if k in CACHE_KNOBS}
     if num_gpu_blocks is not None:
-        pool = runner.kv_spec.num_blocks if runner.kv_spec is not None else config.cache.num_gpu_blocks
+        pool = (
+            runner.kv_spec.num_blocks if runner.kv_spec is not None else config.cache.num_gpu_blocks
+        )
         if not 2 <= num_gpu_blocks <= pool:
-            raise ValueError(f"num_gpu_blocks must be in [2, {pool}] (the runner's pool), "
-                             f"got {num_gpu_blocks}")
+            raise ValueError(
+                f"num_gpu_blocks must be in [2, {pool}] (the runner's pool), got {num_gpu_blocks}"
+            )
         cache["num_gpu_blocks"] = num_gpu_blocks
     config = dataclasses.replace(
-        config, scheduler=dataclasses.replace(config.scheduler, **{k: v for k, v in knobs.items()
-                                                                   if k in SCHEDULER_KNOBS}),
-        cache=dataclasses.replace(config.cache, **cache))
+        config,
+        scheduler=dataclasses.replace(
+            config.scheduler, **{k: v for k, v in knobs.items() if k in SCHEDULER_KNOBS}
+        ),
+        cache=dataclasses.replace(config.cache, **cache),
+    )
     runner.reset_requests()
     return LLMEngine(config, runner, engine.arch, engine.tokenizer, engine.generation_config)

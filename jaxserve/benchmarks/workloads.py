@@ -36,12 +36,30 @@ WORKLOADS = ("random", "shared-prefix", "mixed")
 PROMPT_FORMATS = ("ids", "text")
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "qa": {"workload": "random", "input_len": 128, "output_len": 128, "num_prompts": 512,
-           "max_concurrency": 64},
-    "long-doc": {"workload": "random", "input_len": 2048, "output_len": 512, "num_prompts": 32,
-                 "max_concurrency": 4},
-    "mixed": {"workload": "mixed", "input_len": 128, "output_len": 128, "long_input_len": 2048,
-              "long_output_len": 512, "long_fraction": 0.1, "num_prompts": 200, "request_rate": 4.0},
+    "qa": {
+        "workload": "random",
+        "input_len": 128,
+        "output_len": 128,
+        "num_prompts": 512,
+        "max_concurrency": 64,
+    },
+    "long-doc": {
+        "workload": "random",
+        "input_len": 2048,
+        "output_len": 512,
+        "num_prompts": 32,
+        "max_concurrency": 4,
+    },
+    "mixed": {
+        "workload": "mixed",
+        "input_len": 128,
+        "output_len": 128,
+        "long_input_len": 2048,
+        "long_output_len": 512,
+        "long_fraction": 0.1,
+        "num_prompts": 200,
+        "request_rate": 4.0,
+    },
 }
 """Named load shapes: default values for the workload and load flags (flags given win)."""
 
@@ -104,7 +122,14 @@ class WorkloadSpec:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.kind!r}")
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be ids or text, got {self.prompt_format!r}")
-        for name in ("num_prompts", "input_len", "output_len", "num_prefixes", "long_input_len", "long_output_len"):
+        for name in (
+            "num_prompts",
+            "input_len",
+            "output_len",
+            "num_prefixes",
+            "long_input_len",
+            "long_output_len",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seed < 0:
@@ -132,7 +157,9 @@ class TokenSource:
       ValueError: vocab_size < 2 or no id left to draw.
     """
 
-    def __init__(self, vocab_size: int, special_ids: Sequence[int] = (), tokenizer: Any = None) -> None:
+    def __init__(
+        self, vocab_size: int, special_ids: Sequence[int] = (), tokenizer: Any = None
+    ) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         excluded = set(int(i) for i in special_ids)
@@ -143,7 +170,7 @@ class TokenSource:
         self._word_ids: np.ndarray | None = None
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> "TokenSource":
+    def from_tokenizer(cls, tokenizer: Any) -> TokenSource:
         """Ids of ``tokenizer``'s vocabulary minus its special tokens."""
         return cls(tokenizer.vocab_size, tokenizer.all_special_ids, tokenizer)
 
@@ -162,8 +189,11 @@ class TokenSource:
             if self.tokenizer is None:
                 raise ValueError("prompt_format: text prompts need a tokenizer")
             pieces = self.tokenizer.convert_ids_to_tokens(self.ids.tolist())
-            words = [i for i, p in zip(self.ids.tolist(), pieces)
-                     if len(p) > 2 and p[0] in "▁Ġ" and p[1:].isalpha() and p[1:].isascii()]
+            words = [
+                i
+                for i, p in zip(self.ids.tolist(), pieces)
+                if len(p) > 2 and p[0] in "▁Ġ" and p[1:].isalpha() and p[1:].isascii()
+            ]
             if not words:
                 raise ValueError("prompt_format: the tokenizer has no whole-word pieces; use ids")
             self._word_ids = np.array(words, np.int64)
@@ -182,8 +212,9 @@ def _length(rng: np.random.Generator, length: int, ratio: float) -> int:
     return int(rng.integers(lo, hi + 1))
 
 
-def _prompt(source: TokenSource, rng: np.random.Generator, fmt: str, n: int, prefix: Any = None
-            ) -> tuple[str | list[int], int]:
+def _prompt(
+    source: TokenSource, rng: np.random.Generator, fmt: str, n: int, prefix: Any = None
+) -> tuple[str | list[int], int]:
     if fmt == "ids":
         ids = (list(prefix) if prefix is not None else []) + source.sample_ids(rng, n)
         return ids, len(ids)
@@ -209,21 +240,41 @@ def make_requests(spec: WorkloadSpec, source: TokenSource) -> list[BenchRequest]
         draw = source.sample_ids if fmt == "ids" else source.sample_text
         prefixes = [draw(rng, spec.prefix_len) for _ in range(spec.num_prefixes)]
         for i in range(spec.num_prompts):
-            prompt, n = _prompt(source, rng, fmt, _length(rng, spec.input_len, spec.range_ratio),
-                                prefix=prefixes[i % spec.num_prefixes])
-            out.append(BenchRequest(prompt, n, _length(rng, spec.output_len, spec.range_ratio),
-                                    kind=f"prefix-{i % spec.num_prefixes}"))
+            prompt, n = _prompt(
+                source,
+                rng,
+                fmt,
+                _length(rng, spec.input_len, spec.range_ratio),
+                prefix=prefixes[i % spec.num_prefixes],
+            )
+            out.append(
+                BenchRequest(
+                    prompt,
+                    n,
+                    _length(rng, spec.output_len, spec.range_ratio),
+                    kind=f"prefix-{i % spec.num_prefixes}",
+                )
+            )
     else:  # mixed
         num_long = int(round(spec.long_fraction * spec.num_prompts))
         is_long = np.zeros(spec.num_prompts, bool)
         is_long[:num_long] = True
         rng.shuffle(is_long)
         for long in is_long.tolist():
-            in_len, out_len = ((spec.long_input_len, spec.long_output_len) if long
-                               else (spec.input_len, spec.output_len))
+            in_len, out_len = (
+                (spec.long_input_len, spec.long_output_len)
+                if long
+                else (spec.input_len, spec.output_len)
+            )
             prompt, n = _prompt(source, rng, fmt, _length(rng, in_len, spec.range_ratio))
-            out.append(BenchRequest(prompt, n, _length(rng, out_len, spec.range_ratio),
-                                    kind="long" if long else "short"))
+            out.append(
+                BenchRequest(
+                    prompt,
+                    n,
+                    _length(rng, out_len, spec.range_ratio),
+                    kind="long" if long else "short",
+                )
+            )
     return out
 
 

@@ -14,7 +14,7 @@ Follows vLLM V1's ``v1/core/block_pool.py``. Invariants (checked by tests):
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from jaxserve.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
@@ -98,8 +98,13 @@ class BlockPool:
                 assert block.ref_cnt > 0, block
         self.free_block_queue.append_n(freed)
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
+    def cache_full_blocks(
+        self,
+        blocks: list[KVCacheBlock],
+        block_hashes: list[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
         """Registers ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
         Args:

@@ -21,8 +21,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jaxserve.core.block_pool import BlockPool
-from jaxserve.core.kv_cache_utils import (NONE_HASH, KVCacheBlock, KVCacheStats, PrefixCacheStats,
-                                          update_block_hashes)
+from jaxserve.core.kv_cache_utils import (
+    NONE_HASH,
+    KVCacheBlock,
+    KVCacheStats,
+    PrefixCacheStats,
+    update_block_hashes,
+)
 
 if TYPE_CHECKING:
     from jaxserve.config import CacheConfig
@@ -42,7 +47,7 @@ class KVCacheManager:
       ValueError: fewer than 2 blocks.
     """
 
-    def __init__(self, cache_config: "CacheConfig", num_gpu_blocks: int | None = None) -> None:
+    def __init__(self, cache_config: CacheConfig, num_gpu_blocks: int | None = None) -> None:
         num_blocks = num_gpu_blocks if num_gpu_blocks is not None else cache_config.num_gpu_blocks
         self.block_size: int = cache_config.block_size
         self.enable_caching: bool = cache_config.enable_prefix_caching
@@ -73,7 +78,7 @@ class KVCacheManager:
         """Blocks in the free queue, evictable prefix-cached blocks included (null block excluded)."""
         return self.block_pool.get_num_free_blocks()
 
-    def get_computed_blocks(self, request: "Request") -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request's tokens, in whole blocks.
 
         Never the whole sequence: at most ``(num_tokens - 1) // block_size`` blocks, so the last
@@ -99,7 +104,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self,
-        request: "Request",
+        request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
@@ -155,8 +160,9 @@ class KVCacheManager:
             else:
                 new_blocks = []  # room in the table, but a block fills up
         else:
-            new_blocks = self._allocate_admission(request, blocks, end, num_new_computed_tokens,
-                                              new_computed_blocks, new_request)
+            new_blocks = self._allocate_admission(
+                request, blocks, end, num_new_computed_tokens, new_computed_blocks, new_request
+            )
             if new_blocks is None:
                 return None
             blocks = self.req_to_blocks[req_id]
@@ -167,14 +173,22 @@ class KVCacheManager:
                 num_cached = self._cache_blocks(request, blocks, end, num_cached)
             # Filling the first unregistered block is work for the manager: stop just before it.
             first_unregistered_end = (num_cached + 1) * block_size
-            request.kv_noop_end = capacity if capacity < first_unregistered_end else first_unregistered_end - 1
+            request.kv_noop_end = (
+                capacity if capacity < first_unregistered_end else first_unregistered_end - 1
+            )
         else:
             request.kv_noop_end = capacity
         return new_blocks
 
-    def _allocate_admission(self, request: "Request", blocks: list[KVCacheBlock] | None, end: int,
-                        num_new_computed_tokens: int, new_computed_blocks: list[KVCacheBlock] | None,
-                        new_request: bool) -> list[KVCacheBlock] | None:
+    def _allocate_admission(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock] | None,
+        end: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None,
+        new_request: bool,
+    ) -> list[KVCacheBlock] | None:
         """allocate_slots for a request that holds no blocks yet (admission) or brings prefix-cache hits."""
         req_id = request.request_id
         first_allocation = blocks is None
@@ -183,8 +197,9 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         num_new_blocks = -(-end // self.block_size) - len(blocks) - len(new_computed_blocks)
         # Touching free cached hits takes them out of the free queue.
-        available = self.block_pool.free_block_queue.num_free_blocks - \
-            sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        available = self.block_pool.free_block_queue.num_free_blocks - sum(
+            1 for b in new_computed_blocks if b.ref_cnt == 0
+        )
         if new_request:
             available -= self.watermark_blocks
         if num_new_blocks > available:
@@ -193,8 +208,11 @@ class KVCacheManager:
         if first_allocation:
             self.req_to_blocks[req_id] = blocks
             self.num_cached_block[req_id] = 0
-            if self.enable_caching and request.num_preemptions == 0 and \
-                    request.sampling_params.prompt_logprobs is None:
+            if (
+                self.enable_caching
+                and request.num_preemptions == 0
+                and request.sampling_params.prompt_logprobs is None
+            ):
                 stats = self.prefix_cache_stats
                 stats.requests += 1
                 stats.queries += request.num_tokens
@@ -207,7 +225,9 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         return new_blocks
 
-    def _cache_blocks(self, request: "Request", blocks: list[KVCacheBlock], end: int, num_cached: int) -> int:
+    def _cache_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], end: int, num_cached: int
+    ) -> int:
         """Registers the blocks that ``end`` fills (of the request's known tokens) in the prefix
         cache; returns the request's new count of registered blocks."""
         block_size = self.block_size
@@ -220,7 +240,7 @@ class KVCacheManager:
         self.num_cached_block[request.request_id] = num_full
         return num_full
 
-    def free(self, request: "Request") -> None:
+    def free(self, request: Request) -> None:
         """Releases the request's blocks, last block first (so its prefix is evicted last).
 
         Cached blocks keep their hash in the free queue and can still be hit. Idempotent.
@@ -241,9 +261,12 @@ class KVCacheManager:
 
     def make_stats(self) -> KVCacheStats:
         """Usage now plus prefix-cache and eviction counters since the previous call (resets them)."""
-        stats = KVCacheStats(usage=self.usage, num_free_blocks=self.num_free_blocks,
-                             prefix_cache=self.prefix_cache_stats,
-                             num_evictions=self.block_pool.num_evictions)
+        stats = KVCacheStats(
+            usage=self.usage,
+            num_free_blocks=self.num_free_blocks,
+            prefix_cache=self.prefix_cache_stats,
+            num_evictions=self.block_pool.num_evictions,
+        )
         self.prefix_cache_stats = PrefixCacheStats()
         self.block_pool.num_evictions = 0
         return stats

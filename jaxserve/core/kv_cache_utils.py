@@ -31,7 +31,8 @@ import dataclasses
 import hashlib
 import os
 import struct
-from typing import TYPE_CHECKING, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxserve.core.request import Request
@@ -45,7 +46,9 @@ NONE_HASH: BlockHash = os.urandom(32)
 _SALT_TAG = b"\x01salt:"
 
 
-_PACKERS: dict[int, Callable[..., bytes]] = {}  # number of ints -> compiled ``struct.Struct(f"{n}i").pack``
+_PACKERS: dict[
+    int, Callable[..., bytes]
+] = {}  # number of ints -> compiled ``struct.Struct(f"{n}i").pack``
 
 
 def _pack_tokens(token_ids: list[int]) -> bytes:
@@ -58,7 +61,9 @@ def _pack_tokens(token_ids: list[int]) -> bytes:
     return pack(*token_ids)
 
 
-def hash_block_tokens(parent_hash: BlockHash, token_ids: list[int], extra: bytes = b"") -> BlockHash:
+def hash_block_tokens(
+    parent_hash: BlockHash, token_ids: list[int], extra: bytes = b""
+) -> BlockHash:
     """Prefix-cache hash of one full block.
 
     Args:
@@ -78,7 +83,9 @@ def salt_extra_keys(cache_salt: str | None) -> bytes:
     return _SALT_TAG + cache_salt.encode() if cache_salt else b""
 
 
-def update_block_hashes(request: "Request", block_size: int, none_hash: BlockHash = NONE_HASH) -> list[BlockHash]:
+def update_block_hashes(
+    request: Request, block_size: int, none_hash: BlockHash = NONE_HASH
+) -> list[BlockHash]:
     """Hashes the request's full blocks that are not hashed yet; returns ``request.block_hashes``.
 
     Each block is hashed once over the request's life (prompt blocks, then blocks filled by
@@ -92,7 +99,7 @@ def update_block_hashes(request: "Request", block_size: int, none_hash: BlockHas
     first = len(hashes)
     if first >= num_full:
         return hashes
-    packed = _pack_tokens(tokens[first * block_size:num_full * block_size])
+    packed = _pack_tokens(tokens[first * block_size : num_full * block_size])
     parent = hashes[-1] if hashes else none_hash
     sha256 = hashlib.sha256
     if num_full - first == 1 and first:  # one block filled up by decoding: the usual case
@@ -101,7 +108,7 @@ def update_block_hashes(request: "Request", block_size: int, none_hash: BlockHas
     width = 4 * block_size
     offset = 0
     for i in range(first, num_full):
-        data = parent + packed[offset:offset + width]
+        data = parent + packed[offset : offset + width]
         if i == 0 and request.cache_salt:
             data += salt_extra_keys(request.cache_salt)
         parent = sha256(data).digest()
@@ -122,7 +129,14 @@ class KVCacheBlock:
       is_null: True only for block 0.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block", "is_null")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "prev_free_block",
+        "next_free_block",
+        "is_null",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -232,7 +246,9 @@ class FreeKVCacheBlockQueue:
         return out
 
 
-def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+def kv_cache_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int
+) -> int:
     """Bytes of K and V one token occupies across all layers: ``2 * L * Hkv * D * itemsize``.
 
     Args:
@@ -247,8 +263,12 @@ def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
     Raises:
       ValueError: if any argument is < 1 (naming it).
     """
-    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("itemsize", itemsize)):
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("itemsize", itemsize),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     return 2 * num_layers * num_kv_heads * head_dim * itemsize
@@ -271,13 +291,16 @@ def compute_num_gpu_blocks(available_bytes: int, bytes_per_token: int, block_siz
         message gives the bytes available and needed.
     """
     if bytes_per_token < 1 or block_size < 1:
-        raise ValueError(f"bytes_per_token and block_size must be >= 1, got {bytes_per_token}, {block_size}")
+        raise ValueError(
+            f"bytes_per_token and block_size must be >= 1, got {bytes_per_token}, {block_size}"
+        )
     per_block = bytes_per_token * block_size
     num_blocks = max(int(available_bytes), 0) // per_block
     if num_blocks < 2:
         raise ValueError(
             f"KV cache budget of {int(available_bytes)} bytes holds {num_blocks} blocks of "
-            f"{per_block} bytes; at least 2 are needed (raise gpu_memory_utilization or lower max_model_len)")
+            f"{per_block} bytes; at least 2 are needed (raise gpu_memory_utilization or lower max_model_len)"
+        )
     return num_blocks
 
 

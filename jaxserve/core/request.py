@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 class FinishReason(str, enum.Enum):
     """Why a request ended; the string values are OpenAI's ``finish_reason`` (plus "abort", "error")."""
 
-    STOP = "stop"      # EOS or a stop token id / stop string
+    STOP = "stop"  # EOS or a stop token id / stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
-    ABORT = "abort"    # the client went away or the engine aborted it
-    ERROR = "error"    # the engine could not serve it
+    ABORT = "abort"  # the client went away or the engine aborted it
+    ERROR = "error"  # the engine could not serve it
 
     def __str__(self) -> str:
         return self.value
@@ -35,21 +35,21 @@ class FinishReason(str, enum.Enum):
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
 
-    WAITING = 0                 # queued, holds no KV blocks
-    RUNNING = 1                 # admitted, holds KV blocks and a row in the runner's batch
-    PREEMPTED = 2               # evicted by recompute; queued again, holds no KV blocks
-    FINISHED_STOPPED = 3        # EOS / stop token / stop string
+    WAITING = 0  # queued, holds no KV blocks
+    RUNNING = 1  # admitted, holds KV blocks and a row in the runner's batch
+    PREEMPTED = 2  # evicted by recompute; queued again, holds no KV blocks
+    FINISHED_STOPPED = 3  # EOS / stop token / stop string
     FINISHED_LENGTH_CAPPED = 4  # max_tokens or max_model_len
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         """True for every FINISHED_* status."""
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finish_reason(status: "RequestStatus") -> FinishReason | None:
+    def get_finish_reason(status: RequestStatus) -> FinishReason | None:
         """The OpenAI-style finish reason of a finished status; None while unfinished."""
         return _FINISH_REASONS.get(status)
 
@@ -105,18 +105,37 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
-        "priority", "cache_salt", "status", "output_token_ids", "_all_token_ids",
-        "num_computed_tokens", "num_cached_tokens", "max_tokens", "stop_reason", "error_message",
-        "num_preemptions", "block_hashes", "first_scheduled_time", "first_token_time",
-        "finished_time", "preempted_times", "sort_key", "stop_token_set", "kv_noop_end",
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "arrival_time",
+        "priority",
+        "cache_salt",
+        "status",
+        "output_token_ids",
+        "_all_token_ids",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "max_tokens",
+        "stop_reason",
+        "error_message",
+        "num_preemptions",
+        "block_hashes",
+        "first_scheduled_time",
+        "first_token_time",
+        "finished_time",
+        "preempted_times",
+        "sort_key",
+        "stop_token_set",
+        "kv_noop_end",
     )
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: "SamplingParams",
+        sampling_params: SamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -192,5 +211,7 @@ class Request:
         return _FINISH_REASONS.get(self.status)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
-                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

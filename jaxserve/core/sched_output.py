@@ -48,7 +48,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling_params: "SamplingParams"
+    sampling_params: SamplingParams
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int

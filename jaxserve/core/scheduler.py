@@ -48,7 +48,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
@@ -62,10 +63,19 @@ if TYPE_CHECKING:
 _RUNNING = RequestStatus.RUNNING
 # update_from_output's fast path sets EngineCoreOutput's fields one by one: keep it in step.
 assert [f.name for f in dataclasses.fields(EngineCoreOutput)] == [
-    "req_id", "new_token_ids", "finish_reason", "stop_reason", "new_logprobs", "new_prompt_logprobs",
-    "num_cached_tokens"], "EngineCoreOutput changed: update the fast path of Scheduler.update_from_output"
-_FINISH_REASON = {status: reason.value for status, reason in
-                  ((st, RequestStatus.get_finish_reason(st)) for st in RequestStatus) if reason is not None}
+    "req_id",
+    "new_token_ids",
+    "finish_reason",
+    "stop_reason",
+    "new_logprobs",
+    "new_prompt_logprobs",
+    "num_cached_tokens",
+], "EngineCoreOutput changed: update the fast path of Scheduler.update_from_output"
+_FINISH_REASON = {
+    status: reason.value
+    for status, reason in ((st, RequestStatus.get_finish_reason(st)) for st in RequestStatus)
+    if reason is not None
+}
 
 
 def _sort_key(request: Request) -> tuple:
@@ -83,8 +93,12 @@ class Scheduler:
         ``cache_config.num_gpu_blocks``.
     """
 
-    def __init__(self, scheduler_config: "SchedulerConfig", cache_config: "CacheConfig",
-                 num_gpu_blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_gpu_blocks: int | None = None,
+    ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_manager = KVCacheManager(cache_config, num_gpu_blocks)
@@ -124,14 +138,20 @@ class Scheduler:
             raise ValueError(f"request_id {req_id!r} is already in use")
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
-            raise ValueError("prompt_token_ids: the prompt is empty; at least one token is required")
+            raise ValueError(
+                "prompt_token_ids: the prompt is empty; at least one token is required"
+            )
         if num_prompt > self.max_model_len:
-            raise ValueError(f"prompt_token_ids: the prompt has {num_prompt} tokens, more than "
-                             f"max_model_len ({self.max_model_len})")
+            raise ValueError(
+                f"prompt_token_ids: the prompt has {num_prompt} tokens, more than "
+                f"max_model_len ({self.max_model_len})"
+            )
         if not self.enable_chunked_prefill and num_prompt > self.max_num_scheduled_tokens:
-            raise ValueError(f"prompt_token_ids: the prompt has {num_prompt} tokens, more than "
-                             f"max_num_batched_tokens ({self.max_num_scheduled_tokens}) and chunked "
-                             "prefill is disabled")
+            raise ValueError(
+                f"prompt_token_ids: the prompt has {num_prompt} tokens, more than "
+                f"max_num_batched_tokens ({self.max_num_scheduled_tokens}) and chunked "
+                "prefill is disabled"
+            )
         room = self.max_model_len - num_prompt
         max_tokens = request.sampling_params.max_tokens
         request.max_tokens = room if max_tokens is None else min(max_tokens, room)
@@ -140,7 +160,8 @@ class Scheduler:
         if need > capacity:
             raise ValueError(
                 f"max_tokens: the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) "
-                f"needs {need} tokens of KV cache, more than the whole cache holds ({capacity} tokens)")
+                f"needs {need} tokens of KV cache, more than the whole cache holds ({capacity} tokens)"
+            )
         request.status = RequestStatus.WAITING
         self.requests[req_id] = request
         self.waiting.add(request)
@@ -155,7 +176,9 @@ class Scheduler:
           ValueError: finished_status is not a FINISHED_* status.
         """
         if not RequestStatus.is_finished(finished_status):
-            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+            raise ValueError(
+                f"finished_status must be a FINISHED_* status, got {finished_status!r}"
+            )
         if isinstance(req_ids, str):
             req_ids = (req_ids,)
         for req_id in req_ids:
@@ -227,18 +250,22 @@ class Scheduler:
         allocate = kv.allocate_slots
         add_id, add_blocks = cached_ids.append, cached_blocks.append
         add_computed, add_tokens = cached_computed.append, cached_tokens.append
-        no_blocks: list[int] = []  # new_block_ids of every request that gets no new block (read-only)
+        no_blocks: list[
+            int
+        ] = []  # new_block_ids of every request that gets no new block (read-only)
         # Running requests in order. Priority walks a copy: admissions insert into ``running``
         # and preemptions remove from it while we walk; fcfs only pops victims off the end of
         # ``running`` (which ends the walk before them), so it walks the list itself.
-        for request in (running[:] if priority else running):
+        for request in running[:] if priority else running:
             if budget <= 0:
                 break
             if priority:
                 if request.status is not _RUNNING:
                     continue  # preempted earlier in this step
                 # More urgent waiting requests go first.
-                while admit and waiting and waiting.peek().sort_key < request.sort_key and budget > 0:
+                while (
+                    admit and waiting and waiting.peek().sort_key < request.sort_key and budget > 0
+                ):
                     head = waiting.peek()
                     num_new = self._try_admit(head, budget, num_scheduled, preempted, new_reqs, now)
                     if num_new:
@@ -310,14 +337,26 @@ class Scheduler:
         total = self.max_num_scheduled_tokens - budget
         self._num_scheduled_tokens += total
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        output = SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
-                                 num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
-                                 preempted_req_ids=preempted, finished_req_ids=finished)
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            preempted_req_ids=preempted,
+            finished_req_ids=finished,
+        )
         self._last_output, self._last_scheduled = output, scheduled
         return output
 
-    def _try_admit(self, request: Request, budget: int, num_scheduled: dict[str, int],
-                   preempted: set[str], new_reqs: list[NewRequestData], now: float) -> int:
+    def _try_admit(
+        self,
+        request: Request,
+        budget: int,
+        num_scheduled: dict[str, int],
+        preempted: set[str],
+        new_reqs: list[NewRequestData],
+        now: float,
+    ) -> int:
         """Admits the head of the waiting queue if it can run now; returns its tokens (0 = no).
 
         Admission control (against thrash): the request's whole remaining sequence, not just
@@ -357,7 +396,9 @@ class Scheduler:
             if not priority:
                 return 0
             key = request.sort_key
-            reclaimable = sum(len(kv.req_to_blocks.get(r.request_id, ())) for r in running if r.sort_key > key)
+            reclaimable = sum(
+                len(kv.req_to_blocks.get(r.request_id, ())) for r in running if r.sort_key > key
+            )
             if need > available() + reclaimable:
                 return 0
             while need > available() and running and running[-1].sort_key > key:
@@ -366,7 +407,9 @@ class Scheduler:
                 return 0  # shared blocks freed less than counted
         if len(running) >= self.max_num_running_reqs:
             self._preempt(running[-1], num_scheduled, preempted, now)
-        new_blocks = kv.allocate_slots(request, num_new, num_hit, hit_blocks, new_request=bool(running))
+        new_blocks = kv.allocate_slots(
+            request, num_new, num_hit, hit_blocks, new_request=bool(running)
+        )
         assert new_blocks is not None, "admission control admitted a request the pool cannot hold"
 
         self.waiting.pop()
@@ -379,10 +422,17 @@ class Scheduler:
             bisect.insort(running, request, key=_sort_key)
         else:
             running.append(request)
-        new_reqs.append(NewRequestData(
-            req_id=req_id, prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
-            eos_token_id=request.eos_token_id, block_ids=kv.get_block_ids(req_id), num_computed_tokens=num_hit))
+        new_reqs.append(
+            NewRequestData(
+                req_id=req_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                eos_token_id=request.eos_token_id,
+                block_ids=kv.get_block_ids(req_id),
+                num_computed_tokens=num_hit,
+            )
+        )
         num_scheduled[req_id] = num_new
         end = num_hit + num_new
         request.num_computed_tokens = end
@@ -390,10 +440,14 @@ class Scheduler:
             self._pending_blocks += -(-num_tokens // block_size) - -(-end // block_size)
         return num_new
 
-    def _preempt(self, victim: Request, num_scheduled: dict[str, int], preempted: set[str], now: float) -> None:
+    def _preempt(
+        self, victim: Request, num_scheduled: dict[str, int], preempted: set[str], now: float
+    ) -> None:
         """Preemption by recompute of running[-1]."""
         assert victim is self.running[-1]
-        assert victim.request_id not in num_scheduled, "a request scheduled this step cannot be preempted"
+        assert victim.request_id not in num_scheduled, (
+            "a request scheduled this step cannot be preempted"
+        )
         self.running.pop()
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
@@ -404,8 +458,9 @@ class Scheduler:
         preempted.add(victim.request_id)
         self._num_preemptions += 1
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Takes the sampled tokens of a step, checks stop conditions, frees finished requests.
 
         A request appends tokens only if this step brought its ledger to its length (a partial
@@ -454,7 +509,10 @@ class Scheduler:
                     # nor reaches max_tokens (so max_tokens == 0 takes the general path too).
                     token = tokens[0]
                     output_ids = request.output_token_ids
-                    if len(output_ids) + 1 < request.max_tokens and token not in request.stop_token_set:
+                    if (
+                        len(output_ids) + 1 < request.max_tokens
+                        and token not in request.stop_token_set
+                    ):
                         output_ids.append(token)
                         token_ids.append(token)
                         if request.first_token_time is None:
@@ -464,7 +522,9 @@ class Scheduler:
                         out = new_output(EngineCoreOutput)
                         out.req_id = request.request_id
                         out.new_token_ids = tokens  # the runner's list: [token]
-                        out.finish_reason = out.stop_reason = out.new_logprobs = out.new_prompt_logprobs = None
+                        out.finish_reason = out.stop_reason = out.new_logprobs = (
+                            out.new_prompt_logprobs
+                        ) = None
                         out.num_cached_tokens = request.num_cached_tokens
                         emit(out)
                         continue
@@ -477,8 +537,12 @@ class Scheduler:
             for k, request in enumerate(scheduled):
                 if request.status is not running_status:
                     continue
-                plp = prompt_logprobs.get(request.request_id) if prompt_logprobs is not None else None
-                out = update_one(request, sampled[k], logprobs[k] if logprobs is not None else None, plp, now)
+                plp = (
+                    prompt_logprobs.get(request.request_id) if prompt_logprobs is not None else None
+                )
+                out = update_one(
+                    request, sampled[k], logprobs[k] if logprobs is not None else None, plp, now
+                )
                 if out is not None:
                     emit(out)
                     if out.finish_reason is not None:
@@ -492,14 +556,24 @@ class Scheduler:
                 running[:] = [r for r in running if r.status is running_status]
         return outputs
 
-    def _update_request(self, request: Request, tokens: list[int], logprobs: list | None, plp: list | None,
-                        now: float) -> EngineCoreOutput | None:
+    def _update_request(
+        self,
+        request: Request,
+        tokens: list[int],
+        logprobs: list | None,
+        plp: list | None,
+        now: float,
+    ) -> EngineCoreOutput | None:
         """update_from_output for one scheduled, running request (any case): appends ``tokens``
         up to a stop, frees the request if it finished, and returns its news (None if none)."""
         req_id = request.request_id
         token_ids = request._all_token_ids
         if request.num_computed_tokens < len(token_ids):  # a partial prompt chunk
-            return EngineCoreOutput(req_id, [], None, None, None, plp, request.num_cached_tokens) if plp else None
+            return (
+                EngineCoreOutput(req_id, [], None, None, None, plp, request.num_cached_tokens)
+                if plp
+                else None
+            )
         new_logprobs = None
         if request.max_tokens == 0:  # prompt-only request: its prefill is done
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -521,27 +595,46 @@ class Scheduler:
                     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                     break
             if not count:
-                return EngineCoreOutput(req_id, [], None, None, None, plp, request.num_cached_tokens) if plp else None
+                return (
+                    EngineCoreOutput(req_id, [], None, None, None, plp, request.num_cached_tokens)
+                    if plp
+                    else None
+                )
             new_tokens = list(tokens[:count])
             if request.first_token_time is None:
                 request.first_token_time = now
             if logprobs:
                 new_logprobs = logprobs[:count]
         if request.status is _RUNNING:
-            return EngineCoreOutput(req_id, new_tokens, None, None, new_logprobs, plp, request.num_cached_tokens)
+            return EngineCoreOutput(
+                req_id, new_tokens, None, None, new_logprobs, plp, request.num_cached_tokens
+            )
         self._free_request(request, now)
-        return EngineCoreOutput(req_id, new_tokens, _FINISH_REASON[request.status], request.stop_reason,
-                                new_logprobs, plp, request.num_cached_tokens)
+        return EngineCoreOutput(
+            req_id,
+            new_tokens,
+            _FINISH_REASON[request.status],
+            request.stop_reason,
+            new_logprobs,
+            plp,
+            request.num_cached_tokens,
+        )
 
     def make_stats(self) -> SchedulerStats:
         """Gauges now and counters since the previous call (which it resets)."""
         kv_stats = self.kv_cache_manager.make_stats()
         stats = SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=kv_stats.usage, num_free_blocks=kv_stats.num_free_blocks,
-            prefix_cache_queries=kv_stats.prefix_cache.queries, prefix_cache_hits=kv_stats.prefix_cache.hits,
-            prefix_cache_requests=kv_stats.prefix_cache.requests, num_evictions=kv_stats.num_evictions,
-            num_preemptions=self._num_preemptions, num_scheduled_tokens=self._num_scheduled_tokens,
-            num_steps=self._num_steps)
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv_stats.usage,
+            num_free_blocks=kv_stats.num_free_blocks,
+            prefix_cache_queries=kv_stats.prefix_cache.queries,
+            prefix_cache_hits=kv_stats.prefix_cache.hits,
+            prefix_cache_requests=kv_stats.prefix_cache.requests,
+            num_evictions=kv_stats.num_evictions,
+            num_preemptions=self._num_preemptions,
+            num_scheduled_tokens=self._num_scheduled_tokens,
+            num_steps=self._num_steps,
+        )
         self._num_preemptions = self._num_scheduled_tokens = self._num_steps = 0
         return stats

@@ -32,7 +32,8 @@ import asyncio
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.metrics import EngineMetrics
 
@@ -62,8 +63,9 @@ class RequestStream:
       finished: True once the final output was received (or the engine failed).
     """
 
-    def __init__(self, request_id: str, num_samples: int, llm: "AsyncLLM",
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, request_id: str, num_samples: int, llm: AsyncLLM, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.request_id = request_id
         self.num_samples = num_samples
         self.finished = False
@@ -100,10 +102,10 @@ class RequestStream:
 
     # Consumer side -------------------------------------------------------------------------
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> "RequestOutput":
+    async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
@@ -138,14 +140,14 @@ class AsyncLLM:
     def __init__(self, engine: Any, *, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.engine_config: "EngineConfig" = engine.engine_config
+        self.engine_config: EngineConfig = engine.engine_config
         self.model_name: str = self.engine_config.model.served_model_name
         self.metrics = metrics or EngineMetrics(self.model_name, self.engine_config.cache)
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Any]] = []
-        self._streams: dict[str, RequestStream] = {}   # engine thread only
-        self._pending_ids: set[str] = set()           # ids added and not finished (under _cond)
-        self._num_inbox_adds = 0                      # adds not yet handed to the engine
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._pending_ids: set[str] = set()  # ids added and not finished (under _cond)
+        self._num_inbox_adds = 0  # adds not yet handed to the engine
         self._stopping = False
         self.dead_error: BaseException | None = None
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
@@ -155,7 +157,7 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: "EngineArgs") -> "AsyncLLM":
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
         """Builds the LLMEngine (loads weights, sizes the KV pool, compiles) and starts the thread."""
         from jaxserve.engine.llm_engine import LLMEngine  # local: keeps importing this module cheap
 
@@ -188,8 +190,15 @@ class AsyncLLM:
                 return
         callback(self.dead_error)
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: "SamplingParams", *,
-                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         """Hands a request to the engine and returns its output stream once the engine accepted it.
 
         Args:
@@ -225,15 +234,23 @@ class AsyncLLM:
             raise
         return stream
 
-    async def generate(self, prompt: str | list[int], params: "SamplingParams", request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None
-                       ) -> AsyncGenerator["RequestOutput", None]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's RequestOutputs (cumulative fields plus ``delta_*``) until finished.
 
         Closing the generator early (client gone) aborts the request. Raises like
         :meth:`add_request`, and :class:`EngineDeadError` mid-way if the engine dies.
         """
-        stream = await self.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+        stream = await self.add_request(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt
+        )
         try:
             async for output in stream:
                 yield output
@@ -277,8 +294,12 @@ class AsyncLLM:
                 outputs: list[RequestOutput] = []
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
-                wanted = [o for o in outputs if o.request_id in self._streams]  # not aborted meanwhile
-                self._record(wanted)  # before delivery, so a client that got its answer sees its metrics
+                wanted = [
+                    o for o in outputs if o.request_id in self._streams
+                ]  # not aborted meanwhile
+                self._record(
+                    wanted
+                )  # before delivery, so a client that got its answer sees its metrics
                 self._dispatch(wanted)
                 has_work = self.engine.has_unfinished_requests()
             self._fail_pending(EngineDeadError("engine was shut down"))
@@ -328,7 +349,7 @@ class AsyncLLM:
         with self._cond:
             self._pending_ids.discard(request_id)
 
-    def _dispatch(self, outputs: list["RequestOutput"]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams[output.request_id]
             if output.finished:
@@ -337,7 +358,7 @@ class AsyncLLM:
             if not stream._deliver(output) and not output.finished:
                 self._abort_in_engine(output.request_id)
 
-    def _record(self, outputs: list["RequestOutput"]) -> None:
+    def _record(self, outputs: list[RequestOutput]) -> None:
         stats = self.engine.get_stats()
         if stats is not None:
             with self._cond:

@@ -45,9 +45,12 @@ class LLM:
         """The model's tokenizer (None for a dummy preset without one)."""
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[int],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[int],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generates completions for ``prompts``; returns one finished RequestOutput per prompt,
         in input order.
 
@@ -70,11 +73,15 @@ class LLM:
         elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
-                raise ValueError(f"sampling_params: got {len(params_list)} SamplingParams for "
-                                 f"{len(prompt_list)} prompts; pass one, or one per prompt")
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} SamplingParams for "
+                    f"{len(prompt_list)} prompts; pass one, or one per prompt"
+                )
         else:
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
-                             f"{type(sampling_params).__name__}")
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__}"
+            )
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -108,7 +115,9 @@ class LLM:
                         bar.update(1)
                         elapsed = bar.format_dict.get("elapsed") or 0.0
                         if elapsed > 0:
-                            bar.set_postfix_str(f"{num_tokens / elapsed:.1f} out tok/s", refresh=False)
+                            bar.set_postfix_str(
+                                f"{num_tokens / elapsed:.1f} out tok/s", refresh=False
+                            )
         except BaseException:
             engine.abort_request(list(pending))
             raise
@@ -121,15 +130,21 @@ def _normalize_prompts(prompts: Any) -> list[str | list[int]]:
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty string, list of strings or list of token-id lists")
+        raise ValueError(
+            "prompts must be a non-empty string, list of strings or list of token-id lists"
+        )
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [list(prompts)]
     out: list[str | list[int]] = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             out.append(p)
-        elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        elif isinstance(p, Sequence) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in p
+        ):
             out.append(list(p))
         else:
-            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}")
+            raise ValueError(
+                f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}"
+            )
     return out

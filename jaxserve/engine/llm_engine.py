@@ -104,9 +104,17 @@ class EngineStats:
     runner_device_s: float = 0.0
     output_s: float = 0.0
 
-    _COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_requests",
-                 "num_evictions", "num_prompt_tokens", "num_generation_tokens", "num_scheduled_tokens",
-                 "num_finished_reqs")
+    _COUNTERS = (
+        "num_preemptions",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "prefix_cache_requests",
+        "num_evictions",
+        "num_prompt_tokens",
+        "num_generation_tokens",
+        "num_scheduled_tokens",
+        "num_finished_reqs",
+    )
 
 
 class LLMEngine:
@@ -124,8 +132,14 @@ class LLMEngine:
       generation_config: the model's ``generation_config.json`` dict (may be empty).
     """
 
-    def __init__(self, config: EngineConfig, runner: "ModelRunner", arch: "ModelArchConfig",
-                 tokenizer: "Tokenizer | None", generation_config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        arch: ModelArchConfig,
+        tokenizer: Tokenizer | None,
+        generation_config: dict[str, Any],
+    ) -> None:
         self.config = self.engine_config = config
         self.runner = runner
         self.arch = arch
@@ -141,7 +155,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         """Loads the model and tokenizer, sizes and allocates the KV pool, warms up, and builds
         the scheduler.
 
@@ -154,20 +168,24 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         path = engine_args.resolved_model_path()
-        model, arch, generation_config = load_model(path, engine_args.dtype, engine_args.load_format,
-                                                    seed=engine_args.seed)
+        model, arch, generation_config = load_model(
+            path, engine_args.dtype, engine_args.load_format, seed=engine_args.seed
+        )
         config = engine_args.create_engine_config(arch.max_position_embeddings)
         logger.info("engine config: %s", config)
         tokenizer = None
         if os.path.isdir(path):
             from jaxserve.tokenizer import get_tokenizer
+
             try:
                 tokenizer = get_tokenizer(path)
             except ValueError as e:  # no tokenizer files: token-id prompts only
                 logger.warning("no tokenizer loaded (%s); prompts must be token ids", e)
         runner = ModelRunner(model, arch, config)
         spec = runner.initialize_kv_cache()
-        config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_gpu_blocks=spec.num_blocks))
+        config = dataclasses.replace(
+            config, cache=dataclasses.replace(config.cache, num_gpu_blocks=spec.num_blocks)
+        )
         if config.runner.warmup:
             runner.warmup()
         engine = cls(config, runner, arch, tokenizer, generation_config)
@@ -182,9 +200,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                    final_only: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        final_only: bool = False,
+    ) -> None:
         """Validates and queues a request (its ``n`` samples).
 
         Args:
@@ -208,7 +234,9 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)]
         for rid in [request_id, *child_ids]:
@@ -222,8 +250,17 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
         children = []
         for k, rid in enumerate(child_ids):
-            children.append(Request(rid, prompt_ids, self._child_params(params, k, n), self.eos_token_id,
-                                    arrival_time=arrival, priority=priority, cache_salt=cache_salt))
+            children.append(
+                Request(
+                    rid,
+                    prompt_ids,
+                    self._child_params(params, k, n),
+                    self.eos_token_id,
+                    arrival_time=arrival,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+            )
         added = []
         try:
             for child in children:
@@ -232,28 +269,47 @@ class LLMEngine:
         except ValueError:
             self.scheduler.abort_requests(added)
             raise
-        self.output_processor.add_request(request_id, prompt_text, prompt_ids, params, children,
-                                          final_only=final_only, arrival_time=arrival)
+        self.output_processor.add_request(
+            request_id,
+            prompt_text,
+            prompt_ids,
+            params,
+            children,
+            final_only=final_only,
+            arrival_time=arrival,
+        )
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass the prompt as token ids")
+                raise ValueError(
+                    "prompt: this model has no tokenizer; pass the prompt as token ids"
+                )
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             return None, list(prompt)
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise ValueError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
-            raise ValueError("prompt: the prompt is empty (0 tokens); at least one token is required")
+            raise ValueError(
+                "prompt: the prompt is empty (0 tokens); at least one token is required"
+            )
         if len(prompt_ids) > self.max_model_len:
-            raise ValueError(f"prompt: the prompt has {len(prompt_ids)} tokens, more than max_model_len "
-                             f"({self.max_model_len})")
+            raise ValueError(
+                f"prompt: the prompt has {len(prompt_ids)} tokens, more than max_model_len "
+                f"({self.max_model_len})"
+            )
         lo, hi = min(prompt_ids), max(prompt_ids)
         if lo < 0 or hi >= self.vocab_size:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
 
     def _child_params(self, params: SamplingParams, k: int, n: int) -> SamplingParams:
         changes: dict[str, Any] = {}
@@ -338,13 +394,18 @@ class LLMEngine:
         return stats
 
 
-def _eos_ids(tokenizer, generation_config: dict[str, Any], arch) -> tuple[int | None, tuple[int, ...]]:
+def _eos_ids(
+    tokenizer, generation_config: dict[str, Any], arch
+) -> tuple[int | None, tuple[int, ...]]:
     """(the EOS id the scheduler checks, the other EOS ids to add to stop_token_ids)."""
     from_config = generation_config.get("eos_token_id", list(arch.eos_token_ids))
     ids = list(from_config) if isinstance(from_config, list) else [from_config]
     if tokenizer is not None:
         ids += sorted(tokenizer.eos_token_ids)
-    primary = tokenizer.eos_token_id if tokenizer is not None and tokenizer.eos_token_id is not None else (
-        ids[0] if ids else None)
+    primary = (
+        tokenizer.eos_token_id
+        if tokenizer is not None and tokenizer.eos_token_id is not None
+        else (ids[0] if ids else None)
+    )
     extra = tuple(dict.fromkeys(int(t) for t in ids if t is not None and t != primary))
     return primary, extra

@@ -19,7 +19,13 @@ import functools
 from typing import TYPE_CHECKING
 
 from jaxserve.core.request import FinishReason
-from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from jaxserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from jaxserve.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -32,7 +38,7 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class _SampleState:
     index: int
-    request: "Request"
+    request: Request
     detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
@@ -50,7 +56,7 @@ class _ParentState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: "SamplingParams"
+    params: SamplingParams
     samples: list[_SampleState]
     final_only: bool
     arrival_time: float
@@ -69,13 +75,13 @@ class OutputProcessor:
         decoded tokens).
     """
 
-    def __init__(self, tokenizer: "Tokenizer | None") -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self._parents: dict[str, _ParentState] = {}
         self._child_to_parent: dict[str, tuple[_ParentState, _SampleState]] = {}
         self.num_prompt_tokens_step = 0
         self.num_generation_tokens_step = 0
-        self._anchor: tuple[list[int], str] | None = None      # see _decode_token_uncached
+        self._anchor: tuple[list[int], str] | None = None  # see _decode_token_uncached
         self._decode_token = functools.lru_cache(maxsize=65536)(self._decode_token_uncached)
 
     def __len__(self) -> int:
@@ -88,9 +94,17 @@ class OutputProcessor:
         """True when the id is a live parent or child id."""
         return request_id in self._parents or request_id in self._child_to_parent
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: "SamplingParams", children: list["Request"], *, final_only: bool,
-                    arrival_time: float) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        children: list[Request],
+        *,
+        final_only: bool,
+        arrival_time: float,
+    ) -> None:
         """Registers a parent and its child requests (already accepted by the scheduler)."""
         samples = []
         for k, child in enumerate(children):
@@ -100,21 +114,38 @@ class OutputProcessor:
             # decoded once when the sample finishes (same text, see _finish_text).
             if self.tokenizer is not None and (p.stop or not final_only):
                 detok = self._new_detokenizer(prompt_token_ids, p)
-            sample = _SampleState(index=k, request=child, detokenizer=detok,
-                                  logprobs=[] if p.logprobs is not None else None,
-                                  cumulative_logprob=0.0 if p.logprobs is not None else None)
+            sample = _SampleState(
+                index=k,
+                request=child,
+                detokenizer=detok,
+                logprobs=[] if p.logprobs is not None else None,
+                cumulative_logprob=0.0 if p.logprobs is not None else None,
+            )
             samples.append(sample)
-        parent = _ParentState(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                              params=params, samples=samples, final_only=final_only,
-                              arrival_time=arrival_time,
-                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        parent = _ParentState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            samples=samples,
+            final_only=final_only,
+            arrival_time=arrival_time,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
         self._parents[request_id] = parent
         for child, sample in zip(children, samples):
             self._child_to_parent[child.request_id] = (parent, sample)
 
-    def _new_detokenizer(self, prompt_token_ids: list[int], p: "SamplingParams") -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p.skip_special_tokens, p.stop,
-                                      p.include_stop_str_in_output)
+    def _new_detokenizer(
+        self, prompt_token_ids: list[int], p: SamplingParams
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            p.skip_special_tokens,
+            p.stop,
+            p.include_stop_str_in_output,
+        )
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forgets a parent; returns its child ids still unfinished (to abort in the
@@ -144,19 +175,24 @@ class OutputProcessor:
         anchor_ids, anchor_text = self._anchor
         text = self.tokenizer.decode(anchor_ids + [token_id], skip_special_tokens=False)
         if anchor_ids and text.startswith(anchor_text):
-            return text[len(anchor_text):]
+            return text[len(anchor_text) :]
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _to_logprob_dict(self, entry: "TokenLogprobs") -> dict[int, Logprob]:
+    def _to_logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         """Chosen token first (with its rank), then the top-k alternatives (ranks 1..k)."""
-        out = {entry.token_ids[0]: Logprob(entry.logprobs[0], entry.rank, self._decode_token(entry.token_ids[0]))}
+        out = {
+            entry.token_ids[0]: Logprob(
+                entry.logprobs[0], entry.rank, self._decode_token(entry.token_ids[0])
+            )
+        }
         for j, (tid, lp) in enumerate(zip(entry.token_ids[1:], entry.logprobs[1:])):
             if tid not in out:
                 out[tid] = Logprob(lp, j + 1, self._decode_token(tid))
         return out
 
-    def process_outputs(self, core_outputs: list["EngineCoreOutput"], now: float
-                        ) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput], now: float
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Applies one step's scheduler news.
 
         Returns:
@@ -180,7 +216,9 @@ class OutputProcessor:
             if sample.index == 0:
                 parent.num_cached_tokens = co.num_cached_tokens
                 if co.new_prompt_logprobs and parent.prompt_logprobs is not None:
-                    parent.prompt_logprobs.extend(self._to_logprob_dict(e) for e in co.new_prompt_logprobs)
+                    parent.prompt_logprobs.extend(
+                        self._to_logprob_dict(e) for e in co.new_prompt_logprobs
+                    )
             if not parent.prompt_counted and (new_ids or co.finish_reason is not None):
                 parent.prompt_counted = True  # counted once per parent, when its prompt is done
                 n_prompt += len(parent.prompt_token_ids)
@@ -196,7 +234,11 @@ class OutputProcessor:
                 sample.cumulative_logprob += sum(e.logprobs[0] for e in co.new_logprobs)
             finished = co.finish_reason is not None
             if sample.detokenizer is not None:
-                text_ids = new_ids[:-1] if co.finish_reason == FinishReason.STOP.value and new_ids else new_ids
+                text_ids = (
+                    new_ids[:-1]
+                    if co.finish_reason == FinishReason.STOP.value and new_ids
+                    else new_ids
+                )
                 delta_text, stop_str = sample.detokenizer.update(text_ids, finished=finished)
                 sample.text += delta_text
                 sample.delta_text = delta_text
@@ -224,7 +266,9 @@ class OutputProcessor:
             outputs.append(self._make_output(parent, done, now))
         return outputs, stopped
 
-    def _finish_text(self, parent: _ParentState, sample: _SampleState, stopped_on_token: bool) -> None:
+    def _finish_text(
+        self, parent: _ParentState, sample: _SampleState, stopped_on_token: bool
+    ) -> None:
         """The whole text of a sample decoded at once (final_only samples without stop strings)."""
         ids = sample.token_ids[:-1] if stopped_on_token and sample.token_ids else sample.token_ids
         detok = self._new_detokenizer(parent.prompt_token_ids, sample.request.sampling_params)
@@ -233,18 +277,32 @@ class OutputProcessor:
 
     def _make_output(self, parent: _ParentState, finished: bool, now: float) -> RequestOutput:
         completions = [
-            CompletionOutput(index=s.index, text=s.text, token_ids=list(s.token_ids),
-                             cumulative_logprob=s.cumulative_logprob,
-                             logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                             finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                             delta_text=s.delta_text, delta_token_ids=s.delta_token_ids,
-                             delta_logprobs=s.delta_logprobs)
-            for s in parent.samples]
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                delta_text=s.delta_text,
+                delta_token_ids=s.delta_token_ids,
+                delta_logprobs=s.delta_logprobs,
+            )
+            for s in parent.samples
+        ]
         return RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
-            outputs=completions, finished=finished, num_cached_tokens=parent.num_cached_tokens,
-            metrics=self._metrics(parent, finished, now))
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=list(parent.prompt_logprobs)
+            if parent.prompt_logprobs is not None
+            else None,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=parent.num_cached_tokens,
+            metrics=self._metrics(parent, finished, now),
+        )
 
     @staticmethod
     def _metrics(parent: _ParentState, finished: bool, now: float) -> RequestMetrics:
@@ -257,9 +315,13 @@ class OutputProcessor:
         first_scheduled = earliest("first_scheduled_time")
         finish_times = [r.finished_time for r in reqs if r.finished_time is not None]
         return RequestMetrics(
-            arrival_time=parent.arrival_time, first_scheduled_time=first_scheduled,
+            arrival_time=parent.arrival_time,
+            first_scheduled_time=first_scheduled,
             first_token_time=earliest("first_token_time"),
             last_token_time=parent.last_token_time,
             finished_time=(max(finish_times) if finish_times else now) if finished else None,
-            time_in_queue=None if first_scheduled is None else first_scheduled - parent.arrival_time,
-            num_generation_tokens=sum(len(s.token_ids) for s in parent.samples))
+            time_in_queue=None
+            if first_scheduled is None
+            else first_scheduled - parent.arrival_time,
+            num_generation_tokens=sum(len(s.token_ids) for s in parent.samples),
+        )

@@ -112,13 +112,25 @@ def parse_input(lines: Iterable[bytes]) -> list[BatchLine | LineError]:
             continue
         custom_id = obj.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
-            out.append(LineError(number, None, "missing_custom_id",
-                                 f"line {number}: custom_id must be a non-empty string, got {custom_id!r}"))
+            out.append(
+                LineError(
+                    number,
+                    None,
+                    "missing_custom_id",
+                    f"line {number}: custom_id must be a non-empty string, got {custom_id!r}",
+                )
+            )
             continue
         if custom_id in seen:
-            out.append(LineError(number, custom_id, "duplicate_custom_id",
-                                 f"line {number}: custom_id {custom_id!r} was already used on line "
-                                 f"{seen[custom_id]}"))
+            out.append(
+                LineError(
+                    number,
+                    custom_id,
+                    "duplicate_custom_id",
+                    f"line {number}: custom_id {custom_id!r} was already used on line "
+                    f"{seen[custom_id]}",
+                )
+            )
             continue
         seen[custom_id] = number
         method = obj.get("method", "POST")
@@ -144,20 +156,32 @@ def response_record(custom_id: str, status: int, body: dict[str, Any]) -> dict[s
     prefix) when it has one, else a fresh ``req_<hex>``.
     """
     request_id = body.get("id") if isinstance(body.get("id"), str) else f"req_{uuid.uuid4().hex}"
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": None,
+    }
 
 
 def error_record(error: LineError) -> dict[str, Any]:
     """The output record of a line that could not be run (``response`` null)."""
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": error.custom_id, "response": None,
-            "error": {"code": error.code, "message": error.message, "line": error.line}}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": error.custom_id,
+        "response": None,
+        "error": {"code": error.code, "message": error.message, "line": error.line},
+    }
 
 
 def record_succeeded(record: dict[str, Any]) -> bool:
     """True for a record with no ``error`` and a 200 response."""
     response = record.get("response")
-    return record.get("error") is None and isinstance(response, dict) and response.get("status_code") == 200
+    return (
+        record.get("error") is None
+        and isinstance(response, dict)
+        and response.get("status_code") == 200
+    )
 
 
 @dataclasses.dataclass
@@ -203,14 +227,23 @@ def read_records(data: bytes, name: str = "output") -> ResumeState:
             record = json.loads(raw)
         except ValueError:
             record = None
-        if not (isinstance(record, dict) and "custom_id" in record and "response" in record and "error" in record):
-            raise ValueError(f"{name} line {number} is not a batch output record; refusing to append to it")
+        if not (
+            isinstance(record, dict)
+            and "custom_id" in record
+            and "response" in record
+            and "error" in record
+        ):
+            raise ValueError(
+                f"{name} line {number} is not a batch output record; refusing to append to it"
+            )
         state.num_records += 1
         error = record["error"]
         if error is not None:
             line = error.get("line") if isinstance(error, dict) else None
             if not isinstance(line, int):
-                raise ValueError(f"{name} line {number}: an error record without its input line number")
+                raise ValueError(
+                    f"{name} line {number}: an error record without its input line number"
+                )
             state.done_lines.add(line)
         elif isinstance(record["custom_id"], str):
             state.done_ids[record["custom_id"]] = record_succeeded(record)
@@ -230,8 +263,13 @@ class OutputFile:
       fsync_interval_s: fsync the file at most this often (0: after every record).
     """
 
-    def __init__(self, *, stream: BinaryIO | None = None, fd: int | None = None,
-                 fsync_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        stream: BinaryIO | None = None,
+        fd: int | None = None,
+        fsync_interval_s: float = 1.0,
+    ) -> None:
         self._stream = stream
         self._fd = fd
         self._fsync_interval_s = fsync_interval_s
@@ -239,7 +277,7 @@ class OutputFile:
         self._dirty = False
 
     @classmethod
-    def open(cls, path: str, *, fsync_interval_s: float = 1.0) -> tuple["OutputFile", ResumeState]:
+    def open(cls, path: str, *, fsync_interval_s: float = 1.0) -> tuple[OutputFile, ResumeState]:
         """Opens ``path`` ("-": stdout, no resume) and reads what it already holds.
 
         A torn last line (no newline: the previous run was killed inside a write) is truncated
@@ -258,14 +296,20 @@ class OutputFile:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise ValueError(f"{path} is being written by another run-batch process") from None
+                    raise ValueError(
+                        f"{path} is being written by another run-batch process"
+                    ) from None
                 raise
             with open(fd, "rb", closefd=False) as f:
                 data = f.read()
             state = read_records(data, path)
             if state.torn_bytes:
-                logger.warning("%s: truncating a torn last line of %d bytes (the previous run was killed "
-                               "while writing it)", path, state.torn_bytes)
+                logger.warning(
+                    "%s: truncating a torn last line of %d bytes (the previous run was killed "
+                    "while writing it)",
+                    path,
+                    state.torn_bytes,
+                )
                 os.ftruncate(fd, len(data) - state.torn_bytes)
                 os.fsync(fd)
         except BaseException:
@@ -283,7 +327,7 @@ class OutputFile:
         assert self._fd is not None, "write after close"
         view = memoryview(data)
         while view:  # a regular file takes it in one write unless the disk fills up
-            view = view[os.write(self._fd, view):]
+            view = view[os.write(self._fd, view) :]
         self._dirty = True
         now = time.monotonic()
         if now - self._last_fsync >= self._fsync_interval_s:
@@ -302,7 +346,7 @@ class OutputFile:
         finally:
             os.close(fd)  # also drops the flock
 
-    def __enter__(self) -> "OutputFile":
+    def __enter__(self) -> OutputFile:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -30,8 +30,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxserve.engine.async_llm import EngineDeadError
-from jaxserve.entrypoints.batch_io import (BatchLine, LineError, OutputFile, ResumeState, error_record,
-                                           parse_input, response_record)
+from jaxserve.entrypoints.batch_io import (
+    BatchLine,
+    LineError,
+    OutputFile,
+    ResumeState,
+    error_record,
+    parse_input,
+    response_record,
+)
 from jaxserve.entrypoints.openai.api_server import serve_request
 from jaxserve.entrypoints.openai.common import ServingInfo
 from jaxserve.entrypoints.openai.errors import error_body
@@ -79,21 +86,32 @@ class BatchStats:
     def summary(self, output: str) -> str:
         """A one-paragraph report for stderr."""
         rate = self.num_output_tokens / self.run_s if self.run_s > 0 else 0.0
-        text = (f"run-batch: {self.num_ok} succeeded, {self.num_failed} failed; "
-                f"prompt tokens {self.num_prompt_tokens}, output tokens {self.num_output_tokens}; "
-                f"{self.run_s:.1f} s ({rate:.1f} output tok/s)")
+        text = (
+            f"run-batch: {self.num_ok} succeeded, {self.num_failed} failed; "
+            f"prompt tokens {self.num_prompt_tokens}, output tokens {self.num_output_tokens}; "
+            f"{self.run_s:.1f} s ({rate:.1f} output tok/s)"
+        )
         if self.startup_s:
             text += f" after {self.startup_s:.1f} s engine start-up"
         if self.num_skipped:
-            text += (f"; {self.num_skipped} lines skipped, already in {output} "
-                     f"({self.num_skipped_failed} of them failed)")
+            text += (
+                f"; {self.num_skipped} lines skipped, already in {output} "
+                f"({self.num_skipped_failed} of them failed)"
+            )
         return text
 
 
 # ---- the async part: serve every line through the server's code ------------------------------------
 
-async def run_batch(llm: Any, lines: Sequence[BatchLine], write: Callable[[dict[str, Any]], None], *,
-                    stats: BatchStats | None = None, progress: bool = True) -> BatchStats:
+
+async def run_batch(
+    llm: Any,
+    lines: Sequence[BatchLine],
+    write: Callable[[dict[str, Any]], None],
+    *,
+    stats: BatchStats | None = None,
+    progress: bool = True,
+) -> BatchStats:
     """Serves ``lines`` on ``llm`` concurrently and writes one record per line as each finishes.
 
     Args:
@@ -120,12 +138,23 @@ async def run_batch(llm: Any, lines: Sequence[BatchLine], write: Callable[[dict[
         try:
             status, body = await serve_request(llm, item.url, item.body, info)
         except Exception:  # noqa: BLE001 - a bug of ours; the server answers it with a 500 too
-            logger.exception("internal error serving line %d (custom_id %r)", item.line, item.custom_id)
-            status, body = 500, error_body("internal server error", "server_error", code="internal_error")
+            logger.exception(
+                "internal error serving line %d (custom_id %r)", item.line, item.custom_id
+            )
+            status, body = (
+                500,
+                error_body("internal server error", "server_error", code="internal_error"),
+            )
         return item, status, body
 
-    bar = tqdm(total=len(lines), desc="run-batch", unit="req", file=sys.stderr, disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=len(lines),
+        desc="run-batch",
+        unit="req",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     tasks = [asyncio.ensure_future(serve(item)) for item in lines]
     try:
         for next_done in asyncio.as_completed(tasks):
@@ -140,8 +169,11 @@ async def run_batch(llm: Any, lines: Sequence[BatchLine], write: Callable[[dict[
             else:
                 stats.num_failed += 1
             elapsed = time.perf_counter() - start
-            bar.set_postfix_str(f"{stats.num_output_tokens / max(elapsed, 1e-9):.1f} out tok/s, "
-                                f"{stats.num_failed} failed", refresh=False)
+            bar.set_postfix_str(
+                f"{stats.num_output_tokens / max(elapsed, 1e-9):.1f} out tok/s, "
+                f"{stats.num_failed} failed",
+                refresh=False,
+            )
             bar.update(1)
     finally:
         for task in tasks:
@@ -153,6 +185,7 @@ async def run_batch(llm: Any, lines: Sequence[BatchLine], write: Callable[[dict[
 
 
 # ---- the command ---------------------------------------------------------------------------------
+
 
 def _input_path(value: str) -> str:
     if value != "-" and not os.path.exists(value):
@@ -189,20 +222,41 @@ def add_run_batch_parser(subparsers: Any) -> argparse.ArgumentParser:
     from jaxserve.config import EngineArgs
 
     parser = subparsers.add_parser(
-        "run-batch", help="offline inference over a JSONL file in the OpenAI batch format",
+        "run-batch",
+        help="offline inference over a JSONL file in the OpenAI batch format",
         description="Run every request of a JSON Lines file in the OpenAI batch format\n"
-                    "(/v1/completions, /v1/chat/completions) through one engine and write one\n"
-                    "output record per line, in completion order.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-i", "--input-file", required=True, type=_input_path,
-                        help="requests, one JSON object per line ('-': stdin)")
-    parser.add_argument("-o", "--output-file", required=True, type=_output_path,
-                        help="results, appended one record per line as requests finish; an existing file "
-                             "is resumed ('-': stdout, no resume)")
-    parser.add_argument("--fsync-interval-s", type=_non_negative, default=1.0,
-                        help="fsync the output file at most this often, seconds (0: after every record)")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                        help="show a progress bar on stderr")
+        "(/v1/completions, /v1/chat/completions) through one engine and write one\n"
+        "output record per line, in completion order.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "-i",
+        "--input-file",
+        required=True,
+        type=_input_path,
+        help="requests, one JSON object per line ('-': stdin)",
+    )
+    parser.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        type=_output_path,
+        help="results, appended one record per line as requests finish; an existing file "
+        "is resumed ('-': stdout, no resume)",
+    )
+    parser.add_argument(
+        "--fsync-interval-s",
+        type=_non_negative,
+        default=1.0,
+        help="fsync the output file at most this often, seconds (0: after every record)",
+    )
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show a progress bar on stderr",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_batch_main)
     return parser
@@ -235,11 +289,17 @@ def run_batch_main(args: argparse.Namespace, llm: Any = None) -> int:
     from jaxserve.engine.async_llm import AsyncLLM
 
     # Our own INFO lines (engine config, KV pool, warm-up) on stderr; other libraries' warnings only.
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("jaxserve").setLevel(logging.INFO)
-    if "-" not in (args.input_file, args.output_file) and os.path.exists(args.output_file) \
-            and os.path.samefile(args.input_file, args.output_file):
+    if (
+        "-" not in (args.input_file, args.output_file)
+        and os.path.exists(args.output_file)
+        and os.path.samefile(args.input_file, args.output_file)
+    ):
         return _usage_error("the input and output files are the same file")
     try:
         items = parse_input(_read_input(args.input_file).split(b"\n"))
@@ -262,8 +322,12 @@ def run_batch_main(args: argparse.Namespace, llm: Any = None) -> int:
             try:
                 asyncio.run(run_batch(llm, todo, output.write, stats=stats, progress=args.progress))
             except EngineDeadError as exc:
-                print(f"jaxserve run-batch: {exc}; rerun with the same output file to resume the "
-                      f"unfinished requests", file=sys.stderr, flush=True)
+                print(
+                    f"jaxserve run-batch: {exc}; rerun with the same output file to resume the "
+                    f"unfinished requests",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 code = EXIT_ENGINE_DEAD
             finally:
                 if own_engine:
@@ -273,8 +337,13 @@ def run_batch_main(args: argparse.Namespace, llm: Any = None) -> int:
         code = EXIT_SOME_FAILED
     return code
 
-def _write_line_errors(items: Sequence[BatchLine | LineError], resume: ResumeState, output: OutputFile,
-                       stats: BatchStats) -> list[BatchLine]:
+
+def _write_line_errors(
+    items: Sequence[BatchLine | LineError],
+    resume: ResumeState,
+    output: OutputFile,
+    stats: BatchStats,
+) -> list[BatchLine]:
     """Skips what ``resume`` holds, writes the records of lines that cannot run, returns the rest."""
     todo: list[BatchLine] = []
     for item in items:

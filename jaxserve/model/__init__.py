@@ -21,8 +21,14 @@ _LAZY = {
     "save_params": "jaxserve.model.checkpoint",
 }
 
-__all__ = ["PRESET_HF_CONFIGS", "SUPPORTED_ARCHITECTURES", "ModelArchConfig", "ModelLoadError",
-           "default_model_path", *_LAZY]
+__all__ = [
+    "PRESET_HF_CONFIGS",
+    "SUPPORTED_ARCHITECTURES",
+    "ModelArchConfig",
+    "ModelLoadError",
+    "default_model_path",
+    *_LAZY,
+]
 
 
 def default_model_path() -> str:

@@ -61,7 +61,7 @@ jax.tree_util.register_dataclass(
     meta_fields=["backend"],
 )
 
-KVCache = tuple[jax.Array, jax.Array]   # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+KVCache = tuple[jax.Array, jax.Array]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 
 
 def paged_attention(
@@ -97,8 +97,16 @@ def paged_attention(
         kwargs["interpret"] = jax.default_backend() == "cpu"
     else:
         attend = ragged_paged_attention_reference
-    out = attend(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
-                 metadata.query_start_loc, metadata.num_seqs, **kwargs)
+    out = attend(
+        q,
+        k_cache,
+        v_cache,
+        metadata.block_tables,
+        metadata.context_lens,
+        metadata.query_start_loc,
+        metadata.num_seqs,
+        **kwargs,
+    )
     return out.astype(q.dtype), (k_cache, v_cache)
 
 
@@ -125,8 +133,9 @@ def dense_causal_attention(
     b, l, hq, d = q.shape
     hkv = k.shape[2]
     q_blkgd = q.reshape(b, l, hkv, hq // hkv, d)
-    s_bkgls = jnp.einsum("blkgd,bskd->bkgls", q_blkgd, k,
-                         preferred_element_type=jnp.float32) * sm_scale
+    s_bkgls = (
+        jnp.einsum("blkgd,bskd->bkgls", q_blkgd, k, preferred_element_type=jnp.float32) * sm_scale
+    )
     if soft_cap is not None:
         s_bkgls = soft_cap * jnp.tanh(s_bkgls / soft_cap)
     q_pos = jnp.arange(l)[:, None]

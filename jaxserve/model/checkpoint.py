@@ -83,13 +83,19 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "auto") -> None:
 def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     """``jaxserve convert HF_DIR OUT_DIR [--dtype]``; sets ``func`` to ``run_convert``."""
     p = subparsers.add_parser(
-        "convert", help="convert a Hugging Face model directory to our orbax checkpoint layout",
+        "convert",
+        help="convert a Hugging Face model directory to our orbax checkpoint layout",
         description="Reads HF_DIR (config.json + *.safetensors) and writes OUT_DIR/config.json, "
-                    "OUT_DIR/params/ (orbax) and the tokenizer / generation_config files.")
+        "OUT_DIR/params/ (orbax) and the tokenizer / generation_config files.",
+    )
     p.add_argument("hf_dir", help="Hugging Face model directory")
     p.add_argument("out_dir", help="output directory (must not exist)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="dtype of the saved parameters (default: the config's torch_dtype)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="dtype of the saved parameters (default: the config's torch_dtype)",
+    )
     p.set_defaults(func=run_convert)
     return p
 

@@ -94,23 +94,35 @@ class ModelArchConfig:
     torch_dtype: str | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if int(getattr(self, name)) <= 0:
-                raise ModelLoadError(f"config field {name} must be positive, got {getattr(self, name)}")
+                raise ModelLoadError(
+                    f"config field {name} must be positive, got {getattr(self, name)}"
+                )
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_kv_heads})")
+                f"({self.num_kv_heads})"
+            )
         if not self.layer_sliding_windows:
             object.__setattr__(self, "layer_sliding_windows", (None,) * self.num_layers)
         if len(self.layer_sliding_windows) != self.num_layers:
             raise ModelLoadError(
                 f"layer_types has {len(self.layer_sliding_windows)} entries, expected num_hidden_layers "
-                f"= {self.num_layers}")
+                f"= {self.num_layers}"
+            )
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelArchConfig":
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelArchConfig:
         """Parses a HF ``config.json`` dict.
 
         Raises:
@@ -122,10 +134,13 @@ class ModelArchConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"unsupported architecture {arch or hf.get('model_type')!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
-            raise ModelLoadError(f"unsupported hidden_act {act!r} for {arch}; only 'silu' is implemented")
+            raise ModelLoadError(
+                f"unsupported hidden_act {act!r} for {arch}; only 'silu' is implemented"
+            )
 
         def req(name):
             if hf.get(name) is None:
@@ -157,12 +172,14 @@ class ModelArchConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             layer_sliding_windows=_parse_sliding_windows(hf, arch, num_layers),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+            eos_token_ids=tuple(eos)
+            if isinstance(eos, list)
+            else (() if eos is None else (int(eos),)),
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
         )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str) -> "ModelArchConfig":
+    def from_pretrained(cls, model_dir: str) -> ModelArchConfig:
         """Reads ``model_dir/config.json``; ModelLoadError names the path when it is missing."""
         return cls.from_hf_config(read_hf_config(model_dir))
 
@@ -206,7 +223,8 @@ def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
-            f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if rope_type == "default":
         return RopeConfig(theta=theta)
     if "factor" not in params:
@@ -217,15 +235,20 @@ def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
         if key not in params:
             raise ModelLoadError(f"rope_scaling of type 'llama3' lacks {key!r}")
     return RopeConfig(
-        theta=theta, rope_type="llama3", factor=float(params["factor"]),
+        theta=theta,
+        rope_type="llama3",
+        factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))),
+            params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
+        ),
     )
 
 
-def _parse_sliding_windows(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+def _parse_sliding_windows(
+    hf: dict[str, Any], arch: str, num_layers: int
+) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window", False):
         window = None
@@ -239,4 +262,3 @@ def _parse_sliding_windows(hf: dict[str, Any], arch: str, num_layers: int) -> tu
     # Qwen2/3 before layer_types: layers from max_window_layers on use the window.
     first = int(hf.get("max_window_layers", num_layers))
     return tuple(window if i >= first else None for i in range(num_layers))
-

@@ -30,11 +30,16 @@ from jaxserve.model.attention import (
 from jaxserve.model.config import ModelArchConfig
 from jaxserve.model.rope import apply_rope, inverse_frequencies
 
-INIT_STD = 0.02   # HF initializer_range
+INIT_STD = 0.02  # HF initializer_range
 
 
-def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: tuple[str, ...],
-           init: str = "normal") -> nnx.Param:
+def _param(
+    rngs: nnx.Rngs | None,
+    shape: tuple[int, ...],
+    dtype,
+    axes: tuple[str, ...],
+    init: str = "normal",
+) -> nnx.Param:
     """A parameter carrying its logical axis names (mapped to mesh axes by ``sharding.py``)."""
     assert len(shape) == len(axes), (shape, axes)
     if init == "normal":
@@ -67,22 +72,33 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, dtype, rngs: nnx.Rngs):
         e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.sliding_window = cfg.layer_sliding_windows[layer_idx]
-        self.sm_scale = d ** -0.5
+        self.sm_scale = d**-0.5
         self.q_proj = _param(rngs, (e, hq, d), dtype, ("embed", "q_heads", "head_dim"))
         self.k_proj = _param(rngs, (e, hkv, d), dtype, ("embed", "kv_heads", "head_dim"))
         self.v_proj = _param(rngs, (e, hkv, d), dtype, ("embed", "kv_heads", "head_dim"))
         self.o_proj = _param(rngs, (hq, d, e), dtype, ("q_heads", "head_dim", "embed"))
         bias = cfg.qkv_bias
-        self.q_bias = _param(None, (hq, d), dtype, ("q_heads", "head_dim"), "zeros") if bias else None
-        self.k_bias = _param(None, (hkv, d), dtype, ("kv_heads", "head_dim"), "zeros") if bias else None
-        self.v_bias = _param(None, (hkv, d), dtype, ("kv_heads", "head_dim"), "zeros") if bias else None
+        self.q_bias = (
+            _param(None, (hq, d), dtype, ("q_heads", "head_dim"), "zeros") if bias else None
+        )
+        self.k_bias = (
+            _param(None, (hkv, d), dtype, ("kv_heads", "head_dim"), "zeros") if bias else None
+        )
+        self.v_bias = (
+            _param(None, (hkv, d), dtype, ("kv_heads", "head_dim"), "zeros") if bias else None
+        )
         self.o_bias = _param(None, (e,), dtype, ("embed",), "zeros") if cfg.o_bias else None
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, "head_dim") if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, "head_dim") if cfg.qk_norm else None
 
-    def __call__(self, x: jax.Array, positions: jax.Array, inv_freq,
-                 kv_cache: KVCache | None = None,
-                 metadata: PagedAttentionMetadata | None = None):
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        inv_freq,
+        kv_cache: KVCache | None = None,
+        metadata: PagedAttentionMetadata | None = None,
+    ):
         """x ``[..., T, e]``, positions ``[..., T]`` -> (``[..., T, e]``, updated kv_cache or None).
 
         Paged when ``metadata`` is given (x is ``[T, e]``), dense causal otherwise (``[B, L, e]``).
@@ -97,11 +113,19 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         if metadata is None:
-            out = dense_causal_attention(q, k, v, sm_scale=self.sm_scale,
-                                         sliding_window=self.sliding_window)
+            out = dense_causal_attention(
+                q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window
+            )
         else:
-            out, kv_cache = paged_attention(q, k, v, kv_cache, metadata, sm_scale=self.sm_scale,
-                                            sliding_window=self.sliding_window)
+            out, kv_cache = paged_attention(
+                q,
+                k,
+                v,
+                kv_cache,
+                metadata,
+                sm_scale=self.sm_scale,
+                sliding_window=self.sliding_window,
+            )
         y = jnp.einsum("...thd,hde->...te", out, self.o_proj[...])
         if self.o_bias is not None:
             y = y + self.o_bias[...]
@@ -144,7 +168,9 @@ class DecoderLayer(nnx.Module):
         """``x [T, e]`` (paged, with ``kv_cache`` and ``metadata``) or ``[B, L, e]`` (dense),
         positions int32 ``[T]`` / ``[B, L]``, ``inv_freq`` float32 ``[D // 2]`` ->
         ``(x' of x's shape, updated kv_cache or None)``; see ``Attention.__call__``."""
-        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_cache, metadata)
+        h, kv_cache = self.self_attn(
+            self.input_layernorm(x), positions, inv_freq, kv_cache, metadata
+        )
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
@@ -162,17 +188,27 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: ModelArchConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         cfg = self.config = config
         self.dtype = jnp.dtype(dtype)
-        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"))
+        self.embed_tokens = _param(
+            rngs, (cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed")
+        )
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = (None if cfg.tie_word_embeddings else
-                        _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed")))
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"))
+        )
 
     def _inv_freq(self):
-        return inverse_frequencies(self.config.rope, self.config.head_dim)   # [d/2] float32, static
+        return inverse_frequencies(self.config.rope, self.config.head_dim)  # [d/2] float32, static
 
-    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[KVCache],
-                 metadata: PagedAttentionMetadata) -> tuple[jax.Array, list[KVCache]]:
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        kv_caches: list[KVCache],
+        metadata: PagedAttentionMetadata,
+    ) -> tuple[jax.Array, list[KVCache]]:
         """Paged forward over a flat (ragged) token batch.
 
         Args:
@@ -186,7 +222,7 @@ class LlamaForCausalLM(nnx.Module):
           K/V written).
         """
         inv_freq = self._inv_freq()
-        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)                # [T, e]
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)  # [T, e]
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, kv_cache = layer(x, positions, inv_freq, kv_cache, metadata)
@@ -205,8 +241,10 @@ class LlamaForCausalLM(nnx.Module):
         not change the logits of earlier positions.
         """
         inv_freq = self._inv_freq()
-        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[-1], dtype=jnp.int32), input_ids.shape)
-        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)                # [B, L, e]
+        positions = jnp.broadcast_to(
+            jnp.arange(input_ids.shape[-1], dtype=jnp.int32), input_ids.shape
+        )
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)  # [B, L, e]
         for layer in self.layers:
             x, _ = layer(x, positions, inv_freq)
         return self.compute_logits(self.norm(x))

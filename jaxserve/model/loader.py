@@ -32,7 +32,7 @@ from jaxserve.model.presets import PRESET_HF_CONFIGS
 
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-PARAMS_DIR = "params"   # our orbax layout: OUT_DIR/config.json + OUT_DIR/params/
+PARAMS_DIR = "params"  # our orbax layout: OUT_DIR/config.json + OUT_DIR/params/
 
 
 def resolve_dtype(dtype: str, cfg: ModelArchConfig):
@@ -50,8 +50,9 @@ def resolve_dtype(dtype: str, cfg: ModelArchConfig):
       ValueError: for any other ``dtype`` (naming the field).
     """
     if dtype == "auto":
-        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
-                "float16": jnp.bfloat16}.get(cfg.torch_dtype or "", jnp.float32)
+        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.bfloat16}.get(
+            cfg.torch_dtype or "", jnp.float32
+        )
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
     return DTYPES[dtype]
@@ -86,8 +87,8 @@ def hf_tensor_name(path: tuple) -> tuple[str, int | None]:
     if last.endswith("_proj"):
         return f"{module}.{last}.weight", 2 if last == "o_proj" else 1
     if last.endswith("_bias"):
-        return f"{module}.{last[:-len('_bias')]}_proj.bias", 0
-    return f"{module}.{last}", None   # norm weights: "...layernorm.weight", "norm.weight"
+        return f"{module}.{last[: -len('_bias')]}_proj.bias", 0
+    return f"{module}.{last}", None  # norm weights: "...layernorm.weight", "norm.weight"
 
 
 def hf_shape(our_shape: tuple[int, ...], kind: int | None) -> tuple[int, ...]:
@@ -102,6 +103,7 @@ def hf_shape(our_shape: tuple[int, ...], kind: int | None) -> tuple[int, ...]:
 def _safetensors_index(model_dir: str) -> dict[str, str]:
     """HF tensor name -> safetensors file holding it (via the index when present)."""
     from safetensors import safe_open
+
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         with open(index_path) as f:
@@ -130,7 +132,7 @@ def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> LlamaForCau
       ModelLoadError: no weights file, a missing tensor (named), or a shape mismatch (naming the
         tensor, the expected and the found shapes). Extra tensors (e.g. rotary inv_freq) are ignored.
     """
-    from safetensors import safe_open   # local: dummy/orbax loading works without safetensors
+    from safetensors import safe_open  # local: dummy/orbax loading works without safetensors
 
     graphdef, abs_state = nnx.split(abstract_model(cfg, dtype))
     index = _safetensors_index(model_dir)
@@ -140,14 +142,17 @@ def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> LlamaForCau
         for path, var in nnx.to_flat_state(abs_state):
             name, kind = hf_tensor_name(path)
             if name not in index:
-                raise ModelLoadError(f"tensor {name} not found in the safetensors files of {model_dir}")
+                raise ModelLoadError(
+                    f"tensor {name} not found in the safetensors files of {model_dir}"
+                )
             if index[name] not in files:
                 files[index[name]] = stack.enter_context(safe_open(index[name], framework="numpy"))
             tensor = files[index[name]].get_tensor(name)
             want = hf_shape(var.shape, kind)
             if tuple(tensor.shape) != want:
                 raise ModelLoadError(
-                    f"shape mismatch for tensor {name}: expected {list(want)}, got {list(tensor.shape)}")
+                    f"shape mismatch for tensor {name}: expected {list(want)}, got {list(tensor.shape)}"
+                )
             x = jnp.asarray(tensor)
             x = x.reshape(var.shape) if kind == 0 else x.T.reshape(var.shape) if kind else x
             flat.append((path, var.replace(x.astype(dtype))))
@@ -172,12 +177,13 @@ def eos_token_ids(generation_config: dict[str, Any], cfg: ModelArchConfig) -> tu
 
 
 def detect_load_format(model_dir: str) -> str:
-    """"orbax" when ``model_dir/params/`` exists, else "safetensors"."""
+    """ "orbax" when ``model_dir/params/`` exists, else "safetensors"."""
     return "orbax" if os.path.isdir(os.path.join(model_dir, PARAMS_DIR)) else "safetensors"
 
 
-def load_model(model_path: str | dict, dtype: str = "auto", load_format: str = "auto",
-               seed: int = 0) -> tuple[LlamaForCausalLM, ModelArchConfig, dict[str, Any]]:
+def load_model(
+    model_path: str | dict, dtype: str = "auto", load_format: str = "auto", seed: int = 0
+) -> tuple[LlamaForCausalLM, ModelArchConfig, dict[str, Any]]:
     """Loads a model for serving.
 
     Args:
@@ -207,7 +213,8 @@ def load_model(model_path: str | dict, dtype: str = "auto", load_format: str = "
             hf = PRESET_HF_CONFIGS[model_path]
         else:
             raise ModelLoadError(
-                f"model directory not found: {model_path} (dummy presets: {', '.join(PRESET_HF_CONFIGS)})")
+                f"model directory not found: {model_path} (dummy presets: {', '.join(PRESET_HF_CONFIGS)})"
+            )
         cfg = ModelArchConfig.from_hf_config(hf)
         return dummy_model(cfg, resolve_dtype(dtype, cfg), seed), cfg, {}
     model_dir = os.fspath(model_path)
@@ -218,7 +225,8 @@ def load_model(model_path: str | dict, dtype: str = "auto", load_format: str = "
     if load_format == "dummy":
         model = dummy_model(cfg, jdtype, seed)
     elif load_format == "orbax":
-        from jaxserve.model.checkpoint import restore_params   # orbax is a heavy import
+        from jaxserve.model.checkpoint import restore_params  # orbax is a heavy import
+
         model = restore_params(model_dir, cfg, jdtype)
     else:
         model = load_safetensors(model_dir, cfg, jdtype)

@@ -31,7 +31,9 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
         high_freq_wavelen = old_len / rope.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return np.where(is_medium, smoothed, scaled).astype(np.float32)
@@ -50,8 +52,8 @@ def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray) -> 
       ``x``'s shape and dtype; angles, cos and sin are computed in float32, as HF does before
       casting cos/sin to the activation dtype.
     """
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)   # [..., T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]                # [..., T, 1, D]
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, D]
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)

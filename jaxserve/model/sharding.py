@@ -36,12 +36,14 @@ def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     if not 1 <= tensor_parallel_size <= len(devices):
         raise ValueError(
-            f"tensor_parallel_size must be in [1, {len(devices)}], got {tensor_parallel_size}")
+            f"tensor_parallel_size must be in [1, {len(devices)}], got {tensor_parallel_size}"
+        )
     return Mesh(np.asarray(devices[:tensor_parallel_size]), (MODEL_AXIS,))
 
 
-def logical_to_pspec(axes: tuple[str | None, ...] | None,
-                     rules: dict[str, str | None] = LOGICAL_AXIS_RULES) -> PartitionSpec:
+def logical_to_pspec(
+    axes: tuple[str | None, ...] | None, rules: dict[str, str | None] = LOGICAL_AXIS_RULES
+) -> PartitionSpec:
     """Maps logical axis names to a ``PartitionSpec`` (MaxText's logical axis rules).
 
     ``("embed", "mlp") -> PartitionSpec(None, "model")``; ``None`` or ``()`` -> ``PartitionSpec()``
@@ -58,17 +60,23 @@ def logical_to_pspec(axes: tuple[str | None, ...] | None,
     return PartitionSpec(*(None if a is None else rules[a] for a in axes))
 
 
-def model_shardings(model: nnx.Module, mesh: Mesh,
-                    rules: dict[str, str | None] = LOGICAL_AXIS_RULES) -> nnx.State:
+def model_shardings(
+    model: nnx.Module, mesh: Mesh, rules: dict[str, str | None] = LOGICAL_AXIS_RULES
+) -> nnx.State:
     """The ``NamedSharding`` of every parameter of ``model`` (an ``nnx.State`` of shardings)."""
     state = nnx.state(model)
     return jax.tree.map(
-        lambda v: v.replace(NamedSharding(mesh, logical_to_pspec(v.get_metadata().get("out_sharding"), rules))),
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        lambda v: v.replace(
+            NamedSharding(mesh, logical_to_pspec(v.get_metadata().get("out_sharding"), rules))
+        ),
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
 
-def shard_model(model: nnx.Module, mesh: Mesh,
-                rules: dict[str, str | None] = LOGICAL_AXIS_RULES) -> nnx.Module:
+def shard_model(
+    model: nnx.Module, mesh: Mesh, rules: dict[str, str | None] = LOGICAL_AXIS_RULES
+) -> nnx.Module:
     """Places ``model``'s parameters on ``mesh`` according to ``rules`` (in place; returns it)."""
     state = nnx.state(model)
     shardings = model_shardings(model, mesh, rules)

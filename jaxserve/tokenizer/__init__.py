@@ -1,8 +1,12 @@
 """Tokenizers (sentencepiece and Hugging Face ``tokenizers``), chat templates, and the
 incremental detokenizer with stop strings that turns generated ids into streamed text."""
 
-from jaxserve.tokenizer.chat_template import (DEFAULT_CHAT_TEMPLATE, ChatTemplateError,
-                                              normalize_messages, render_chat_template)
+from jaxserve.tokenizer.chat_template import (
+    DEFAULT_CHAT_TEMPLATE,
+    ChatTemplateError,
+    normalize_messages,
+    render_chat_template,
+)
 from jaxserve.tokenizer.detokenizer import IncrementalDetokenizer
 from jaxserve.tokenizer.stop_strings import StopChecker
 from jaxserve.tokenizer.tokenizer import Tokenizer, get_tokenizer

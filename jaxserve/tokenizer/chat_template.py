@@ -60,10 +60,16 @@ def _raise_exception(message: str):
     raise ChatTemplateError(f"chat template: {message}")
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -77,15 +83,18 @@ def compile_chat_template(template: str) -> jinja2.Template:
     Raises:
       ChatTemplateError: the template has a Jinja syntax error.
     """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template has a syntax error at line {e.lineno}: {e.message}") from e
+        raise ChatTemplateError(
+            f"chat template has a syntax error at line {e.lineno}: {e.message}"
+        ) from e
 
 
 def select_chat_template(template: str | list | dict | None, tools: list | None = None) -> str:
@@ -107,16 +116,21 @@ def select_chat_template(template: str | list | dict | None, tools: list | None 
         try:
             template = {t["name"]: t["template"] for t in template}
         except (TypeError, KeyError) as e:
-            raise ValueError("chat_template list entries must be {'name': ..., 'template': ...}") from e
+            raise ValueError(
+                "chat_template list entries must be {'name': ..., 'template': ...}"
+            ) from e
     if not isinstance(template, dict):
-        raise ValueError(f"chat_template must be a string or a list of named templates, "
-                         f"got {type(template).__name__}")
+        raise ValueError(
+            f"chat_template must be a string or a list of named templates, "
+            f"got {type(template).__name__}"
+        )
     if tools is not None and "tool_use" in template:
         return template["tool_use"]
     if "default" in template:
         return template["default"]
-    raise ValueError(f"chat_template has several templates ({', '.join(template)}) and none named "
-                     "'default'")
+    raise ValueError(
+        f"chat_template has several templates ({', '.join(template)}) and none named 'default'"
+    )
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
@@ -152,23 +166,32 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                 if not isinstance(part, dict):
                     raise ValueError(f"{where}.content[{j}] must be an object")
                 if part.get("type") != "text":
-                    raise ValueError(f"{where}.content[{j}].type must be 'text', got "
-                                     f"{part.get('type')!r}")
+                    raise ValueError(
+                        f"{where}.content[{j}].type must be 'text', got {part.get('type')!r}"
+                    )
                 if not isinstance(part.get("text"), str):
                     raise ValueError(f"{where}.content[{j}].text must be a string")
                 texts.append(part["text"])
             content = "\n".join(texts)
         elif not isinstance(content, str):
-            raise ValueError(f"{where}.content must be a string or a list of text parts, got "
-                             f"{type(content).__name__}")
+            raise ValueError(
+                f"{where}.content must be a string or a list of text parts, got "
+                f"{type(content).__name__}"
+            )
         out.append({**msg, "content": content})
     return out
 
 
-def render_chat_template(template: str, messages: Any, *, add_generation_prompt: bool = True,
-                         tools: list[dict[str, Any]] | None = None,
-                         documents: list[dict[str, Any]] | None = None,
-                         special_tokens: dict[str, str] | None = None, **kwargs: Any) -> str:
+def render_chat_template(
+    template: str,
+    messages: Any,
+    *,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
+    special_tokens: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> str:
     """Renders ``messages`` with ``template``; ``kwargs`` become extra template variables
     (transformers' ``chat_template_kwargs``, e.g. ``enable_thinking``).
 
@@ -177,14 +200,20 @@ def render_chat_template(template: str, messages: Any, *, add_generation_prompt:
       ChatTemplateError: the template raised or failed.
     """
     messages = normalize_messages(messages)
-    if tools is not None and (not isinstance(tools, list)
-                              or not all(isinstance(t, dict) for t in tools)):
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+    ):
         raise ValueError("tools must be a list of objects")
     compiled = compile_chat_template(template)
     try:
-        return compiled.render(messages=messages, tools=tools, documents=documents,
-                               add_generation_prompt=add_generation_prompt,
-                               **(special_tokens or {}), **kwargs)
+        return compiled.render(
+            messages=messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **(special_tokens or {}),
+            **kwargs,
+        )
     except ChatTemplateError:
         raise
     except (jinja2.TemplateError, TypeError) as e:

@@ -54,9 +54,14 @@ class IncrementalDetokenizer:
       ValueError: bad ``stop`` (field ``stop``).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 skip_special_tokens: bool = True, stop: Sequence[str] | None = None,
-                 include_stop_str_in_output: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop_checker = StopChecker(stop, include_stop_str_in_output)
@@ -85,7 +90,7 @@ class IncrementalDetokenizer:
     @property
     def token_ids(self) -> list[int]:
         """The output token ids seen so far (prompt excluded); a fresh list."""
-        return self._ids[self._num_prompt:]
+        return self._ids[self._num_prompt :]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -93,14 +98,18 @@ class IncrementalDetokenizer:
     def _decode_new_text(self, finished: bool) -> str:
         """vLLM's ``detokenize_incrementally`` step: the stable text of the tokens after
         ``read_offset``; advances the offsets when it returns text."""
-        prefix_text = self._decode(self._ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self._ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not finished):
+        prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self._ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or (
+            new_text.endswith(REPLACEMENT_CHAR) and not finished
+        ):
             return ""  # nothing new, or an incomplete UTF-8 character: wait for more tokens
         self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
-    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> tuple[str, str | None]:
+    def update(
+        self, new_token_ids: Sequence[int], finished: bool = False
+    ) -> tuple[str, str | None]:
         """Adds generated tokens and returns the text that can be streamed now.
 
         Args:
@@ -130,6 +139,6 @@ class IncrementalDetokenizer:
             end -= self.stop_checker.holdback(self.output_text)
         # Holdback and cut never reach into streamed text (see stop_strings' module doc).
         assert end >= self._num_emitted, (end, self._num_emitted)
-        delta = self.output_text[self._num_emitted:end]
+        delta = self.output_text[self._num_emitted : end]
         self._num_emitted = end
         return delta, stop_str

@@ -35,8 +35,9 @@ class HFTokenizer(Tokenizer):
         self._config_adds_specials = "add_bos_token" in config or "add_eos_token" in config
         added = self.tok.get_added_tokens_decoder()
         self._special = {i for i, t in added.items() if t.special}
-        self._vocab_size = max([self.tok.get_vocab_size(with_added_tokens=True)]
-                               + [i + 1 for i in added])
+        self._vocab_size = max(
+            [self.tok.get_vocab_size(with_added_tokens=True)] + [i + 1 for i in added]
+        )
 
     @property
     def vocab_size(self) -> int:

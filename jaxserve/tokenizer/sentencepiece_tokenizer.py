@@ -42,8 +42,12 @@ class SentencePieceTokenizer(Tokenizer):
         except (RuntimeError, OSError) as e:
             raise ValueError(f"{model_file}: not a sentencepiece model ({e})") from e
         self.model_file = model_file
-        for attr, sp_id in (("bos_token", self.sp.bos_id()), ("eos_token", self.sp.eos_id()),
-                            ("unk_token", self.sp.unk_id()), ("pad_token", self.sp.pad_id())):
+        for attr, sp_id in (
+            ("bos_token", self.sp.bos_id()),
+            ("eos_token", self.sp.eos_id()),
+            ("unk_token", self.sp.unk_id()),
+            ("pad_token", self.sp.pad_id()),
+        ):
             if attr not in config and sp_id >= 0:
                 setattr(self, attr, self.sp.id_to_piece(sp_id))
         n = self.sp.get_piece_size()

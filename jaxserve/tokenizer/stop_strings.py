@@ -69,7 +69,7 @@ class StopChecker:
         string (the longest such run), i.e. that must not be streamed yet."""
         n = len(text)
         for k in range(min(self.max_len - 1, n), 0, -1):
-            tail = text[n - k:]
+            tail = text[n - k :]
             if any(len(s) > k and s.startswith(tail) for s in self.stop):
                 return k
         return 0

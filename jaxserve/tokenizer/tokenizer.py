@@ -184,9 +184,14 @@ class Tokenizer(abc.ABC):
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
         return self._decode_plain(ids, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None,
-                            chat_template: str | None = None, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Renders a conversation to the prompt text, as transformers'
         ``apply_chat_template(..., tokenize=False)`` does.
 
@@ -200,13 +205,28 @@ class Tokenizer(abc.ABC):
             template called ``raise_exception``.
         """
         template = select_chat_template(chat_template or self.chat_template, tools)
-        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
-                   "unk_token": self.unk_token or "", "pad_token": self.pad_token or ""}
-        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
-                                    tools=tools, special_tokens=special, **kwargs)
+        special = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "unk_token": self.unk_token or "",
+            "pad_token": self.pad_token or "",
+        }
+        return render_chat_template(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            special_tokens=special,
+            **kwargs,
+        )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
         """Prompt token ids of a conversation: the rendered template, with the BOS added only
         when the rendered text does not already start with it (vLLM's chat serving)."""
         text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
@@ -249,6 +269,9 @@ def get_tokenizer(model_path: str, backend: str = "auto") -> Tokenizer:
         return HFTokenizer(json_path, model_dir, config)
     if spm_path and backend in ("auto", "sentencepiece"):
         return SentencePieceTokenizer(spm_path, model_dir, config)
-    wanted = {"auto": "tokenizer.json or tokenizer.model", "hf": "tokenizer.json",
-              "sentencepiece": "tokenizer.model"}[backend]
+    wanted = {
+        "auto": "tokenizer.json or tokenizer.model",
+        "hf": "tokenizer.json",
+        "sentencepiece": "tokenizer.model",
+    }[backend]
     raise ValueError(f"no tokenizer found: {model_path!r} has no {wanted}")

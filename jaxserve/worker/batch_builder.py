@@ -33,8 +33,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def default_token_buckets(max_num_batched_tokens: int, min_bucket: int = MIN_TOKEN_BUCKET,
-                          max_buckets: int = MAX_TOKEN_BUCKETS) -> tuple[int, ...]:
+def default_token_buckets(
+    max_num_batched_tokens: int,
+    min_bucket: int = MIN_TOKEN_BUCKET,
+    max_buckets: int = MAX_TOKEN_BUCKETS,
+) -> tuple[int, ...]:
     """Powers of two from ``min_bucket`` below the budget, then the budget itself; at most
     ``max_buckets`` (the largest ones are kept).
 
@@ -50,7 +53,9 @@ def default_token_buckets(max_num_batched_tokens: int, min_bucket: int = MIN_TOK
     return tuple(buckets[-max_buckets:])
 
 
-def resolve_token_buckets(configured: tuple[int, ...], max_num_batched_tokens: int) -> tuple[int, ...]:
+def resolve_token_buckets(
+    configured: tuple[int, ...], max_num_batched_tokens: int
+) -> tuple[int, ...]:
     """The configured buckets (``RunnerConfig.token_buckets``) or the default ones.
 
     Raises:
@@ -60,10 +65,14 @@ def resolve_token_buckets(configured: tuple[int, ...], max_num_batched_tokens: i
     if not configured:
         return default_token_buckets(max_num_batched_tokens)
     if max(configured) < max_num_batched_tokens:
-        raise ValueError(f"token_buckets must reach max_num_batched_tokens ({max_num_batched_tokens}), "
-                         f"got {tuple(configured)}")
+        raise ValueError(
+            f"token_buckets must reach max_num_batched_tokens ({max_num_batched_tokens}), "
+            f"got {tuple(configured)}"
+        )
     if len(configured) > MAX_TOKEN_BUCKETS:
-        raise ValueError(f"token_buckets may hold at most {MAX_TOKEN_BUCKETS} sizes, got {len(configured)}")
+        raise ValueError(
+            f"token_buckets may hold at most {MAX_TOKEN_BUCKETS} sizes, got {len(configured)}"
+        )
     return tuple(int(b) for b in configured)
 
 
@@ -178,7 +187,7 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
-        self.params: list["SamplingParams | None"] = [None] * max_num_reqs
+        self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
         self.row_req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_row: dict[str, int] = {}
@@ -190,7 +199,7 @@ class InputBatch:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.req_id_to_row
 
-    def add_request(self, new: "NewRequestData") -> int:
+    def add_request(self, new: NewRequestData) -> int:
         """Takes a free row for a new (or resumed) request; returns the row.
 
         Raises:
@@ -202,7 +211,9 @@ class InputBatch:
         row = self._free_rows.pop()
         n_prompt, n_out = len(new.prompt_token_ids), len(new.output_token_ids)
         n = n_prompt + n_out
-        assert n <= self.max_model_len, f"request {new.req_id} has {n} tokens > {self.max_model_len}"
+        assert n <= self.max_model_len, (
+            f"request {new.req_id} has {n} tokens > {self.max_model_len}"
+        )
         self.token_ids[row, :n_prompt] = new.prompt_token_ids
         self.token_ids[row, n_prompt:n] = new.output_token_ids
         self.num_tokens[row] = n
@@ -259,12 +270,14 @@ class BatchBuilder:
       max_num_seqs: the scheduler's max_num_seqs (sets the sequence buckets).
     """
 
-    def __init__(self, input_batch: InputBatch, token_buckets: tuple[int, ...], max_num_seqs: int) -> None:
+    def __init__(
+        self, input_batch: InputBatch, token_buckets: tuple[int, ...], max_num_seqs: int
+    ) -> None:
         self.batch = input_batch
         self.token_buckets = tuple(token_buckets)
         self.max_num_seqs = max_num_seqs
 
-    def update_states(self, sched: "SchedulerOutput") -> None:
+    def update_states(self, sched: SchedulerOutput) -> None:
         """Drops finished/preempted rows, adds new ones, appends new block ids and the step's
         token ids (the scheduler's ``new_token_ids``, so the rows never drift from its ledger)."""
         batch = self.batch
@@ -281,7 +294,7 @@ class BatchBuilder:
             if cached.new_token_ids:
                 batch.write_tokens(row, cached.num_computed_tokens[i], cached.new_token_ids[i])
 
-    def build(self, sched: "SchedulerOutput") -> StepBatch:
+    def build(self, sched: SchedulerOutput) -> StepBatch:
         """The padded inputs of the step ``sched`` describes (call ``update_states`` first).
 
         Sequences are in the order of ``sched.num_scheduled_tokens``.
@@ -289,7 +302,9 @@ class BatchBuilder:
         batch = self.batch
         req_ids = list(sched.num_scheduled_tokens)
         num_reqs = len(req_ids)
-        assert num_reqs <= self.max_num_seqs, f"{num_reqs} sequences > max_num_seqs {self.max_num_seqs}"
+        assert num_reqs <= self.max_num_seqs, (
+            f"{num_reqs} sequences > max_num_seqs {self.max_num_seqs}"
+        )
         rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), np.int64, num_reqs)
         n_sched = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, num_reqs)
         order = {r: i for i, r in enumerate(req_ids)}
@@ -303,8 +318,9 @@ class BatchBuilder:
         assert np.all(start >= 0), "a scheduled request is neither new nor cached"
         return self.build_from_arrays(req_ids, rows, start, n_sched)
 
-    def build_from_arrays(self, req_ids: list[str], rows: np.ndarray, start: np.ndarray,
-                          n_sched: np.ndarray) -> StepBatch:
+    def build_from_arrays(
+        self, req_ids: list[str], rows: np.ndarray, start: np.ndarray, n_sched: np.ndarray
+    ) -> StepBatch:
         """``build`` on explicit arrays: ``rows``, ``start`` (num_computed_tokens) and
         ``n_sched`` (tokens this step), each integer ``[num_reqs]``, in ``req_ids`` order.
 
@@ -322,7 +338,7 @@ class BatchBuilder:
         assert np.all(end <= batch.num_tokens[rows]), "scheduled past the known tokens of a request"
 
         cu = np.cumsum(n_sched)
-        seq_of_tok = np.repeat(np.arange(num_reqs), n_sched)            # [total]
+        seq_of_tok = np.repeat(np.arange(num_reqs), n_sched)  # [total]
         positions = np.arange(total) - np.repeat(cu - n_sched, n_sched) + start[seq_of_tok]
         row_of_tok = rows[seq_of_tok]
         block_ids = batch.block_table[row_of_tok, positions // bs]
@@ -339,13 +355,15 @@ class BatchBuilder:
         context_lens[:num_reqs] = end
         query_start_loc = np.full(S + 1, total, np.int32)
         query_start_loc[0] = 0
-        query_start_loc[1:num_reqs + 1] = cu
+        query_start_loc[1 : num_reqs + 1] = cu
         logits_indices = np.zeros(S, np.int32)
         logits_indices[:num_reqs] = cu - 1
 
         targets = None
         prompt_lens = batch.num_prompt_tokens[rows]
-        want = np.fromiter((batch.params[r].prompt_logprobs is not None for r in rows), bool, num_reqs)
+        want = np.fromiter(
+            (batch.params[r].prompt_logprobs is not None for r in rows), bool, num_reqs
+        )
         want &= start < prompt_lens - 1
         if want.any():
             # logits at prompt position p score the prompt token at p + 1
@@ -355,10 +373,24 @@ class BatchBuilder:
             targets[:total] = np.where(scored, batch.token_ids[row_of_tok, nxt], -1)
 
         inputs = StepInputs(
-            input_ids=input_ids, positions=pos_pad, slot_mapping=slot_mapping,
-            block_tables=block_tables, context_lens=context_lens, query_start_loc=query_start_loc,
-            num_seqs=np.asarray(num_reqs, np.int32), logits_indices=logits_indices)
+            input_ids=input_ids,
+            positions=pos_pad,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            context_lens=context_lens,
+            query_start_loc=query_start_loc,
+            num_seqs=np.asarray(num_reqs, np.int32),
+            logits_indices=logits_indices,
+        )
         return StepBatch(
-            inputs=inputs, req_ids=req_ids, rows=rows, num_scheduled=n_sched, start_positions=start,
-            sample_mask=end >= batch.num_tokens[rows], token_bucket=T, seq_bucket=S,
-            num_tokens=total, prompt_logprob_targets=targets)
+            inputs=inputs,
+            req_ids=req_ids,
+            rows=rows,
+            num_scheduled=n_sched,
+            start_positions=start,
+            sample_mask=end >= batch.num_tokens[rows],
+            token_bucket=T,
+            seq_bucket=S,
+            num_tokens=total,
+            prompt_logprob_targets=targets,
+        )

@@ -86,8 +86,9 @@ def device_memory(device: jax.Device) -> tuple[int, int] | None:
     return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
-def cpu_default_num_blocks(max_num_seqs: int, max_model_len: int, block_size: int,
-                           bytes_per_token: int) -> int:
+def cpu_default_num_blocks(
+    max_num_seqs: int, max_model_len: int, block_size: int, bytes_per_token: int
+) -> int:
     """Blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens plus the null block,
     capped at ``CPU_KV_CACHE_CAP_BYTES``; at least 2."""
     wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
@@ -130,8 +131,14 @@ def determine_kv_cache_spec(
     """
     itemsize = np.dtype(dtype).itemsize
     per_token = kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, itemsize)
-    common = dict(block_size=block_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                  head_dim=head_dim, dtype=np.dtype(dtype).name, bytes_per_token=per_token)
+    common = dict(
+        block_size=block_size,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=np.dtype(dtype).name,
+        bytes_per_token=per_token,
+    )
     if num_gpu_blocks_override is not None:
         return KVCacheSpec(num_blocks=int(num_gpu_blocks_override), source="override", **common)
     mem = device_memory(device)
@@ -140,9 +147,15 @@ def determine_kv_cache_spec(
         return KVCacheSpec(num_blocks=blocks, source="cpu-default", **common)
     limit, in_use = mem
     available = int(gpu_memory_utilization * limit) - in_use - int(peak_activation_bytes)
-    logger.info("KV cache budget: %.2f GiB = %.2f x %.2f GiB limit - %.2f GiB in use - %.2f GiB "
-                "peak activations", available / 2**30, gpu_memory_utilization, limit / 2**30,
-                in_use / 2**30, peak_activation_bytes / 2**30)
+    logger.info(
+        "KV cache budget: %.2f GiB = %.2f x %.2f GiB limit - %.2f GiB in use - %.2f GiB "
+        "peak activations",
+        available / 2**30,
+        gpu_memory_utilization,
+        limit / 2**30,
+        in_use / 2**30,
+        peak_activation_bytes / 2**30,
+    )
     blocks = compute_num_gpu_blocks(available, per_token, block_size)
     return KVCacheSpec(num_blocks=blocks, source="memory", **common)
 
@@ -152,7 +165,9 @@ def allocate_kv_caches(spec: KVCacheSpec, device: jax.Device | None = None) -> K
     ``spec.dtype``, on ``device`` (default: the first local device)."""
     device = device or jax.local_devices()[0]
     shape, dtype = spec.layer_shape, jnp.dtype(spec.dtype)
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))
+    make = jax.jit(
+        lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device)
+    )
     return [(make(), make()) for _ in range(spec.num_layers)]
 
 
@@ -164,7 +179,14 @@ def kv_cache_shapes(spec: KVCacheSpec) -> KVCaches:
 
 def log_kv_cache_spec(spec: KVCacheSpec) -> None:
     """Logs blocks, tokens and bytes per token at start-up."""
-    logger.info("KV cache (%s): %d blocks x %d tokens (block 0 is the null block: %d usable tokens), "
-                "%d bytes/token, %.3f GiB, dtype %s",
-                spec.source, spec.num_blocks, spec.block_size, spec.num_tokens, spec.bytes_per_token,
-                spec.total_bytes / 2**30, spec.dtype)
+    logger.info(
+        "KV cache (%s): %d blocks x %d tokens (block 0 is the null block: %d usable tokens), "
+        "%d bytes/token, %.3f GiB, dtype %s",
+        spec.source,
+        spec.num_blocks,
+        spec.block_size,
+        spec.num_tokens,
+        spec.bytes_per_token,
+        spec.total_bytes / 2**30,
+        spec.dtype,
+    )

@@ -72,8 +72,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-jax.tree_util.register_dataclass(StepInputs, data_fields=[f.name for f in dataclasses.fields(StepInputs)],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(
+    StepInputs, data_fields=[f.name for f in dataclasses.fields(StepInputs)], meta_fields=[]
+)
 
 PROMPT_LOGPROBS_CHUNK = 256
 """Prompt positions whose full-vocabulary logits exist at once in the prompt-logprobs head."""
@@ -88,8 +89,11 @@ _WARMUP_SAMPLING = (
 
 
 def _uses_penalties(params: SamplingParams) -> bool:
-    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or params.repetition_penalty != 1.0)
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )
 
 
 def resolve_attention_backend(name: str, platform: str) -> str:
@@ -149,21 +153,33 @@ class ModelRunner:
       ValueError: a bad attention backend or token bucket list (named).
     """
 
-    def __init__(self, model: nnx.Module, arch: "ModelArchConfig", config: "EngineConfig",
-                 *, warmup_sampling: tuple[SamplingParams, ...] = _WARMUP_SAMPLING) -> None:
+    def __init__(
+        self,
+        model: nnx.Module,
+        arch: ModelArchConfig,
+        config: EngineConfig,
+        *,
+        warmup_sampling: tuple[SamplingParams, ...] = _WARMUP_SAMPLING,
+    ) -> None:
         self.config = config
         self.arch = arch
         self.dtype = jnp.dtype(getattr(model, "dtype", jnp.float32))
         self.device = jax.local_devices()[0]
-        self.backend = resolve_attention_backend(config.runner.attention_backend, self.device.platform)
+        self.backend = resolve_attention_backend(
+            config.runner.attention_backend, self.device.platform
+        )
         configure_compilation_cache(config.runner.compilation_cache_dir)
         self.graphdef, self.state = nnx.split(model)
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_num_seqs = sched.max_num_seqs
         self.max_model_len = sched.max_model_len
-        self.token_buckets = resolve_token_buckets(config.runner.token_buckets, sched.max_num_batched_tokens)
-        self.seq_buckets = tuple(sorted({seq_bucket(t, self.max_num_seqs) for t in self.token_buckets}))
+        self.token_buckets = resolve_token_buckets(
+            config.runner.token_buckets, sched.max_num_batched_tokens
+        )
+        self.seq_buckets = tuple(
+            sorted({seq_bucket(t, self.max_num_seqs) for t in self.token_buckets})
+        )
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
         self.builder = BatchBuilder(self.input_batch, self.token_buckets, self.max_num_seqs)
         self.warmup_sampling = warmup_sampling
@@ -173,13 +189,17 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self._warm_buckets: set[int] = set()
         self._seeds: dict[str, int] = {}
-        self._md_cache: tuple | None = None   # ((req_ids, S), SamplingMetadata) of a steady batch
+        self._md_cache: tuple | None = None  # ((req_ids, S), SamplingMetadata) of a steady batch
         self._rng = np.random.default_rng(config.model.seed)
         self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
         self._sample = jax.jit(sample)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
-        logger.info("model runner: attention backend %s, token buckets %s, sequence buckets %s",
-                    self.backend, self.token_buckets, self.seq_buckets)
+        logger.info(
+            "model runner: attention backend %s, token buckets %s, sequence buckets %s",
+            self.backend,
+            self.token_buckets,
+            self.seq_buckets,
+        )
 
     # ------------------------------------------------------------------ jitted functions
 
@@ -187,11 +207,15 @@ class ModelRunner:
         """``(state, kv_caches, inputs) -> (logits [S, V] f32, hidden [T, E], kv_caches)``."""
         model = nnx.merge(self.graphdef, state)
         metadata = PagedAttentionMetadata(
-            slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables,
-            context_lens=inputs.context_lens, query_start_loc=inputs.query_start_loc,
-            num_seqs=inputs.num_seqs, backend=self.backend)
-        hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, metadata)   # [T, E]
-        logits = model.compute_logits(hidden[inputs.logits_indices])                           # [S, V]
+            slot_mapping=inputs.slot_mapping,
+            block_tables=inputs.block_tables,
+            context_lens=inputs.context_lens,
+            query_start_loc=inputs.query_start_loc,
+            num_seqs=inputs.num_seqs,
+            backend=self.backend,
+        )
+        hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, metadata)  # [T, E]
+        logits = model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
         return logits, hidden, kv_caches
 
     def _prompt_logprobs_impl(self, state: nnx.State, hidden: jax.Array, targets: jax.Array):
@@ -209,7 +233,9 @@ class ModelRunner:
             h, tgt = args
             return prompt_logprobs(model.compute_logits(h), jnp.maximum(tgt, 0), MAX_LOGPROBS)
 
-        out = jax.lax.map(one, (hidden.reshape(t // chunk, chunk, -1), targets.reshape(t // chunk, chunk)))
+        out = jax.lax.map(
+            one, (hidden.reshape(t // chunk, chunk, -1), targets.reshape(t // chunk, chunk))
+        )
         return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), out)
 
     # ------------------------------------------------------------------ start-up
@@ -223,11 +249,15 @@ class ModelRunner:
         ctx = np.zeros(s, np.int32)
         ctx[0] = 1
         return StepInputs(
-            input_ids=np.zeros(token_bucket, np.int32), positions=np.zeros(token_bucket, np.int32),
+            input_ids=np.zeros(token_bucket, np.int32),
+            positions=np.zeros(token_bucket, np.int32),
             slot_mapping=np.full(token_bucket, -1, np.int32),
-            block_tables=np.zeros((s, b.max_blocks_per_req), np.int32), context_lens=ctx,
-            query_start_loc=qsl, num_seqs=np.asarray(1, np.int32),
-            logits_indices=np.zeros(s, np.int32))
+            block_tables=np.zeros((s, b.max_blocks_per_req), np.int32),
+            context_lens=ctx,
+            query_start_loc=qsl,
+            num_seqs=np.asarray(1, np.int32),
+            logits_indices=np.zeros(s, np.int32),
+        )
 
     def profile_peak_activation_bytes(self) -> int:
         """Peak activation memory of the largest token bucket's step, bytes, from
@@ -241,28 +271,45 @@ class ModelRunner:
         t_max = self.token_buckets[-1]
         s_max = seq_bucket(t_max, self.max_num_seqs)
         probe = self._spec_with_blocks(2 * self.input_batch.max_blocks_per_req + 1)
-        fwd = self._forward.lower(self.state, kv_cache_shapes(probe), self._dummy_inputs(t_max)).compile()
+        fwd = self._forward.lower(
+            self.state, kv_cache_shapes(probe), self._dummy_inputs(t_max)
+        ).compile()
         fwd_mem = fwd.memory_analysis()
         outputs = int(fwd_mem.output_size_in_bytes) - int(fwd_mem.alias_size_in_bytes)
         logits = jax.ShapeDtypeStruct((s_max, self.arch.vocab_size), jnp.float32)
         worst = SamplingParams(temperature=1.0, top_p=0.9, logprobs=MAX_LOGPROBS)
         md = SamplingMetadata.from_params([SamplingRow(worst, 0, 0, (), ())], pad_to=s_max)
-        sampler_temp = int(self._sample.lower(logits, md).compile().memory_analysis().temp_size_in_bytes)
+        sampler_temp = int(
+            self._sample.lower(logits, md).compile().memory_analysis().temp_size_in_bytes
+        )
         hidden = jax.ShapeDtypeStruct((t_max, self.arch.hidden_size), self.dtype)
         plp = self._prompt_logprobs.lower(self.state, hidden, np.zeros(t_max, np.int32)).compile()
         plp_temp = int(plp.memory_analysis().temp_size_in_bytes)
         peak = outputs + max(int(fwd_mem.temp_size_in_bytes), sampler_temp, plp_temp)
-        logger.info("profiled step activations (T=%d): peak %.1f MiB = outputs %.1f MiB + max(forward temp "
-                    "%.1f, sampler temp %.1f, prompt-logprobs temp %.1f) MiB", t_max, peak / 2**20,
-                    outputs / 2**20, fwd_mem.temp_size_in_bytes / 2**20, sampler_temp / 2**20, plp_temp / 2**20)
+        logger.info(
+            "profiled step activations (T=%d): peak %.1f MiB = outputs %.1f MiB + max(forward temp "
+            "%.1f, sampler temp %.1f, prompt-logprobs temp %.1f) MiB",
+            t_max,
+            peak / 2**20,
+            outputs / 2**20,
+            fwd_mem.temp_size_in_bytes / 2**20,
+            sampler_temp / 2**20,
+            plp_temp / 2**20,
+        )
         return peak
 
     def _spec_with_blocks(self, num_blocks: int) -> KVCacheSpec:
         a = self.arch
-        return KVCacheSpec(num_blocks=num_blocks, block_size=self.block_size, num_layers=a.num_layers,
-                           num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=self.dtype.name,
-                           bytes_per_token=2 * a.num_layers * a.num_kv_heads * a.head_dim * self.dtype.itemsize,
-                           source="probe")
+        return KVCacheSpec(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_layers=a.num_layers,
+            num_kv_heads=a.num_kv_heads,
+            head_dim=a.head_dim,
+            dtype=self.dtype.name,
+            bytes_per_token=2 * a.num_layers * a.num_kv_heads * a.head_dim * self.dtype.itemsize,
+            source="probe",
+        )
 
     def initialize_kv_cache(self) -> KVCacheSpec:
         """Sizes the KV pool (``kv_cache_alloc``), allocates it and logs it.
@@ -280,11 +327,18 @@ class ModelRunner:
             peak = self.profile_peak_activation_bytes()
             self.compile_seconds += time.perf_counter() - t0
         spec = determine_kv_cache_spec(
-            num_layers=self.arch.num_layers, num_kv_heads=self.arch.num_kv_heads, head_dim=self.arch.head_dim,
-            dtype=self.dtype, block_size=self.block_size,
+            num_layers=self.arch.num_layers,
+            num_kv_heads=self.arch.num_kv_heads,
+            head_dim=self.arch.head_dim,
+            dtype=self.dtype,
+            block_size=self.block_size,
             gpu_memory_utilization=cache.gpu_memory_utilization,
-            num_gpu_blocks_override=cache.num_gpu_blocks_override, max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len, device=self.device, peak_activation_bytes=peak)
+            num_gpu_blocks_override=cache.num_gpu_blocks_override,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            peak_activation_bytes=peak,
+        )
         log_kv_cache_spec(spec)
         self.kv_spec = spec
         self.kv_caches = allocate_kv_caches(spec, self.device)
@@ -302,8 +356,12 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         warm_seqs: set[int] = set()
-        bar = tqdm(list(reversed(self.token_buckets)), desc="compiling step buckets", unit="bucket",
-                   disable=not progress)
+        bar = tqdm(
+            list(reversed(self.token_buckets)),
+            desc="compiling step buckets",
+            unit="bucket",
+            disable=not progress,
+        )
         for size in bar:
             bar.set_postfix_str(f"T={size}")
             inputs = self._dummy_inputs(size)
@@ -320,8 +378,12 @@ class ModelRunner:
         bar.close()
         seconds = time.perf_counter() - t0
         self.compile_seconds += seconds
-        logger.info("warm-up: compiled %d token buckets and %d sequence buckets in %.1f s",
-                    len(self.token_buckets), len(self.seq_buckets), seconds)
+        logger.info(
+            "warm-up: compiled %d token buckets and %d sequence buckets in %.1f s",
+            len(self.token_buckets),
+            len(self.seq_buckets),
+            seconds,
+        )
         return seconds
 
     def reset_requests(self) -> None:
@@ -334,12 +396,15 @@ class ModelRunner:
 
     def compile_counts(self) -> dict[str, int]:
         """Executables cached per jitted function (a test checks serving adds none)."""
-        return {"forward": self._forward._cache_size(), "sampler": self._sample._cache_size(),
-                "prompt_logprobs": self._prompt_logprobs._cache_size()}
+        return {
+            "forward": self._forward._cache_size(),
+            "sampler": self._sample._cache_size(),
+            "prompt_logprobs": self._prompt_logprobs._cache_size(),
+        }
 
     # ------------------------------------------------------------------ one step
 
-    def execute_model(self, sched: "SchedulerOutput") -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one scheduled step and returns the sampled tokens (see the module docstring).
 
         Raises:
@@ -356,7 +421,9 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.builder.build(sched)
         if self._warm_buckets:
-            assert batch.token_bucket in self._warm_buckets, f"bucket {batch.token_bucket} was not compiled"
+            assert batch.token_bucket in self._warm_buckets, (
+                f"bucket {batch.token_bucket} was not compiled"
+            )
         md = self._sampling_metadata(batch)
         t1 = time.perf_counter()
 
@@ -364,9 +431,17 @@ class ModelRunner:
         num_variants = self._sample._cache_size()
         sampled = self._sample(logits, md)
         if self._sample._cache_size() != num_variants:
-            logger.info("compiled a sampler variant on first use: S=%d greedy=%s penalties=%s logit_bias=%s "
-                        "logprobs=%s filters=%s full_sort=%s", batch.seq_bucket, md.all_greedy, md.any_penalties,
-                        md.any_logit_bias, md.max_logprobs, md.any_top_k_top_p_min_p, md.needs_full_sort)
+            logger.info(
+                "compiled a sampler variant on first use: S=%d greedy=%s penalties=%s logit_bias=%s "
+                "logprobs=%s filters=%s full_sort=%s",
+                batch.seq_bucket,
+                md.all_greedy,
+                md.any_penalties,
+                md.any_logit_bias,
+                md.max_logprobs,
+                md.any_top_k_top_p_min_p,
+                md.needs_full_sort,
+            )
         plp = None
         if batch.prompt_logprob_targets is not None:
             plp = self._prompt_logprobs(self.state, hidden, batch.prompt_logprob_targets)
@@ -410,8 +485,15 @@ class ModelRunner:
         for req_id, row, index in zip(batch.req_ids, batch.rows.tolist(), step_index.tolist()):
             params = ib.params[row]
             n_prompt, n_tok = int(ib.num_prompt_tokens[row]), int(ib.num_tokens[row])
-            rows.append(SamplingRow(params, self._seed(req_id, params), index,
-                                    ib.token_ids[row, n_prompt:n_tok], ib.token_ids[row, :n_prompt]))
+            rows.append(
+                SamplingRow(
+                    params,
+                    self._seed(req_id, params),
+                    index,
+                    ib.token_ids[row, n_prompt:n_tok],
+                    ib.token_ids[row, :n_prompt],
+                )
+            )
             eos = ib.eos_token_ids[row] if eos is None else eos
             stable = stable and index >= params.min_tokens and not _uses_penalties(params)
         md = SamplingMetadata.from_params(rows, pad_to=batch.seq_bucket, eos_token_id=eos)
@@ -433,10 +515,16 @@ class ModelRunner:
                 if k is None or not mask[i]:
                     logprobs.append([])
                     continue
-                logprobs.append([TokenLogprobs(
-                    token_ids=[tokens[i]] + lp.top_ids[i, :k].tolist(),
-                    logprobs=[float(lp.token_logprobs[i])] + lp.top_logprobs[i, :k].tolist(),
-                    rank=int(lp.token_ranks[i]))])
+                logprobs.append(
+                    [
+                        TokenLogprobs(
+                            token_ids=[tokens[i]] + lp.top_ids[i, :k].tolist(),
+                            logprobs=[float(lp.token_logprobs[i])]
+                            + lp.top_logprobs[i, :k].tolist(),
+                            rank=int(lp.token_ranks[i]),
+                        )
+                    ]
+                )
         prompt_lps: dict[str, list[TokenLogprobs]] = {}
         if plp is not None:
             targets = batch.prompt_logprob_targets
@@ -446,14 +534,21 @@ class ModelRunner:
                 if k is None:
                     continue
                 lo = int(starts[i])
-                idx = lo + np.nonzero(targets[lo:lo + int(batch.num_scheduled[i])] >= 0)[0]
+                idx = lo + np.nonzero(targets[lo : lo + int(batch.num_scheduled[i])] >= 0)[0]
                 if len(idx) == 0:
                     continue
                 prompt_lps[batch.req_ids[i]] = [
-                    TokenLogprobs(token_ids=[int(targets[j])] + plp.top_ids[j, :k].tolist(),
-                                  logprobs=[float(plp.token_logprobs[j])] + plp.top_logprobs[j, :k].tolist(),
-                                  rank=int(plp.token_ranks[j]))
-                    for j in idx.tolist()]
-        return ModelRunnerOutput(req_ids=batch.req_ids, req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
-                                 sampled_token_ids=sampled_ids, logprobs=logprobs,
-                                 prompt_logprobs_dict=prompt_lps)
+                    TokenLogprobs(
+                        token_ids=[int(targets[j])] + plp.top_ids[j, :k].tolist(),
+                        logprobs=[float(plp.token_logprobs[j])] + plp.top_logprobs[j, :k].tolist(),
+                        rank=int(plp.token_ranks[j]),
+                    )
+                    for j in idx.tolist()
+                ]
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled_ids,
+            logprobs=logprobs,
+            prompt_logprobs_dict=prompt_lps,
+        )

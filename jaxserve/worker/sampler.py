@@ -60,9 +60,11 @@ from jax import lax
 from jaxserve.worker.sampling_metadata import PARTIAL_SORT_WIDTH, SamplingMetadata
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["token_logprobs", "token_ranks", "top_ids", "top_logprobs"],
-                   meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["token_logprobs", "token_ranks", "top_ids", "top_logprobs"],
+    meta_fields=[],
+)
 @dataclasses.dataclass(frozen=True)
 class LogprobsTensors:
     """Logprobs of chosen tokens and the top-n alternatives, for R rows.
@@ -81,8 +83,9 @@ class LogprobsTensors:
     top_logprobs: jax.Array
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["token_ids", "logprobs"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["token_ids", "logprobs"], meta_fields=[]
+)
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     """What one sampling step returns.
@@ -108,7 +111,7 @@ def gather_logprobs(logprobs: jax.Array, token_ids: jax.Array, n: int) -> Logpro
     Returns:
       LogprobsTensors with N = n.
     """
-    token_lp = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)   # [R, 1]
+    token_lp = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)  # [R, 1]
     vocab = lax.broadcasted_iota(jnp.int32, logprobs.shape, 1)
     ahead = (logprobs > token_lp) | ((logprobs == token_lp) & (vocab < token_ids[:, None]))
     ranks = 1 + jnp.sum(ahead, axis=-1, dtype=jnp.int32)
@@ -131,8 +134,9 @@ def prompt_logprobs(logits: jax.Array, next_token_ids: jax.Array, n: int) -> Log
     Returns:
       LogprobsTensors over T rows: the next token's logprob and rank, the top-n ids/logprobs.
     """
-    return gather_logprobs(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
-                           next_token_ids.astype(jnp.int32), n)
+    return gather_logprobs(
+        jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), next_token_ids.astype(jnp.int32), n
+    )
 
 
 def _row_scatter_index(ids: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
@@ -179,17 +183,18 @@ def _rank_mask(scaled: jax.Array, md: SamplingMetadata) -> jax.Array:
         sorted_vals = -neg_sorted
     else:
         width = min(PARTIAL_SORT_WIDTH, v)
-        sorted_vals, sorted_ids = lax.top_k(scaled, width)   # descending, ties -> lower id
+        sorted_vals, sorted_ids = lax.top_k(scaled, width)  # descending, ties -> lower id
     pos = lax.broadcasted_iota(jnp.int32, (s, width), 1)
     top_k = md.top_k[:, None]
     keep_k = (top_k <= 0) | (pos < top_k)
     probs = jax.nn.softmax(jnp.where(keep_k, sorted_vals, -jnp.inf), axis=-1)
     # Exclusive prefix sum: the mass of the ranks before each position.
     mass_before = jnp.concatenate(
-        [jnp.zeros((s, 1), probs.dtype), jnp.cumsum(probs, axis=-1)[:, :-1]], axis=-1)
+        [jnp.zeros((s, 1), probs.dtype), jnp.cumsum(probs, axis=-1)[:, :-1]], axis=-1
+    )
     top_p = md.top_p[:, None]
     keep_p = (mass_before < top_p) | (top_p >= 1.0) | (pos == 0)
-    num_keep = jnp.sum(keep_k & keep_p, axis=-1, keepdims=True)               # [S, 1], >= 1
+    num_keep = jnp.sum(keep_k & keep_p, axis=-1, keepdims=True)  # [S, 1], >= 1
     last_val = jnp.take_along_axis(sorted_vals, num_keep - 1, axis=-1)
     last_id = jnp.take_along_axis(sorted_ids, num_keep - 1, axis=-1)
     vocab = lax.broadcasted_iota(jnp.int32, (s, v), 1)
@@ -240,12 +245,12 @@ def _inverse_cdf_draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
     (0, 1]; since the cumulative sum is flat over excluded tokens, the picked token always has
     a positive probability (the cumulative sum just before it is below the threshold).
     """
-    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))    # [S, V], -inf -> 0
-    cdf = jnp.cumsum(probs, axis=-1)                                       # [S, V]
+    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [S, V], -inf -> 0
+    cdf = jnp.cumsum(probs, axis=-1)  # [S, V]
     # One more split before the draw: the first word of fold_in(key(seed), step) over
     # consecutive seeds is measurably less uniform than a split-off key's.
     u = 1.0 - jax.vmap(lambda k: jax.random.uniform(jax.random.split(k)[1], (), jnp.float32))(keys)
-    threshold = u * cdf[:, -1]                                             # <= cdf[:, -1]
+    threshold = u * cdf[:, -1]  # <= cdf[:, -1]
     return jnp.sum(cdf < threshold[:, None], axis=-1).astype(jnp.int32)
 
 
@@ -263,7 +268,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """
     logits = logits.astype(jnp.float32)
     x = penalized_logits(logits, md)
-    token_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)      # first maximum: ties -> lowest id
+    token_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)  # first maximum: ties -> lowest id
     if not md.all_greedy:
         filtered = _filtered_scaled_logits(x, md)
         drawn = _inverse_cdf_draw(_row_keys(md), filtered)

@@ -156,7 +156,7 @@ class SamplingMetadata:
         pad_to: int,
         *,
         eos_token_id: int | None = None,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """Builds the step's metadata on the host with numpy.
 
         Args:
@@ -178,9 +178,14 @@ class SamplingMetadata:
             ``step_index`` is not an integer in range (the message names the field and row).
         """
         n = len(rows)
-        if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to < max(n, 1):
+        if (
+            isinstance(pad_to, bool)
+            or not isinstance(pad_to, (int, np.integer))
+            or pad_to < max(n, 1)
+        ):
             raise ValueError(
-                f"pad_to must be an integer >= max(1, number of rows) = {max(n, 1)}, got {pad_to!r}")
+                f"pad_to must be an integer >= max(1, number of rows) = {max(n, 1)}, got {pad_to!r}"
+            )
         s = int(pad_to)
         temperature = np.zeros(s, np.float32)
         top_k = np.zeros(s, np.int32)
@@ -212,13 +217,17 @@ class SamplingMetadata:
                 if uses_rank and not 0 < params.top_k <= PARTIAL_SORT_WIDTH:
                     needs_full_sort = True
 
-            if (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-                    or params.repetition_penalty != 1.0):
+            if (
+                params.presence_penalty != 0.0
+                or params.frequency_penalty != 0.0
+                or params.repetition_penalty != 1.0
+            ):
                 presence[i] = params.presence_penalty
                 frequency[i] = params.frequency_penalty
                 repetition[i] = params.repetition_penalty
                 penalty_rows.append(
-                    (i, output_ids, prompt_ids if params.repetition_penalty != 1.0 else None))
+                    (i, output_ids, prompt_ids if params.repetition_penalty != 1.0 else None)
+                )
 
             bias = params.logit_bias
             if len(output_ids) < params.min_tokens:
@@ -238,8 +247,8 @@ class SamplingMetadata:
             bias_ids = np.full((s, width), -1, np.int32)
             bias_values = np.zeros((s, width), np.float32)
             for i, b in bias_rows:
-                bias_ids[i, :len(b)] = list(b.keys())
-                bias_values[i, :len(b)] = list(b.values())
+                bias_ids[i, : len(b)] = list(b.keys())
+                bias_values[i, : len(b)] = list(b.values())
         else:
             bias_ids, bias_values = np.full((s, 1), -1, np.int32), np.zeros((s, 1), np.float32)
 
@@ -249,18 +258,26 @@ class SamplingMetadata:
             output_arr = np.full((s, width), -1, np.int32)
             prompt_arr = np.full((s, width), -1, np.int32)
             for i, o, p in penalty_rows:
-                output_arr[i, :len(o)] = o
+                output_arr[i, : len(o)] = o
                 if p is not None:
-                    prompt_arr[i, :len(p)] = p
+                    prompt_arr[i, : len(p)] = p
         else:
             output_arr, prompt_arr = np.full((s, 1), -1, np.int32), np.full((s, 1), -1, np.int32)
 
         return cls(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
-            rng_key_data=key_data, step_index=step_index,
-            logit_bias_ids=bias_ids, logit_bias_values=bias_values,
-            output_token_ids=output_arr, prompt_token_ids=prompt_arr,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            rng_key_data=key_data,
+            step_index=step_index,
+            logit_bias_ids=bias_ids,
+            logit_bias_values=bias_values,
+            output_token_ids=output_arr,
+            prompt_token_ids=prompt_arr,
             all_greedy=bool(np.all(temperature == 0.0)),
             any_penalties=bool(penalty_rows),
             any_logit_bias=bool(bias_rows),
@@ -270,10 +287,18 @@ class SamplingMetadata:
         )
 
 
-_STATIC_FIELDS = ("all_greedy", "any_penalties", "any_logit_bias", "max_logprobs",
-                  "any_top_k_top_p_min_p", "needs_full_sort")
+_STATIC_FIELDS = (
+    "all_greedy",
+    "any_penalties",
+    "any_logit_bias",
+    "max_logprobs",
+    "any_top_k_top_p_min_p",
+    "needs_full_sort",
+)
 jax.tree_util.register_dataclass(
     SamplingMetadata,
-    data_fields=[f.name for f in dataclasses.fields(SamplingMetadata) if f.name not in _STATIC_FIELDS],
+    data_fields=[
+        f.name for f in dataclasses.fields(SamplingMetadata) if f.name not in _STATIC_FIELDS
+    ],
     meta_fields=list(_STATIC_FIELDS),
 )

@@ -18,7 +18,13 @@ from aiohttp.test_utils import TestServer
 from jaxserve.benchmarks.client import completion_payload, send_completion
 from jaxserve.benchmarks.metrics_scrape import parse_metrics, run_figures, snapshot
 from jaxserve.benchmarks.stats import RequestResult, compute_metrics, summarize
-from jaxserve.benchmarks.workloads import BenchRequest, TokenSource, WorkloadSpec, make_requests, poisson_arrivals
+from jaxserve.benchmarks.workloads import (
+    BenchRequest,
+    TokenSource,
+    WorkloadSpec,
+    make_requests,
+    poisson_arrivals,
+)
 
 # ---- statistics ---------------------------------------------------------------------------------
 
@@ -40,8 +46,12 @@ def test_summarize_fixed_numbers():
 
 def test_compute_metrics_fixed_requests():
     results = [
-        RequestResult(success=True, prompt_len=10, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1] * 4),
-        RequestResult(success=True, prompt_len=20, output_tokens=3, ttft=0.3, latency=0.7, itl=[0.1, 0.3]),
+        RequestResult(
+            success=True, prompt_len=10, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1] * 4
+        ),
+        RequestResult(
+            success=True, prompt_len=20, output_tokens=3, ttft=0.3, latency=0.7, itl=[0.1, 0.3]
+        ),
         RequestResult(success=True, prompt_len=30, output_tokens=1, ttft=0.2, latency=0.2, itl=[]),
         RequestResult(success=False, prompt_len=99, error="HTTP 500"),
     ]
@@ -70,27 +80,50 @@ SOURCE = TokenSource(4096, special_ids=(0, 1, 2))
 
 
 def test_random_workload_lengths_and_ids():
-    reqs = make_requests(WorkloadSpec(kind="random", num_prompts=20, input_len=33, output_len=7), SOURCE)
+    reqs = make_requests(
+        WorkloadSpec(kind="random", num_prompts=20, input_len=33, output_len=7), SOURCE
+    )
     assert all(len(r.prompt) == r.prompt_len == 33 and r.output_len == 7 for r in reqs)
     ids = np.concatenate([r.prompt for r in reqs])
     assert ids.min() >= 3 and ids.max() < 4096
     spec = WorkloadSpec(num_prompts=3, seed=5)
     assert make_requests(spec, SOURCE) == make_requests(spec, SOURCE)
     assert make_requests(spec, SOURCE) != make_requests(dataclasses.replace(spec, seed=6), SOURCE)
-    varied = make_requests(WorkloadSpec(num_prompts=200, input_len=100, output_len=50, range_ratio=0.5), SOURCE)
+    varied = make_requests(
+        WorkloadSpec(num_prompts=200, input_len=100, output_len=50, range_ratio=0.5), SOURCE
+    )
     assert min(r.prompt_len for r in varied) >= 50 and max(r.prompt_len for r in varied) <= 150
     assert len({r.prompt_len for r in varied}) > 10
 
 
 def test_shared_prefix_and_mixed_workloads():
-    reqs = make_requests(WorkloadSpec(kind="shared-prefix", num_prompts=6, prefix_len=40, num_prefixes=2,
-                                      input_len=8, output_len=4), SOURCE)
+    reqs = make_requests(
+        WorkloadSpec(
+            kind="shared-prefix",
+            num_prompts=6,
+            prefix_len=40,
+            num_prefixes=2,
+            input_len=8,
+            output_len=4,
+        ),
+        SOURCE,
+    )
     assert all(r.prompt_len == 48 for r in reqs)
     assert reqs[0].prompt[:40] == reqs[2].prompt[:40] == reqs[4].prompt[:40]
     assert reqs[1].prompt[:40] == reqs[3].prompt[:40] != reqs[0].prompt[:40]
     assert reqs[0].prompt[40:] != reqs[2].prompt[40:]
-    mixed = make_requests(WorkloadSpec(kind="mixed", num_prompts=20, input_len=8, output_len=4, long_input_len=64,
-                                       long_output_len=16, long_fraction=0.25), SOURCE)
+    mixed = make_requests(
+        WorkloadSpec(
+            kind="mixed",
+            num_prompts=20,
+            input_len=8,
+            output_len=4,
+            long_input_len=64,
+            long_output_len=16,
+            long_fraction=0.25,
+        ),
+        SOURCE,
+    )
     long = [r for r in mixed if r.kind == "long"]
     assert len(long) == 5 and all(r.prompt_len == 64 and r.output_len == 16 for r in long)
     assert all(r.prompt_len == 8 and r.output_len == 4 for r in mixed if r.kind == "short")
@@ -140,8 +173,10 @@ def test_metrics_deltas_and_peaks(prefix):
         return snapshot(parse_metrics(EXPOSITION.format(p=prefix, **kw)))
 
     before = snap(running=0, waiting=0, kv=0.0, pre=3, queries=100, hits=10)
-    during = [(0.5, snap(running=4, waiting=7, kv=0.9, pre=4, queries=150, hits=30)),
-              (1.0, snap(running=6, waiting=2, kv=0.5, pre=5, queries=200, hits=50))]
+    during = [
+        (0.5, snap(running=4, waiting=7, kv=0.9, pre=4, queries=150, hits=30)),
+        (1.0, snap(running=6, waiting=2, kv=0.5, pre=5, queries=200, hits=50)),
+    ]
     after = snap(running=0, waiting=0, kv=0.0, pre=5, queries=300, hits=70)
     fig = run_figures(before, after, during)
     assert fig["preemptions"] == 2
@@ -153,6 +188,7 @@ def test_metrics_deltas_and_peaks(prefix):
 
 
 # ---- the client against a scripted server --------------------------------------------------------
+
 
 def _sse(obj) -> bytes:
     return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
@@ -174,7 +210,9 @@ async def _scripted(request: web.Request) -> web.StreamResponse:
     if mode == "stream-error":
         await resp.write(_sse({"error": {"message": "engine died"}}))
     if mode == "usage":
-        await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 6}}))
+        await resp.write(
+            _sse({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 6}})
+        )
     await resp.write(_sse(b"[DONE]"))
     return resp
 
@@ -190,30 +228,48 @@ def _run_scripted(prompts):
             out = []
             for prompt in prompts:
                 req = BenchRequest(prompt, prompt_len=3, output_len=4, kind="k")
-                out.append(await send_completion(session, url, completion_payload("m", req), req, start_time=1.5))
+                out.append(
+                    await send_completion(
+                        session, url, completion_payload("m", req), req, start_time=1.5
+                    )
+                )
             return out
 
     return asyncio.run(main())
 
 
 def test_client_times_chunks_and_counts_tokens():
-    with_usage, without, http_error, stream_error = _run_scripted(["usage", "plain", "http-error", "stream-error"])
+    with_usage, without, http_error, stream_error = _run_scripted(
+        ["usage", "plain", "http-error", "stream-error"]
+    )
     for r in (with_usage, without):
         assert r.success and r.error == "" and r.kind == "k" and r.start_time == 1.5
         assert 0.05 <= r.ttft < r.latency
         assert len(r.itl) == 3 and all(g >= 0.025 for g in r.itl)
         assert r.latency == pytest.approx(r.ttft + sum(r.itl))
     assert (with_usage.output_tokens, with_usage.prompt_len) == (6, 11)  # the server's usage wins
-    assert (without.output_tokens, without.prompt_len) == (4, 3)  # else chunks / the request's count
+    assert (without.output_tokens, without.prompt_len) == (
+        4,
+        3,
+    )  # else chunks / the request's count
     assert not http_error.success and "HTTP 500" in http_error.error and "boom" in http_error.error
     assert not stream_error.success and "engine died" in stream_error.error
 
 
 def test_payload():
-    body = completion_payload("m", BenchRequest([5, 6], 2, 9), ignore_eos=True, temperature=0.5,
-                              extra_body={"top_k": 3})
-    assert body == {"model": "m", "prompt": [5, 6], "max_tokens": 9, "temperature": 0.5, "stream": True,
-                    "stream_options": {"include_usage": True}, "ignore_eos": True, "top_k": 3}
+    body = completion_payload(
+        "m", BenchRequest([5, 6], 2, 9), ignore_eos=True, temperature=0.5, extra_body={"top_k": 3}
+    )
+    assert body == {
+        "model": "m",
+        "prompt": [5, 6],
+        "max_tokens": 9,
+        "temperature": 0.5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "top_k": 3,
+    }
 
 
 def test_cli_flags_and_presets():
@@ -223,9 +279,23 @@ def test_cli_flags_and_presets():
     argv = ["bench", "serve", "--preset", "mixed", "--input-len", "12", "--num-prompts", "5"]
     args = build_parser(argv).parse_args(argv)
     spec = workload_spec(args)
-    assert (spec.kind, spec.input_len, spec.num_prompts, spec.long_input_len) == ("mixed", 12, 5, 2048)
+    assert (spec.kind, spec.input_len, spec.num_prompts, spec.long_input_len) == (
+        "mixed",
+        12,
+        5,
+        2048,
+    )
     assert resolve(args, "request_rate") == 4.0 and resolve(args, "max_concurrency") is None
-    argv = ["bench", "throughput", "--max-num-seqs", "4", "--workload", "shared-prefix", "--prefix-len", "8"]
+    argv = [
+        "bench",
+        "throughput",
+        "--max-num-seqs",
+        "4",
+        "--workload",
+        "shared-prefix",
+        "--prefix-len",
+        "8",
+    ]
     args = build_parser(argv).parse_args(argv)
     assert args.max_num_seqs == 4 and workload_spec(args).prefix_len == 8
     assert math.isinf(resolve(args, "request_rate"))
@@ -261,47 +331,117 @@ def _bench(server, tmp_path, *flags):
 
     path = tmp_path / "result.json"
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "serve", "--base-url", server.url, "--metrics-interval", "0.05", "--result-file", str(path),
-              *flags])
+        main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                server.url,
+                "--metrics-interval",
+                "0.05",
+                "--result-file",
+                str(path),
+                *flags,
+            ]
+        )
     assert exit_info.value.code == 0
     return json.loads(path.read_text())
 
 
 def test_bench_serve_random(server, tmp_path, capsys):
-    r = _bench(server, tmp_path, "--workload", "random", "--input-len", "12", "--output-len", "5",
-               "--num-prompts", "4", "--request-rate", "inf")
+    r = _bench(
+        server,
+        tmp_path,
+        "--workload",
+        "random",
+        "--input-len",
+        "12",
+        "--output-len",
+        "5",
+        "--num-prompts",
+        "4",
+        "--request-rate",
+        "inf",
+    )
     out = capsys.readouterr().out
-    assert "Serving Benchmark Result" in out and "Mean TTFT (ms):" in out and "Peak KV-cache usage" in out
+    assert (
+        "Serving Benchmark Result" in out
+        and "Mean TTFT (ms):" in out
+        and "Peak KV-cache usage" in out
+    )
     assert r["model"] == "tiny-llama" and r["workload"]["kind"] == "random"
     assert (r["completed"], r["failed"]) == (4, 0) and r["errors"] == [""] * 4
-    assert r["output_lens"] == [5] * 4 and r["input_lens"] == [12] * 4  # ignore_eos: exactly --output-len
+    assert (
+        r["output_lens"] == [5] * 4 and r["input_lens"] == [12] * 4
+    )  # ignore_eos: exactly --output-len
     assert (r["total_input_tokens"], r["total_output_tokens"]) == (48, 20)
     for ttft, e2e, itl in zip(r["ttfts"], r["e2els"], r["itls"]):
         assert 0 < ttft < e2e and 1 <= len(itl) <= 4 and e2e == pytest.approx(ttft + sum(itl))
-    assert 0 < r["mean_ttft_ms"] <= r["p99_ttft_ms"] and 0 < r["mean_tpot_ms"] and 0 < r["mean_itl_ms"]
+    assert (
+        0 < r["mean_ttft_ms"] <= r["p99_ttft_ms"] and 0 < r["mean_tpot_ms"] and 0 < r["mean_itl_ms"]
+    )
     assert r["mean_ttft_ms"] < r["mean_e2el_ms"]
     assert r["output_throughput"] == pytest.approx(20 / r["duration"])
     s = r["server"]
     # Peaks come from polling /metrics, which a sub-second run can fall between: only their range
     # is certain here (run_figures' peak arithmetic is checked on fixed samples elsewhere).
-    assert s["preemptions"] == 0 and 0 <= s["peak_running"] <= 4 and 0 <= s["peak_kv_cache_usage"] <= 1
+    assert (
+        s["preemptions"] == 0 and 0 <= s["peak_running"] <= 4 and 0 <= s["peak_kv_cache_usage"] <= 1
+    )
     assert s["prefix_cache_queries"] == 48
 
 
 def test_bench_serve_shared_prefix_hits(server, tmp_path):
-    r = _bench(server, tmp_path, "--workload", "shared-prefix", "--prefix-len", "48", "--num-prefixes", "1",
-               "--input-len", "8", "--output-len", "3", "--num-prompts", "4", "--max-concurrency", "1")
+    r = _bench(
+        server,
+        tmp_path,
+        "--workload",
+        "shared-prefix",
+        "--prefix-len",
+        "48",
+        "--num-prefixes",
+        "1",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--num-prompts",
+        "4",
+        "--max-concurrency",
+        "1",
+    )
     assert r["completed"] == 4 and r["output_lens"] == [3] * 4 and r["input_lens"] == [56] * 4
     s = r["server"]
     # One at a time: requests 2-4 find the prefix's 3 full blocks (48 tokens) in the cache.
     assert s["prefix_cache_hit_rate"] == pytest.approx(3 * 48 / (4 * 56))
-    assert s["peak_running"] <= 1                     # sampled; may miss a sub-second run entirely
+    assert s["peak_running"] <= 1  # sampled; may miss a sub-second run entirely
 
 
 def test_bench_serve_mixed_text_prompts_under_concurrency_cap(server, tmp_path):
-    r = _bench(server, tmp_path, "--preset", "mixed", "--input-len", "6", "--output-len", "3", "--long-input-len",
-               "60", "--long-output-len", "6", "--long-fraction", "0.5", "--num-prompts", "6", "--prompt-format",
-               "text", "--request-rate", "50", "--max-concurrency", "2")
+    r = _bench(
+        server,
+        tmp_path,
+        "--preset",
+        "mixed",
+        "--input-len",
+        "6",
+        "--output-len",
+        "3",
+        "--long-input-len",
+        "60",
+        "--long-output-len",
+        "6",
+        "--long-fraction",
+        "0.5",
+        "--num-prompts",
+        "6",
+        "--prompt-format",
+        "text",
+        "--request-rate",
+        "50",
+        "--max-concurrency",
+        "2",
+    )
     assert r["completed"] == 6 and r["max_concurrency"] == 2 and r["request_rate"] == 50.0
     assert sorted(r["kinds"]) == ["long"] * 3 + ["short"] * 3
     assert all(n == (6 if k == "long" else 3) for n, k in zip(r["output_lens"], r["kinds"]))
@@ -314,8 +454,21 @@ def test_bench_serve_reports_failures(server, tmp_path, capsys):
 
     # Prompts longer than max_model_len (256) are refused with a 400: every request fails.
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "serve", "--base-url", server.url, "--input-len", "300", "--num-prompts", "2",
-              "--num-warmup", "0", "--no-metrics"])
+        main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                server.url,
+                "--input-len",
+                "300",
+                "--num-prompts",
+                "2",
+                "--num-warmup",
+                "0",
+                "--no-metrics",
+            ]
+        )
     assert exit_info.value.code == 1
     out = capsys.readouterr().out
     assert "Failed requests:                         2" in out and "(not available)" in out
@@ -324,11 +477,22 @@ def test_bench_serve_reports_failures(server, tmp_path, capsys):
 def test_run_throughput(llm):
     from jaxserve.benchmarks import format_throughput, run_throughput
 
-    spec = WorkloadSpec(kind="shared-prefix", num_prompts=6, prefix_len=32, num_prefixes=1, input_len=4,
-                        output_len=5, seed=123)
+    spec = WorkloadSpec(
+        kind="shared-prefix",
+        num_prompts=6,
+        prefix_len=32,
+        num_prefixes=1,
+        input_len=4,
+        output_len=5,
+        seed=123,
+    )
     reqs = make_requests(spec, TokenSource.from_tokenizer(llm.get_tokenizer()))
     r = run_throughput(llm, reqs)
-    assert (r["num_requests"], r["total_input_tokens"], r["total_output_tokens"]) == (6, 6 * 36, 6 * 5)
+    assert (r["num_requests"], r["total_input_tokens"], r["total_output_tokens"]) == (
+        6,
+        6 * 36,
+        6 * 5,
+    )
     assert r["requests_per_s"] == pytest.approx(6 / r["elapsed_s"])
     assert r["total_tokens_per_s"] == pytest.approx(246 / r["elapsed_s"])
     assert 0 < r["prefix_cache_hit_rate"] < 1 and r["preemptions"] == 0
@@ -338,13 +502,19 @@ def test_run_throughput(llm):
 def test_timeline_small_pool_preempts(llm):
     from jaxserve.benchmarks import engine_variant, run_timeline
 
-    reqs = make_requests(WorkloadSpec(kind="random", num_prompts=4, input_len=30, output_len=20, seed=7),
-                         TokenSource.from_tokenizer(llm.get_tokenizer()))
+    reqs = make_requests(
+        WorkloadSpec(kind="random", num_prompts=4, input_len=30, output_len=20, seed=7),
+        TokenSource.from_tokenizer(llm.get_tokenizer()),
+    )
     # 4 x 50 tokens need 16 blocks; 7 usable blocks hold two requests at most.
     tl = run_timeline(engine_variant(llm, num_gpu_blocks=8), reqs)
     cols = tl.columns()
     # Usage is read after each step, when a preempted request's blocks are already free.
-    assert cols["preemptions"][-1] > 0 and max(cols["kv_cache_usage"]) >= 5 / 7 and max(cols["num_waiting"]) >= 1
+    assert (
+        cols["preemptions"][-1] > 0
+        and max(cols["kv_cache_usage"]) >= 5 / 7
+        and max(cols["num_waiting"]) >= 1
+    )
     assert all(0 <= u <= 1 for u in cols["kv_cache_usage"])
     assert cols["num_finished"][-1] == 4 and cols["num_running"][-1] == 0
     assert all(b >= a for a, b in zip(cols["t"], cols["t"][1:]))
@@ -367,8 +537,16 @@ def test_engine_variant_checks_knobs(llm):
         engine_variant(llm, num_gpu_blocks=65)
     with pytest.raises(ValueError, match="max_num_seqs"):
         engine_variant(llm, max_num_seqs=0)  # SchedulerConfig's own check
-    engine = engine_variant(llm, max_num_batched_tokens=16, long_prefill_token_threshold=8, num_gpu_blocks=10,
-                            enable_prefix_caching=False)
+    engine = engine_variant(
+        llm,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=8,
+        num_gpu_blocks=10,
+        enable_prefix_caching=False,
+    )
     cfg = engine.engine_config
-    assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.long_prefill_token_threshold) == (16, 8)
+    assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.long_prefill_token_threshold) == (
+        16,
+        8,
+    )
     assert (cfg.cache.num_gpu_blocks, cfg.cache.enable_prefix_caching) == (10, False)

@@ -15,23 +15,55 @@ VOCAB = 1000
 EOS = 999
 
 
-def make_request(req_id: str, prompt: list[int], *, max_tokens: int | None = 16, ignore_eos: bool = True,
-                 priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
-                 eos_token_id: int | None = EOS, **params) -> Request:
+def make_request(
+    req_id: str,
+    prompt: list[int],
+    *,
+    max_tokens: int | None = 16,
+    ignore_eos: bool = True,
+    priority: int = 0,
+    arrival_time: float | None = None,
+    cache_salt: str | None = None,
+    eos_token_id: int | None = EOS,
+    **params,
+) -> Request:
     """A request with SamplingParams(max_tokens, ignore_eos, **params)."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **params)
-    return Request(req_id, prompt, sp, eos_token_id=eos_token_id,
-                   arrival_time=arrival_time if arrival_time is not None else 0.0,
-                   priority=priority, cache_salt=cache_salt)
+    return Request(
+        req_id,
+        prompt,
+        sp,
+        eos_token_id=eos_token_id,
+        arrival_time=arrival_time if arrival_time is not None else 0.0,
+        priority=priority,
+        cache_salt=cache_salt,
+    )
 
 
-def make_scheduler(*, num_blocks: int = 64, block_size: int = 16, budget: int = 8192, max_num_seqs: int = 256,
-                   threshold: int = 0, chunked: bool = True, policy: str = "fcfs", max_model_len: int = 2048,
-                   prefix_caching: bool = True, watermark: float = 0.0) -> Scheduler:
-    sched_cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                long_prefill_token_threshold=threshold, enable_chunked_prefill=chunked,
-                                policy=policy, max_model_len=max_model_len)
-    cache_cfg = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching, watermark=watermark)
+def make_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 16,
+    budget: int = 8192,
+    max_num_seqs: int = 256,
+    threshold: int = 0,
+    chunked: bool = True,
+    policy: str = "fcfs",
+    max_model_len: int = 2048,
+    prefix_caching: bool = True,
+    watermark: float = 0.0,
+) -> Scheduler:
+    sched_cfg = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        long_prefill_token_threshold=threshold,
+        enable_chunked_prefill=chunked,
+        policy=policy,
+        max_model_len=max_model_len,
+    )
+    cache_cfg = CacheConfig(
+        block_size=block_size, enable_prefix_caching=prefix_caching, watermark=watermark
+    )
     return Scheduler(sched_cfg, cache_cfg, num_gpu_blocks=num_blocks)
 
 
@@ -50,7 +82,9 @@ class FakeRunner:
     ``token_fn(req_id, position)`` for each request that reached the end of its tokens.
     """
 
-    def __init__(self, scheduler: Scheduler, token_fn=None, eos_at: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, token_fn=None, eos_at: dict[str, int] | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.token_fn = token_fn or (lambda req_id, pos: fake_token(req_id.split("#")[0], pos))
         self.eos_at = eos_at or {}
@@ -65,8 +99,11 @@ class FakeRunner:
             self.rows.pop(req_id, None)
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.rows, new.req_id
-            self.rows[new.req_id] = {"tokens": list(new.prompt_token_ids) + list(new.output_token_ids),
-                                     "blocks": list(new.block_ids), "computed": new.num_computed_tokens}
+            self.rows[new.req_id] = {
+                "tokens": list(new.prompt_token_ids) + list(new.output_token_ids),
+                "blocks": list(new.block_ids),
+                "computed": new.num_computed_tokens,
+            }
         cached = out.scheduled_cached_reqs
         for k, req_id in enumerate(cached.req_ids):
             row = self.rows[req_id]
@@ -74,7 +111,7 @@ class FakeRunner:
             assert cached.num_computed_tokens[k] == row["computed"], req_id
             n = out.num_scheduled_tokens[req_id]
             start = row["computed"]
-            assert cached.new_token_ids[k] == row["tokens"][start:start + n], req_id
+            assert cached.new_token_ids[k] == row["tokens"][start : start + n], req_id
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for req_id in req_ids:
@@ -101,8 +138,11 @@ class FakeRunner:
             for pos in range(new.num_computed_tokens):
                 slot = new.block_ids[pos // bs] * bs + pos % bs
                 assert self.slots.get(slot) == (tokens[pos], pos), (new.req_id, pos)
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
 
 
 def check_scheduler_invariants(s: Scheduler, out: SchedulerOutput) -> None:
@@ -127,7 +167,9 @@ def check_scheduler_invariants(s: Scheduler, out: SchedulerOutput) -> None:
     assert used + kv.num_free_blocks == kv.num_gpu_blocks - 1
 
 
-def run_until_done(s: Scheduler, runner: FakeRunner, max_steps: int = 10_000, on_step=None) -> dict[str, list[int]]:
+def run_until_done(
+    s: Scheduler, runner: FakeRunner, max_steps: int = 10_000, on_step=None
+) -> dict[str, list[int]]:
     """Steps until no request is unfinished; returns req_id -> output tokens (finished ones)."""
     outputs: dict[str, list[int]] = {}
     finish: dict[str, str] = {}

@@ -3,8 +3,14 @@
 import pytest
 
 from jaxserve.core.block_pool import BlockPool
-from jaxserve.core.kv_cache_utils import (FreeKVCacheBlockQueue, KVCacheBlock, NONE_HASH, compute_num_gpu_blocks,
-                                          hash_block_tokens, kv_cache_bytes_per_token)
+from jaxserve.core.kv_cache_utils import (
+    NONE_HASH,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    compute_num_gpu_blocks,
+    hash_block_tokens,
+    kv_cache_bytes_per_token,
+)
 
 
 def ids(blocks):
@@ -125,6 +131,8 @@ def test_request_block_hashes_incremental_equal_chained():
             update_block_hashes(r, 16)
         want, parent = [], NONE_HASH
         for i in range(5):
-            parent = hash_block_tokens(parent, tokens[16 * i:16 * i + 16], salt_extra_keys(salt) if i == 0 else b"")
+            parent = hash_block_tokens(
+                parent, tokens[16 * i : 16 * i + 16], salt_extra_keys(salt) if i == 0 else b""
+            )
             want.append(parent)
         assert r.block_hashes == want

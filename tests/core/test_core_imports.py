@@ -5,8 +5,10 @@ import sys
 
 
 def test_core_imports_without_jax():
-    code = ("import sys\n"
-            "import jaxserve.core.scheduler, jaxserve.core.kv_cache_manager, jaxserve.core.outputs\n"
-            "bad = sorted(m for m in ('jax', 'jaxlib', 'numpy', 'flax') if m in sys.modules)\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys\n"
+        "import jaxserve.core.scheduler, jaxserve.core.kv_cache_manager, jaxserve.core.outputs\n"
+        "bad = sorted(m for m in ('jax', 'jaxlib', 'numpy', 'flax') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

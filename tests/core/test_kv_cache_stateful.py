@@ -28,7 +28,9 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @initialize(caching=st.booleans())
     def setup(self, caching):
-        self.kv = KVCacheManager(CacheConfig(block_size=B, enable_prefix_caching=caching), NUM_BLOCKS)
+        self.kv = KVCacheManager(
+            CacheConfig(block_size=B, enable_prefix_caching=caching), NUM_BLOCKS
+        )
         self.live: dict[str, Request] = {}
         self.device: dict[int, int] = {}  # slot -> token id written there
         self.count = 0
@@ -38,18 +40,28 @@ class KVCacheMachine(RuleBasedStateMachine):
         for pos in range(start, end):
             self.device[table[pos // B] * B + pos % B] = r.all_token_ids[pos]
 
-    @rule(target=requests, prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 3), max_size=2 * B),
-          salt=st.sampled_from([None, None, "s"]), chunk=st.integers(1, 3 * B))
+    @rule(
+        target=requests,
+        prefix=st.sampled_from(PREFIXES),
+        tail=st.lists(st.integers(0, 3), max_size=2 * B),
+        salt=st.sampled_from([None, None, "s"]),
+        chunk=st.integers(1, 3 * B),
+    )
     def admit(self, prefix, tail, salt, chunk):
         self.count += 1
-        r = Request(f"r{self.count}", prefix + tail, SamplingParams(max_tokens=None), cache_salt=salt)
+        r = Request(
+            f"r{self.count}", prefix + tail, SamplingParams(max_tokens=None), cache_salt=salt
+        )
         hits, num_hit = self.kv.get_computed_blocks(r)
         assert num_hit % B == 0 and num_hit < r.num_tokens
         n = min(chunk, r.num_tokens - num_hit)
         before = ([b.ref_cnt for b in self.kv.block_pool.blocks], self.kv.num_free_blocks)
         new = self.kv.allocate_slots(r, n, num_hit, hits, new_request=True)
         if new is None:
-            assert ([b.ref_cnt for b in self.kv.block_pool.blocks], self.kv.num_free_blocks) == before
+            assert (
+                [b.ref_cnt for b in self.kv.block_pool.blocks],
+                self.kv.num_free_blocks,
+            ) == before
             return None
         self.live[r.request_id] = r
         r.num_computed_tokens = num_hit + n
@@ -68,7 +80,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if self.kv.allocate_slots(r, n) is None:
             assert self.kv.get_block_ids(r.request_id) == old
             return
-        assert self.kv.get_block_ids(r.request_id)[:len(old)] == old  # append-only tables
+        assert self.kv.get_block_ids(r.request_id)[: len(old)] == old  # append-only tables
         self._write(r, r.num_computed_tokens, r.num_computed_tokens + n)
         r.num_computed_tokens += n
 
@@ -96,7 +108,9 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert len(positions) == 1
                 (pos,) = positions
                 assert all(self.live[r].block_hashes[pos] == block.block_hash for r, _ in held)
-                assert len({self.live[r].cache_salt for r, _ in held}) == 1, "tenants with different salts share"
+                assert len({self.live[r].cache_salt for r, _ in held}) == 1, (
+                    "tenants with different salts share"
+                )
             if block.block_hash is not None:
                 assert pool.cached_block_hash_to_block[block.block_hash] is block
         free = pool.free_block_queue.get_all_free_blocks()
@@ -110,7 +124,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             table = kv.get_block_ids(req_id)
             assert len(table) * B >= r.num_computed_tokens
             for pos in range(r.num_computed_tokens):
-                assert self.device[table[pos // B] * B + pos % B] == r.all_token_ids[pos], (req_id, pos)
+                assert self.device[table[pos // B] * B + pos % B] == r.all_token_ids[pos], (
+                    req_id,
+                    pos,
+                )
 
     def teardown(self):
         if not hasattr(self, "kv"):
@@ -122,6 +139,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.kv.num_free_blocks == NUM_BLOCKS - 1
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                            suppress_health_check=[HealthCheck.too_slow])
+KVCacheMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 test_kv_cache_state_machine = KVCacheMachine.TestCase

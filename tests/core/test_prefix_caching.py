@@ -15,11 +15,15 @@ B = 16
 
 
 def manager(num_blocks=11, caching=True, watermark=0.0):
-    return KVCacheManager(CacheConfig(block_size=B, enable_prefix_caching=caching, watermark=watermark), num_blocks)
+    return KVCacheManager(
+        CacheConfig(block_size=B, enable_prefix_caching=caching, watermark=watermark), num_blocks
+    )
 
 
 def req(req_id, prompt, salt=None, **sp):
-    return Request(req_id, prompt, SamplingParams(max_tokens=64, **sp), eos_token_id=None, cache_salt=salt)
+    return Request(
+        req_id, prompt, SamplingParams(max_tokens=64, **sp), eos_token_id=None, cache_salt=salt
+    )
 
 
 def free_ids(kv):
@@ -224,7 +228,11 @@ def test_prefix_stats_count_first_admission_only():
     b = req("b", list(range(40)))
     schedule(kv, b)
     stats = kv.make_stats()
-    assert (stats.prefix_cache.requests, stats.prefix_cache.queries, stats.prefix_cache.hits) == (2, 80, 32)
+    assert (stats.prefix_cache.requests, stats.prefix_cache.queries, stats.prefix_cache.hits) == (
+        2,
+        80,
+        32,
+    )
     assert stats.usage == pytest.approx(0.4)
     # Preempted and resumed: the recompute is neither a query nor a hit.
     kv.free(b)
@@ -232,7 +240,11 @@ def test_prefix_stats_count_first_admission_only():
     b.num_preemptions = 1
     schedule(kv, b)
     stats = kv.make_stats()
-    assert (stats.prefix_cache.requests, stats.prefix_cache.queries, stats.prefix_cache.hits) == (0, 0, 0)
+    assert (stats.prefix_cache.requests, stats.prefix_cache.queries, stats.prefix_cache.hits) == (
+        0,
+        0,
+        0,
+    )
     assert stats.num_evictions == 0
 
 

@@ -3,9 +3,16 @@
 import random
 
 import pytest
+from core_testing import (
+    EOS,
+    FakeRunner,
+    check_scheduler_invariants,
+    fake_token,
+    make_request,
+    make_scheduler,
+    run_until_done,
+)
 
-from core_testing import EOS, FakeRunner, check_scheduler_invariants, fake_token, make_request, make_scheduler, \
-    run_until_done
 from jaxserve.core.outputs import ModelRunnerOutput, TokenLogprobs
 from jaxserve.core.request import RequestStatus
 
@@ -31,8 +38,13 @@ def test_prefill_and_decode_share_a_step():
     runner = FakeRunner(s)
     s.add_request(make_request("a", list(range(10)), max_tokens=5))
     out, res = step(s, runner)
-    assert out.num_scheduled_tokens == {"a": 10} and [n.req_id for n in out.scheduled_new_reqs] == ["a"]
-    assert out.scheduled_new_reqs[0].block_ids == [1] and out.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert out.num_scheduled_tokens == {"a": 10} and [n.req_id for n in out.scheduled_new_reqs] == [
+        "a"
+    ]
+    assert (
+        out.scheduled_new_reqs[0].block_ids == [1]
+        and out.scheduled_new_reqs[0].num_computed_tokens == 0
+    )
     assert [o.new_token_ids for o in res] == [expected("a", 10, 1)]
     s.add_request(make_request("b", list(range(100, 140)), max_tokens=5))
     out, _ = step(s, runner)
@@ -68,6 +80,7 @@ def test_budget_and_max_num_seqs_never_exceeded_and_all_finish():
 
     def on_step(out):
         admitted.extend(n.req_id for n in out.scheduled_new_reqs if n.req_id not in admitted)
+
     outs = run_until_done(s, runner, on_step=on_step)  # checks budget / max_num_seqs each step
     assert outs == want
     assert admitted == [f"r{i}" for i in range(25)]  # fcfs: first admissions in arrival order
@@ -77,13 +90,22 @@ def test_budget_and_max_num_seqs_never_exceeded_and_all_finish():
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_preempted_requests_produce_the_same_tokens(policy):
     rng = random.Random(1)
-    specs = [(f"r{i}", [rng.randrange(900) for _ in range(rng.randint(20, 90))], rng.randint(10, 40), rng.randint(0, 3))
-             for i in range(10)]
+    specs = [
+        (
+            f"r{i}",
+            [rng.randrange(900) for _ in range(rng.randint(20, 90))],
+            rng.randint(10, 40),
+            rng.randint(0, 3),
+        )
+        for i in range(10)
+    ]
 
     def run(num_blocks):
         s = make_scheduler(num_blocks=num_blocks, budget=64, policy=policy, max_model_len=256)
         for k, (req_id, prompt, m, prio) in enumerate(specs):
-            s.add_request(make_request(req_id, prompt, max_tokens=m, priority=prio, arrival_time=float(k)))
+            s.add_request(
+                make_request(req_id, prompt, max_tokens=m, priority=prio, arrival_time=float(k))
+            )
         outs = run_until_done(s, FakeRunner(s))
         assert_no_blocks_left(s)
         return outs, s.make_stats().num_preemptions
@@ -103,7 +125,10 @@ def test_resumed_request_is_sent_again_with_its_outputs():
     for _ in range(200):
         out, _ = step(s, runner)
         if "b" in out.preempted_req_ids:
-            assert s.requests["b"].status == RequestStatus.PREEMPTED and s.requests["b"].num_computed_tokens == 0
+            assert (
+                s.requests["b"].status == RequestStatus.PREEMPTED
+                and s.requests["b"].num_computed_tokens == 0
+            )
             assert s.kv_cache_manager.get_block_ids("b") == []
         for new in out.scheduled_new_reqs:
             if new.req_id == "b" and s.requests["b"].num_preemptions:
@@ -131,7 +156,11 @@ def test_max_tokens_zero_is_prompt_only():
     results = []
     while s.has_unfinished_requests():
         results.extend(step(s, runner)[1])
-    assert len(results) == 1 and results[0].new_token_ids == [] and results[0].finish_reason == "length"
+    assert (
+        len(results) == 1
+        and results[0].new_token_ids == []
+        and results[0].finish_reason == "length"
+    )
     assert_no_blocks_left(s)
 
 
@@ -151,7 +180,9 @@ def test_stop_conditions():
     runner = FakeRunner(s, eos_at={"eos": 12, "min": 11, "ign": 11})
     stop_tok = fake_token("stopid", 10 + 3)
     s.add_request(make_request("eos", list(range(10)), max_tokens=20, ignore_eos=False))
-    s.add_request(make_request("min", list(range(10)), max_tokens=20, ignore_eos=False, min_tokens=2))
+    s.add_request(
+        make_request("min", list(range(10)), max_tokens=20, ignore_eos=False, min_tokens=2)
+    )
     s.add_request(make_request("ign", list(range(10)), max_tokens=4, ignore_eos=True))
     s.add_request(make_request("stopid", list(range(10)), max_tokens=20, stop_token_ids=[stop_tok]))
     s.add_request(make_request("cap", list(range(25)), max_tokens=None))  # max_model_len leaves 5
@@ -179,8 +210,14 @@ def test_tokens_after_a_stop_in_one_list_are_dropped():
     s.add_request(make_request("a", [1, 2, 3], max_tokens=5, ignore_eos=False))
     out = s.schedule()
     lp = [TokenLogprobs([t], [-0.5], 1) for t in (7, EOS, 8)]
-    res = s.update_from_output(out, ModelRunnerOutput(["a"], {"a": 0}, [[7, EOS, 8]], logprobs=[lp]))
-    assert res[0].new_token_ids == [7, EOS] and res[0].new_logprobs == lp[:2] and res[0].finish_reason == "stop"
+    res = s.update_from_output(
+        out, ModelRunnerOutput(["a"], {"a": 0}, [[7, EOS, 8]], logprobs=[lp])
+    )
+    assert (
+        res[0].new_token_ids == [7, EOS]
+        and res[0].new_logprobs == lp[:2]
+        and res[0].finish_reason == "stop"
+    )
 
 
 def test_partial_prefill_samples_nothing_but_forwards_prompt_logprobs():
@@ -190,7 +227,9 @@ def test_partial_prefill_samples_nothing_but_forwards_prompt_logprobs():
     assert out.num_scheduled_tokens == {"a": 16}
     plp = [TokenLogprobs([p, 0], [-1.0, -0.1], 3) for p in range(1, 17)]
     # A token sampled for a partial chunk (a runner bug) is ignored.
-    res = s.update_from_output(out, ModelRunnerOutput(["a"], {"a": 0}, [[5]], prompt_logprobs_dict={"a": plp}))
+    res = s.update_from_output(
+        out, ModelRunnerOutput(["a"], {"a": 0}, [[5]], prompt_logprobs_dict={"a": plp})
+    )
     assert len(res) == 1 and res[0].new_token_ids == [] and res[0].new_prompt_logprobs is plp
     assert s.requests["a"].num_output_tokens == 0 and s.requests["a"].num_computed_tokens == 16
 
@@ -248,10 +287,16 @@ def test_num_cached_tokens_and_prefix_stats():
     run_until_done(s, runner)
     s.add_request(make_request("b", prompt + [1, 2], max_tokens=2))
     out, res = step(s, runner)
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 64 and out.num_scheduled_tokens == {"b": 8}
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 64 and out.num_scheduled_tokens == {
+        "b": 8
+    }
     assert res[0].num_cached_tokens == 64
     stats = s.make_stats()
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prefix_cache_requests) == (142, 64, 2)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prefix_cache_requests) == (
+        142,
+        64,
+        2,
+    )
     assert stats.num_running_reqs == 1 and stats.num_waiting_reqs == 0 and stats.num_steps == 3
     assert s.make_stats().num_steps == 0  # interval counters reset
 
@@ -262,7 +307,9 @@ def test_runner_without_logprobs_for_request():
     s.add_request(make_request("b", [2], max_tokens=3, logprobs=2))
     out = s.schedule()
     lp = TokenLogprobs([4, 4, 9], [-0.1, -0.1, -3.0], 1)
-    res = s.update_from_output(out, ModelRunnerOutput(["a", "b"], {"a": 0, "b": 1}, [[3], [4]], logprobs=[[], [lp]]))
+    res = s.update_from_output(
+        out, ModelRunnerOutput(["a", "b"], {"a": 0, "b": 1}, [[3], [4]], logprobs=[[], [lp]])
+    )
     assert {o.req_id: o.new_logprobs for o in res} == {"a": None, "b": [lp]}
 
 
@@ -274,11 +321,15 @@ def test_runner_order_and_output_copies_do_not_matter():
         s.add_request(make_request(f"r{k}", [k + 1] * 3, max_tokens=3))
     out = s.schedule()
     ids = list(out.num_scheduled_tokens)[::-1]  # the runner may reorder its batch
-    res = s.update_from_output(copy.copy(out), ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)},
-                                                                  [[10 + int(r[1])] for r in ids]))
+    res = s.update_from_output(
+        copy.copy(out),
+        ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[10 + int(r[1])] for r in ids]),
+    )
     assert {o.req_id: o.new_token_ids for o in res} == {"r0": [10], "r1": [11], "r2": [12]}
     out = s.schedule()
-    res = s.update_from_output(out, ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)},
-                                                      [[20 + int(r[1])] for r in ids]))
+    res = s.update_from_output(
+        out,
+        ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[20 + int(r[1])] for r in ids]),
+    )
     assert {o.req_id: o.new_token_ids for o in res} == {"r0": [20], "r1": [21], "r2": [22]}
     assert s.requests["r1"].output_token_ids == [11, 21]

@@ -4,9 +4,14 @@ plus randomized workloads with arrivals and aborts."""
 import random
 
 import pytest
-
-from core_testing import FakeRunner, check_scheduler_invariants, fake_token, make_request, make_scheduler, \
-    run_until_done
+from core_testing import (
+    FakeRunner,
+    check_scheduler_invariants,
+    fake_token,
+    make_request,
+    make_scheduler,
+    run_until_done,
+)
 
 
 def expected(req_id, prompt_len, n):
@@ -69,8 +74,9 @@ def test_long_prompt_is_chunked_and_others_keep_running():
     outs = run_until_done(s, runner, on_step=steps.append)
     assert outs["short2"] == expected("short2", 5, 5)
     # short2 finished long before the 2000-token prompt was done (no head-of-line blocking).
-    first_long_decode = next(i for i, o in enumerate(steps)
-                             if o.num_scheduled_tokens.get("long") == 1)
+    first_long_decode = next(
+        i for i, o in enumerate(steps) if o.num_scheduled_tokens.get("long") == 1
+    )
     last_short2 = max(i for i, o in enumerate(steps) if "short2" in o.num_scheduled_tokens)
     assert last_short2 < first_long_decode
     assert all(o.num_scheduled_tokens.get("long", 0) <= 32 for o in steps)
@@ -88,9 +94,13 @@ def test_mixed_hit_batch():
     check_scheduler_invariants(s, out)
     new = {n.req_id: n for n in out.scheduled_new_reqs}
     assert new["hit"].num_computed_tokens == 64 and new["miss"].num_computed_tokens == 0
-    assert out.num_scheduled_tokens == {"hit": 16, "miss": 24} and out.total_num_scheduled_tokens == 40
+    assert (
+        out.num_scheduled_tokens == {"hit": 16, "miss": 24} and out.total_num_scheduled_tokens == 40
+    )
     assert new["hit"].block_ids[:4] == [1, 2, 3, 4]  # the warm request's cached blocks
-    res = s.update_from_output(out, runner.execute(out))  # the runner checks the hit blocks' content
+    res = s.update_from_output(
+        out, runner.execute(out)
+    )  # the runner checks the hit blocks' content
     assert [(o.req_id, o.num_cached_tokens) for o in res] == [("hit", 64)]
     outs = run_until_done(s, runner)
     outs["hit"] = [o for o in res if o.req_id == "hit"][0].new_token_ids + outs["hit"]
@@ -109,17 +119,35 @@ def test_same_prompt_twice_in_one_step_shares_blocks():
     assert new["p-0"].block_ids == [1, 2, 3, 4] and new["p-0"].num_computed_tokens == 0
     assert new["p-1"].block_ids[:3] == [1, 2, 3] and new["p-1"].num_computed_tokens == 48
     assert out.num_scheduled_tokens == {"p-0": 50, "p-1": 2, "p-2": 2}
-    s.update_from_output(out, runner.execute(out))  # the runner checks that the shared blocks hold the prompt
+    s.update_from_output(
+        out, runner.execute(out)
+    )  # the runner checks that the shared blocks hold the prompt
 
 
-@pytest.mark.parametrize("seed,policy,chunked,caching", [
-    (0, "fcfs", True, True), (1, "priority", True, True), (2, "fcfs", False, True),
-    (3, "priority", False, False), (4, "fcfs", True, False), (5, "priority", True, True)])
+@pytest.mark.parametrize(
+    "seed,policy,chunked,caching",
+    [
+        (0, "fcfs", True, True),
+        (1, "priority", True, True),
+        (2, "fcfs", False, True),
+        (3, "priority", False, False),
+        (4, "fcfs", True, False),
+        (5, "priority", True, True),
+    ],
+)
 def test_random_workloads(seed, policy, chunked, caching):
     rng = random.Random(seed)
-    s = make_scheduler(num_blocks=rng.choice([12, 20, 40]), block_size=16, budget=rng.choice([32, 64, 128]),
-                       max_num_seqs=rng.choice([2, 4, 8]), threshold=rng.choice([0, 24, 48]), chunked=chunked,
-                       policy=policy, prefix_caching=caching, max_model_len=160)
+    s = make_scheduler(
+        num_blocks=rng.choice([12, 20, 40]),
+        block_size=16,
+        budget=rng.choice([32, 64, 128]),
+        max_num_seqs=rng.choice([2, 4, 8]),
+        threshold=rng.choice([0, 24, 48]),
+        chunked=chunked,
+        policy=policy,
+        prefix_caching=caching,
+        max_model_len=160,
+    )
     runner = FakeRunner(s)
     bases = [[rng.randrange(900) for _ in range(64)] for _ in range(3)]
     want, outs, aborted, arrivals = {}, {}, set(), 0
@@ -130,8 +158,15 @@ def test_random_workloads(seed, policy, chunked, caching):
             prompt = (rng.choice(bases) + [rng.randrange(900) for _ in range(100)])[:p]
             req_id = f"q{arrivals}"
             try:
-                s.add_request(make_request(req_id, prompt, max_tokens=m, priority=rng.randint(0, 3),
-                                           arrival_time=float(step)))
+                s.add_request(
+                    make_request(
+                        req_id,
+                        prompt,
+                        max_tokens=m,
+                        priority=rng.randint(0, 3),
+                        arrival_time=float(step),
+                    )
+                )
                 want[req_id] = expected(req_id, p, m)
             except ValueError as e:
                 assert not chunked and p > s.max_num_scheduled_tokens, e
@@ -150,7 +185,7 @@ def test_random_workloads(seed, policy, chunked, caching):
         raise AssertionError("workload did not drain")
     for req_id, tokens in want.items():
         if req_id in aborted:
-            assert tokens[:len(outs.get(req_id, []))] == outs.get(req_id, [])
+            assert tokens[: len(outs.get(req_id, []))] == outs.get(req_id, [])
         else:
             assert outs.get(req_id, []) == tokens, req_id
     kv = s.kv_cache_manager

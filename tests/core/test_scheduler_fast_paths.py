@@ -17,8 +17,8 @@ Every SchedulerOutput, every EngineCoreOutput and the final state must be equal,
 import random
 
 import pytest
-
 from core_testing import EOS, FakeRunner, check_scheduler_invariants, make_request, make_scheduler
+
 from jaxserve.core.request import RequestStatus
 
 
@@ -64,10 +64,14 @@ def random_trace(seed, num_steps):
             req_id = f"q{n}"
             prompt = [rng.randrange(900) for _ in range(rng.randint(1, 70))]
             if rng.random() < 0.4:
-                prompt = shared[:rng.randint(16, 40)] + prompt
+                prompt = shared[: rng.randint(16, 40)] + prompt
             max_tokens = rng.choice([0, 1] + list(range(2, 41)))
-            params = dict(max_tokens=max_tokens, ignore_eos=rng.random() < 0.5,
-                          min_tokens=min(rng.choice([0, 0, 3]), max_tokens), priority=rng.randint(0, 2))
+            params = dict(
+                max_tokens=max_tokens,
+                ignore_eos=rng.random() < 0.5,
+                min_tokens=min(rng.choice([0, 0, 3]), max_tokens),
+                priority=rng.randint(0, 2),
+            )
             if rng.random() < 0.3:
                 eos_at[req_id] = len(prompt) + rng.randint(0, 12)
             batch.append((req_id, prompt, params))
@@ -81,11 +85,22 @@ def random_trace(seed, num_steps):
 @pytest.mark.parametrize("num_blocks,budget,threshold", [(400, 512, 0), (24, 96, 32)])
 def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budget, threshold):
     arrivals, aborts, eos_at = random_trace(seed=num_blocks + budget, num_steps=150)
-    kwargs = dict(num_blocks=num_blocks, block_size=8, budget=budget, max_num_seqs=12, threshold=threshold,
-                  policy=policy, prefix_caching=prefix_caching, max_model_len=160)
+    kwargs = dict(
+        num_blocks=num_blocks,
+        block_size=8,
+        budget=budget,
+        max_num_seqs=12,
+        threshold=threshold,
+        policy=policy,
+        prefix_caching=prefix_caching,
+        max_model_len=160,
+    )
     fast = make_scheduler(**kwargs)
     general = force_general_paths(make_scheduler(**kwargs))
-    runners = {id(fast): FakeRunner(fast, eos_at=dict(eos_at)), id(general): FakeRunner(general, eos_at=dict(eos_at))}
+    runners = {
+        id(fast): FakeRunner(fast, eos_at=dict(eos_at)),
+        id(general): FakeRunner(general, eos_at=dict(eos_at)),
+    }
     num_preempted = 0
     for step in range(len(arrivals) + 3000):
         if step < len(arrivals):
@@ -102,7 +117,9 @@ def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budg
         result_fast = runners[id(fast)].execute(out_fast)
         result_general = runners[id(general)].execute(out_general)
         result_general.logprobs = [[] for _ in result_general.req_ids]
-        assert fast.update_from_output(out_fast, result_fast) == general.update_from_output(out_general, result_general)
+        assert fast.update_from_output(out_fast, result_fast) == general.update_from_output(
+            out_general, result_general
+        )
         check_noop_end(fast)
         if step < len(aborts):
             fast.abort_requests(aborts[step])

@@ -8,7 +8,6 @@ import tempfile
 import types
 
 import pytest
-
 from engine_testing import engine_args, make_model_dir, make_prompts, variant_config
 
 MAX_TOKENS = 12
@@ -30,14 +29,27 @@ def base(model_dir):
     from jaxserve.worker.model_runner import ModelRunner
 
     model, arch, gen = load_model(model_dir, "float32")
-    config = engine_args(model_dir, XLA_CACHE_DIR).create_engine_config(arch.max_position_embeddings)
-    runner = ModelRunner(model, arch, config, warmup_sampling=(
-        SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)))
+    config = engine_args(model_dir, XLA_CACHE_DIR).create_engine_config(
+        arch.max_position_embeddings
+    )
+    runner = ModelRunner(
+        model,
+        arch,
+        config,
+        warmup_sampling=(SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)),
+    )
     spec = runner.initialize_kv_cache()
     runner.warmup(progress=False)
     config = variant_config(config, num_gpu_blocks=spec.num_blocks)
-    return types.SimpleNamespace(model=model, arch=arch, generation_config=gen, config=config, runner=runner,
-                                 tokenizer=get_tokenizer(model_dir), num_blocks=spec.num_blocks)
+    return types.SimpleNamespace(
+        model=model,
+        arch=arch,
+        generation_config=gen,
+        config=config,
+        runner=runner,
+        tokenizer=get_tokenizer(model_dir),
+        num_blocks=spec.num_blocks,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -19,18 +19,38 @@ from jaxserve.config import EngineArgs, EngineConfig
 from jaxserve.model import default_model_path
 
 BUNDLED = default_model_path()
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
 FALLBACK_HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 256,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-    "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 4096,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
 }
 
 
 def bundled_weights_exist() -> bool:
-    return os.path.isdir(os.path.join(BUNDLED, "params")) or any(
-        f.endswith(".safetensors") for f in os.listdir(BUNDLED)) if os.path.isdir(BUNDLED) else False
+    return (
+        os.path.isdir(os.path.join(BUNDLED, "params"))
+        or any(f.endswith(".safetensors") for f in os.listdir(BUNDLED))
+        if os.path.isdir(BUNDLED)
+        else False
+    )
 
 
 def random_model(hf: dict, seed: int = 0):
@@ -47,8 +67,11 @@ def random_model(hf: dict, seed: int = 0):
     flat = dict(nnx.to_flat_state(state))
     for path, leaf in flat.items():
         shape = leaf.get_value().shape
-        value = np.ones(shape, np.float32) if "norm" in "/".join(map(str, path)) else (
-            0.02 * rng.standard_normal(shape)).astype(np.float32)
+        value = (
+            np.ones(shape, np.float32)
+            if "norm" in "/".join(map(str, path))
+            else (0.02 * rng.standard_normal(shape)).astype(np.float32)
+        )
         leaf.set_value(jnp.asarray(value))
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), cfg
 
@@ -78,29 +101,43 @@ def make_model_dir(tmp_dir: str) -> str:
 
 def engine_args(model_dir: str, cache_dir: str, **overrides) -> EngineArgs:
     """Small, CPU-friendly engine args: float32, reference attention, buckets 16..128."""
-    args = dict(model=model_dir, dtype="float32", attention_backend="reference", token_buckets="16,32,64,128",
-                max_num_batched_tokens=128, max_num_seqs=256, max_model_len=256,
-                compilation_cache_dir=cache_dir)
+    args = dict(
+        model=model_dir,
+        dtype="float32",
+        attention_backend="reference",
+        token_buckets="16,32,64,128",
+        max_num_batched_tokens=128,
+        max_num_seqs=256,
+        max_model_len=256,
+        compilation_cache_dir=cache_dir,
+    )
     args.update(overrides)
     return EngineArgs(**args)
 
 
-def variant_config(base: EngineConfig, *, num_gpu_blocks: int | None = None, **scheduler_or_cache) -> EngineConfig:
+def variant_config(
+    base: EngineConfig, *, num_gpu_blocks: int | None = None, **scheduler_or_cache
+) -> EngineConfig:
     """``base`` with scheduler/cache fields replaced (names as in SchedulerConfig/CacheConfig)."""
     sched_fields = {f.name for f in dataclasses.fields(base.scheduler)}
     sched = {k: v for k, v in scheduler_or_cache.items() if k in sched_fields}
     cache = {k: v for k, v in scheduler_or_cache.items() if k not in sched_fields}
     if num_gpu_blocks is not None:
         cache["num_gpu_blocks"] = num_gpu_blocks
-    return dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, **sched),
-                               cache=dataclasses.replace(base.cache, **cache))
+    return dataclasses.replace(
+        base,
+        scheduler=dataclasses.replace(base.scheduler, **sched),
+        cache=dataclasses.replace(base.cache, **cache),
+    )
 
 
 def make_prompts(vocab_size: int, num: int = 32, seed: int = 0) -> list[list[int]]:
     """``num`` token-id prompts of lengths 1..~150; every fourth shares a 40-token prefix with
     the previous one (prefix-cache hits)."""
     rng = np.random.default_rng(seed)
-    lengths = [1, 2, 5, 15, 16, 17, 31, 33, 48, 64, 65, 100, 127, 129, 150, 7, 60, 3] * ((num + 17) // 18)
+    lengths = [1, 2, 5, 15, 16, 17, 31, 33, 48, 64, 65, 100, 127, 129, 150, 7, 60, 3] * (
+        (num + 17) // 18
+    )
     prompts = []
     for i in range(num):
         ids = rng.integers(3, vocab_size, size=lengths[i]).tolist()

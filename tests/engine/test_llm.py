@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import MAX_TOKENS, XLA_CACHE_DIR
 from engine_testing import BUNDLED, bundled_weights_exist
 
@@ -15,9 +14,16 @@ def llm(model_dir):
 
     # warmup=False: buckets compile on first use (from the persistent cache the runner fixture
     # filled); warm-up itself is covered by the shared runner.
-    return LLM(model_dir, dtype="float32", attention_backend="reference", token_buckets="16,32,64,128",
-               max_num_batched_tokens=128, max_model_len=256, compilation_cache_dir=XLA_CACHE_DIR,
-               warmup=False)
+    return LLM(
+        model_dir,
+        dtype="float32",
+        attention_backend="reference",
+        token_buckets="16,32,64,128",
+        max_num_batched_tokens=128,
+        max_model_len=256,
+        compilation_cache_dir=XLA_CACHE_DIR,
+        warmup=False,
+    )
 
 
 def test_generate_returns_outputs_in_input_order(llm, prompts, oracle):
@@ -36,14 +42,16 @@ def test_generate_text_prompts_and_per_prompt_params(llm):
 
     tok = llm.get_tokenizer()
     texts = ["Once upon a time", "The quick brown fox jumps over"]
-    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+    ]
     outs = llm.generate(texts, params, use_tqdm=True)
     assert [o.prompt for o in outs] == texts
     assert [o.prompt_token_ids for o in outs] == [tok.encode(t) for t in texts]
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
     full = tok.decode(outs[1].prompt_token_ids + outs[1].outputs[0].token_ids)
-    assert outs[1].outputs[0].text == full[len(tok.decode(outs[1].prompt_token_ids)):]
+    assert outs[1].outputs[0].text == full[len(tok.decode(outs[1].prompt_token_ids)) :]
     single = llm.generate(texts[0], params[0], use_tqdm=False)
     assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
 
@@ -76,12 +84,22 @@ def test_unknown_engine_argument_is_named():
         LLM(max_num_seq=4)
 
 
-@pytest.mark.skipif(not bundled_weights_exist(), reason="the bundled checkpoint's weights are not there yet")
+@pytest.mark.skipif(
+    not bundled_weights_exist(), reason="the bundled checkpoint's weights are not there yet"
+)
 def test_llm_without_model_serves_the_bundled_checkpoint():
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(max_model_len=128, max_num_batched_tokens=64, token_buckets="16,32,64", max_num_seqs=4,
-              compilation_cache_dir=XLA_CACHE_DIR, warmup=False)
+    llm = LLM(
+        max_model_len=128,
+        max_num_batched_tokens=64,
+        token_buckets="16,32,64",
+        max_num_seqs=4,
+        compilation_cache_dir=XLA_CACHE_DIR,
+        warmup=False,
+    )
     assert llm.engine_args.resolved_model_path() == BUNDLED
-    out = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    out = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False
+    )
     assert out[0].outputs[0].finish_reason in ("stop", "length") and out[0].outputs[0].token_ids

@@ -9,17 +9,21 @@ import math
 import jax
 import numpy as np
 import pytest
+from conftest import MAX_TOKENS
 from flax import nnx
 
-from conftest import MAX_TOKENS
 from jaxserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dense_fn(graphdef):
-    return jax.jit(lambda state, ids: jax.nn.log_softmax(nnx.merge(graphdef, state).forward_dense(ids), axis=-1))
+    return jax.jit(
+        lambda state, ids: jax.nn.log_softmax(
+            nnx.merge(graphdef, state).forward_dense(ids), axis=-1
+        )
+    )
 
 
 def _dense_logprobs(base, ids):
@@ -31,14 +35,18 @@ def _dense_logprobs(base, ids):
 def _assert_drained(engine):
     stats = engine.get_stats()
     assert not engine.has_unfinished_requests()
-    assert stats.kv_cache_usage == 0.0 and stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+    assert (
+        stats.kv_cache_usage == 0.0 and stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+    )
 
 
 @pytest.mark.parametrize("threshold", [16, 4096])
-def test_echo_prompt_only_request_returns_prompt_logprobs(base, make_engine, run, prompts, threshold):
+def test_echo_prompt_only_request_returns_prompt_logprobs(
+    base, make_engine, run, prompts, threshold
+):
     """Shared case "echo-max-tokens-0": max_tokens=0 scores the prompt and generates nothing; with
     a threshold of 16 the prompt logprobs are gathered over several chunks."""
-    prompt = prompts[13]                                   # 130 tokens
+    prompt = prompts[13]  # 130 tokens
     engine = make_engine(long_prefill_token_threshold=threshold)
     params = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=3)
     out = run(engine, [("echo", prompt, params)])["echo"]
@@ -71,13 +79,13 @@ def test_prompt_logprobs_and_sample_logprobs_with_generation(base, make_engine, 
     total = 0.0
     for j, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
         pos = len(prompt) - 1 + j
-        assert entry[tok].rank == 1                          # greedy picks the most likely
+        assert entry[tok].rank == 1  # greedy picks the most likely
         np.testing.assert_allclose(entry[tok].logprob, full[pos, tok], atol=2e-4)
         assert len(entry) <= 3 and entry[tok].decoded_token is not None
         total += entry[tok].logprob
     assert math.isclose(comp.cumulative_logprob, total, rel_tol=1e-6)
     assert len(out.prompt_logprobs) == len(prompt)
-    assert all(len(e) == 1 for e in out.prompt_logprobs[1:])   # only the actual token
+    assert all(len(e) == 1 for e in out.prompt_logprobs[1:])  # only the actual token
 
 
 def test_logprob_tokens_join_into_the_output_text(make_engine, run):
@@ -91,29 +99,36 @@ def test_logprob_tokens_join_into_the_output_text(make_engine, run):
     assert any(p.startswith(" ") for p in pieces)
 
 
-@pytest.mark.parametrize("prompt,params,match", [
-    ([], GREEDY, "prompt: the prompt is empty"),
-    ([1] * 300, GREEDY, "prompt: the prompt has 300 tokens, more than max_model_len .256."),
-    ([1, 5000], GREEDY, "prompt: token id 5000"),
-    ([1, -1], GREEDY, "prompt: token id -1"),
-    ([1, 2.5], GREEDY, "prompt must be"),
-    ([1, 7], SamplingParams(logit_bias={99999: 1.0}), "logit_bias token id 99999"),
-    ([1, 7], SamplingParams(stop_token_ids=[4096]), "stop_token_ids token id 4096"),
-    ([1, 7], {"temperature": 0.0}, "sampling_params"),
-])
-def test_bad_requests_raise_and_engine_keeps_serving(make_engine, run, prompts, oracle, prompt, params, match):
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], GREEDY, "prompt: the prompt is empty"),
+        ([1] * 300, GREEDY, "prompt: the prompt has 300 tokens, more than max_model_len .256."),
+        ([1, 5000], GREEDY, "prompt: token id 5000"),
+        ([1, -1], GREEDY, "prompt: token id -1"),
+        ([1, 2.5], GREEDY, "prompt must be"),
+        ([1, 7], SamplingParams(logit_bias={99999: 1.0}), "logit_bias token id 99999"),
+        ([1, 7], SamplingParams(stop_token_ids=[4096]), "stop_token_ids token id 4096"),
+        ([1, 7], {"temperature": 0.0}, "sampling_params"),
+    ],
+)
+def test_bad_requests_raise_and_engine_keeps_serving(
+    make_engine, run, prompts, oracle, prompt, params, match
+):
     engine = make_engine()
     with pytest.raises(ValueError, match=match):
         engine.add_request("bad", prompt, params)
     assert not engine.has_unfinished_requests() and not engine.scheduler.requests
-    done = run(engine, [("ok", prompts[5], GREEDY), ("bad", prompts[6], GREEDY)])   # the id is free again
+    done = run(
+        engine, [("ok", prompts[5], GREEDY), ("bad", prompts[6], GREEDY)]
+    )  # the id is free again
     assert done["ok"].outputs[0].token_ids == oracle[5]
     assert done["bad"].outputs[0].token_ids == oracle[6]
     _assert_drained(engine)
 
 
 def test_duplicate_request_id_and_kv_capacity_are_rejected(make_engine, prompts):
-    engine = make_engine(num_gpu_blocks=5)                 # 64 tokens of KV
+    engine = make_engine(num_gpu_blocks=5)  # 64 tokens of KV
     engine.add_request("a", prompts[1], GREEDY)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", prompts[1], GREEDY)
@@ -127,20 +142,23 @@ def test_duplicate_request_id_and_kv_capacity_are_rejected(make_engine, prompts)
 
 def test_max_tokens_is_clamped_to_max_model_len(make_engine, run, prompts):
     engine = make_engine()
-    prompt = (prompts[14] + prompts[13])[:250]              # max_model_len 256
-    out = run(engine, [("long", prompt, SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))])["long"]
+    prompt = (prompts[14] + prompts[13])[:250]  # max_model_len 256
+    out = run(
+        engine,
+        [("long", prompt, SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))],
+    )["long"]
     assert len(out.outputs[0].token_ids) == 256 - len(prompt)
     assert out.outputs[0].finish_reason == "length"
 
 
 def test_n_fans_out_with_seeds_and_shares_the_prompt_blocks(make_engine, run, prompts):
-    prompt = prompts[12]                                    # 101 tokens = 6 full blocks
+    prompt = prompts[12]  # 101 tokens = 6 full blocks
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
     engine = make_engine()
     out = run(engine, [("fan", prompt, params)])["fan"]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(c.finish_reason == "length" and len(c.token_ids) == 6 for c in out.outputs)
-    assert engine.get_stats().prefix_cache_hits_total >= 2 * 6 * 16   # children 1, 2 hit 6 blocks
+    assert engine.get_stats().prefix_cache_hits_total >= 2 * 6 * 16  # children 1, 2 hit 6 blocks
     for k in range(3):
         single = SamplingParams(temperature=1.0, seed=7 + k, max_tokens=6, ignore_eos=True)
         alone = run(engine, [(f"one{k}", prompt, single)])[f"one{k}"]
@@ -150,7 +168,9 @@ def test_n_fans_out_with_seeds_and_shares_the_prompt_blocks(make_engine, run, pr
 
 def test_streaming_deltas_add_up_to_the_final_output(make_engine, prompts):
     engine = make_engine(long_prefill_token_threshold=16)
-    engine.add_request("s", prompts[11], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2))
+    engine.add_request(
+        "s", prompts[11], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2)
+    )
     seen = [[], []]
     texts = ["", ""]
     last = None
@@ -162,7 +182,13 @@ def test_streaming_deltas_add_up_to_the_final_output(make_engine, prompts):
                 texts[c.index] += c.delta_text
     assert last.finished and last.metrics.finished_time is not None
     m = last.metrics
-    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert (
+        m.arrival_time
+        <= m.first_scheduled_time
+        <= m.first_token_time
+        <= m.last_token_time
+        <= m.finished_time
+    )
     assert m.time_in_queue >= 0 and m.num_generation_tokens == 16
     for c in last.outputs:
         assert seen[c.index] == c.token_ids and texts[c.index] == c.text
@@ -170,17 +196,21 @@ def test_streaming_deltas_add_up_to_the_final_output(make_engine, prompts):
 
 def test_stop_string_finishes_the_request_and_frees_its_blocks(base, make_engine, run, prompts):
     engine = make_engine()
-    free = run(engine, [("f", prompts[8], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))])["f"]
+    free = run(
+        engine, [("f", prompts[8], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))]
+    )["f"]
     text = free.outputs[0].text
     tok = base.tokenizer
     # a stop string in the middle of the text: the text of tokens 3..4
-    stop = tok.decode(free.outputs[0].token_ids[:5])[len(tok.decode(free.outputs[0].token_ids[:3])):].strip()
+    stop = tok.decode(free.outputs[0].token_ids[:5])[
+        len(tok.decode(free.outputs[0].token_ids[:3])) :
+    ].strip()
     assert stop and stop in text
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop=[stop])
     out = run(engine, [("s", prompts[8], params)])["s"]
     comp = out.outputs[0]
     assert comp.finish_reason == "stop" and comp.stop_reason == stop
-    assert comp.text == text[:text.index(stop)]
+    assert comp.text == text[: text.index(stop)]
     assert len(comp.token_ids) < 10
     _assert_drained(engine)
 
@@ -216,7 +246,10 @@ def test_serving_after_warmup_compiles_nothing(base, make_engine, run, prompts):
     assert before["forward"] == len(runner.token_buckets)
     engine = make_engine(long_prefill_token_threshold=64)
     reqs = [(f"g{i}", p, GREEDY) for i, p in enumerate(prompts)]
-    reqs += [(f"s{i}", p, SamplingParams(temperature=1.0, max_tokens=4)) for i, p in enumerate(prompts[:8])]
+    reqs += [
+        (f"s{i}", p, SamplingParams(temperature=1.0, max_tokens=4))
+        for i, p in enumerate(prompts[:8])
+    ]
     run(engine, reqs)
     assert runner.compile_counts() == before
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import MAX_TOKENS
+
 from jaxserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -24,9 +24,12 @@ def _tokens(done, prefix="r", n=None):
     return [done[f"{prefix}{i}"].outputs[0].token_ids for i in range(n)]
 
 
-@pytest.mark.parametrize("threshold,caching", [(16, True), (64, True), (4096, True), (16, False), (4096, False)])
-def test_greedy_equals_oracle_chunked_prefill_and_prefix_caching(make_engine, run, prompts, oracle, threshold,
-                                                                   caching):
+@pytest.mark.parametrize(
+    "threshold,caching", [(16, True), (64, True), (4096, True), (16, False), (4096, False)]
+)
+def test_greedy_equals_oracle_chunked_prefill_and_prefix_caching(
+    make_engine, run, prompts, oracle, threshold, caching
+):
     engine = make_engine(long_prefill_token_threshold=threshold, enable_prefix_caching=caching)
     done = run(engine, _requests(prompts))
     assert _tokens(done) == oracle
@@ -54,9 +57,11 @@ def test_greedy_equals_oracle_max_num_seqs(make_engine, run, prompts, oracle, ma
     assert _tokens(done) == oracle
 
 
-def test_greedy_batch_invariance_one_at_a_time_all_at_once_shuffled(make_engine, run, prompts, oracle):
+def test_greedy_batch_invariance_one_at_a_time_all_at_once_shuffled(
+    make_engine, run, prompts, oracle
+):
     """Shared case "greedy-batch-invariance"."""
-    subset = list(range(0, len(prompts), 3))               # 11 prompts, lengths 1..150
+    subset = list(range(0, len(prompts), 3))  # 11 prompts, lengths 1..150
     engine = make_engine()
     alone = []
     for i in subset:
@@ -88,7 +93,9 @@ def test_mixed_hit_batch(base, make_engine, run):
     assert done["sy"].num_cached_tokens >= 3 * 16
     assert done["q"].num_cached_tokens == 0
     for rid, prompt, out in (("sx", shared + x, warm), ("sy", shared + y, done), ("q", q, done)):
-        assert out[rid].outputs[0].token_ids == generate_dense(base.model, prompt, MAX_TOKENS, eos_token_ids=[2])
+        assert out[rid].outputs[0].token_ids == generate_dense(
+            base.model, prompt, MAX_TOKENS, eos_token_ids=[2]
+        )
 
 
 def test_full_hit_last_block(base, make_engine, run):
@@ -108,14 +115,21 @@ def test_full_hit_last_block(base, make_engine, run):
 
 
 def test_seeded_sampling_alone_equals_in_a_crowd(make_engine, run, prompts):
-    seeded = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
-              for i in range(4)]
+    seeded = [
+        SamplingParams(temperature=1.0, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+        for i in range(4)
+    ]
     engine = make_engine()
-    alone = [run(engine, [(f"a{i}", prompts[i + 3], seeded[i])])[f"a{i}"].outputs[0].token_ids
-             for i in range(4)]
+    alone = [
+        run(engine, [(f"a{i}", prompts[i + 3], seeded[i])])[f"a{i}"].outputs[0].token_ids
+        for i in range(4)
+    ]
     crowd = [(f"s{i}", prompts[i + 3], seeded[i]) for i in range(4)]
     crowd += [(f"g{i}", p, GREEDY) for i, p in enumerate(prompts[10:22])]
-    crowd += [(f"u{i}", p, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS)) for i, p in enumerate(prompts[:6])]
+    crowd += [
+        (f"u{i}", p, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS))
+        for i, p in enumerate(prompts[:6])
+    ]
     random.Random(3).shuffle(crowd)
     done = run(engine, crowd)
     assert [done[f"s{i}"].outputs[0].token_ids for i in range(4)] == alone
@@ -127,15 +141,27 @@ def test_seeded_sampling_alone_equals_in_a_crowd(make_engine, run, prompts):
 def test_penalties_and_min_tokens_alone_equal_in_a_crowd(make_engine, run, prompts):
     """Rows whose sampling depends on their output so far (penalties, min_tokens bans) sample
     the same alone and among steady decode rows (whose sampling metadata is reused)."""
-    special = [SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True,
-                              presence_penalty=1.5, repetition_penalty=1.3),
-               SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=8, frequency_penalty=0.5)]
+    special = [
+        SamplingParams(
+            temperature=1.0,
+            seed=5,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            presence_penalty=1.5,
+            repetition_penalty=1.3,
+        ),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=8, frequency_penalty=0.5),
+    ]
     engine = make_engine()
-    alone = [run(engine, [(f"a{i}", prompts[20 + i], p)])[f"a{i}"].outputs[0].token_ids
-             for i, p in enumerate(special)]
+    alone = [
+        run(engine, [(f"a{i}", prompts[20 + i], p)])[f"a{i}"].outputs[0].token_ids
+        for i, p in enumerate(special)
+    ]
     crowd = [(f"s{i}", prompts[20 + i], p) for i, p in enumerate(special)]
-    crowd += [(f"g{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS)) for i, p in
-              enumerate(prompts[:10])]
+    crowd += [
+        (f"g{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS))
+        for i, p in enumerate(prompts[:10])
+    ]
     done = run(engine, crowd)
     assert [done[f"s{i}"].outputs[0].token_ids for i in range(2)] == alone
     assert len(alone[1]) >= 8

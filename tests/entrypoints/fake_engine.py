@@ -65,17 +65,35 @@ class FakeEngine:
       num_steps: steps run so far (tests check the idle engine does not spin).
     """
 
-    def __init__(self, model_dir: str, *, max_model_len: int = 256, num_blocks: int = 64, block_size: int = 16,
-                 max_num_seqs: int = 8, step_s: float = 0.002, fail_at_step: int | None = None,
-                 served_model_name: str = "fake-model", max_waiting_requests: int = 0,
-                 max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        max_model_len: int = 256,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        max_num_seqs: int = 8,
+        step_s: float = 0.002,
+        fail_at_step: int | None = None,
+        served_model_name: str = "fake-model",
+        max_waiting_requests: int = 0,
+        max_num_batched_tokens: int = 8192,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
         self.tokenizer = get_tokenizer(model_dir)
-        config = EngineArgs(model=model_dir, served_model_name=served_model_name, max_model_len=max_model_len,
-                            block_size=block_size, max_num_seqs=max_num_seqs,
-                            max_waiting_requests=max_waiting_requests, max_num_batched_tokens=max_num_batched_tokens,
-                            enable_chunked_prefill=enable_chunked_prefill).create_engine_config(max_model_len)
+        config = EngineArgs(
+            model=model_dir,
+            served_model_name=served_model_name,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_waiting_requests=max_waiting_requests,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ).create_engine_config(max_model_len)
         self.engine_config = dataclasses.replace(
-            config, cache=dataclasses.replace(config.cache, num_gpu_blocks=num_blocks))
+            config, cache=dataclasses.replace(config.cache, num_gpu_blocks=num_blocks)
+        )
         self.script = self.tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -90,22 +108,49 @@ class FakeEngine:
 
     # LLMEngine interface ---------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         self._check_thread()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ValueError("prompt_token_ids: the prompt is empty; at least one token is required")
+            raise ValueError(
+                "prompt_token_ids: the prompt is empty; at least one token is required"
+            )
         if request_id in self._reqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if len(ids) > self.engine_config.scheduler.max_model_len:
-            raise ValueError(f"prompt_token_ids: the prompt has {len(ids)} tokens, more than max_model_len")
-        samples = [_Sample(k, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
-                                                     params.include_stop_str_in_output))
-                   for k in range(params.n)]
-        self._reqs[request_id] = _Req(request_id, ids, params, samples,
-                                      RequestMetrics(arrival_time=arrival_time or time.monotonic()),
-                                      start=sum(ids) % len(self.script))
+            raise ValueError(
+                f"prompt_token_ids: the prompt has {len(ids)} tokens, more than max_model_len"
+            )
+        samples = [
+            _Sample(
+                k,
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    ids,
+                    params.skip_special_tokens,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                ),
+            )
+            for k in range(params.n)
+        ]
+        self._reqs[request_id] = _Req(
+            request_id,
+            ids,
+            params,
+            samples,
+            RequestMetrics(arrival_time=arrival_time or time.monotonic()),
+            start=sum(ids) % len(self.script),
+        )
 
     def abort_request(self, request_ids: list[str]) -> None:
         self._check_thread()
@@ -140,15 +185,21 @@ class FakeEngine:
 
     def get_stats(self) -> EngineStats:
         running = [r for r in self._reqs.values() if r.running]
-        used = sum(math.ceil((len(r.prompt_ids) + len(s.token_ids)) / self.block_size)
-                   for r in running for s in r.samples if s.finish_reason is None)
-        return EngineStats(num_running_reqs=sum(len(r.samples) for r in running),
-                           num_waiting_reqs=sum(len(r.samples) for r in self._reqs.values() if not r.running),
-                           kv_cache_usage=min(1.0, used / (self.num_blocks - 1)),
-                           num_unfinished_reqs=len(self._reqs),
-                           num_prompt_tokens_total=self._prompt_tokens_total,
-                           num_generation_tokens_total=self._generation_tokens_total,
-                           num_steps_total=self.num_steps)
+        used = sum(
+            math.ceil((len(r.prompt_ids) + len(s.token_ids)) / self.block_size)
+            for r in running
+            for s in r.samples
+            if s.finish_reason is None
+        )
+        return EngineStats(
+            num_running_reqs=sum(len(r.samples) for r in running),
+            num_waiting_reqs=sum(len(r.samples) for r in self._reqs.values() if not r.running),
+            kv_cache_usage=min(1.0, used / (self.num_blocks - 1)),
+            num_unfinished_reqs=len(self._reqs),
+            num_prompt_tokens_total=self._prompt_tokens_total,
+            num_generation_tokens_total=self._generation_tokens_total,
+            num_steps_total=self.num_steps,
+        )
 
     # scripted generation ----------------------------------------------------------------------
 
@@ -163,7 +214,10 @@ class FakeEngine:
         d = {token: Logprob(-0.5, 1, self.tokenizer.decode([token], skip_special_tokens=False))}
         for j in range(k):
             alt = (token + 1 + j) % self.tokenizer.vocab_size
-            d.setdefault(alt, Logprob(-1.0 - j, 2 + j, self.tokenizer.decode([alt], skip_special_tokens=False)))
+            d.setdefault(
+                alt,
+                Logprob(-1.0 - j, 2 + j, self.tokenizer.decode([alt], skip_special_tokens=False)),
+            )
         return d
 
     def _advance(self, req: _Req, now: float) -> RequestOutput:
@@ -171,8 +225,9 @@ class FakeEngine:
         if not req.prefilled:
             req.prefilled = True
             if params.prompt_logprobs is not None:
-                req.prompt_logprobs = [None] + [self._logprob_dict(t, params.prompt_logprobs)
-                                                for t in req.prompt_ids[1:]]
+                req.prompt_logprobs = [None] + [
+                    self._logprob_dict(t, params.prompt_logprobs) for t in req.prompt_ids[1:]
+                ]
         completions = []
         for sample in req.samples:
             delta_ids: list[int] = []
@@ -186,16 +241,21 @@ class FakeEngine:
                     delta_text, _ = sample.detok.update([], finished=True)
                     sample.finish_reason = "length"
                 else:
-                    token = self.script[(req.start + sample.index + len(sample.token_ids)) % len(self.script)]
+                    token = self.script[
+                        (req.start + sample.index + len(sample.token_ids)) % len(self.script)
+                    ]
                     delta_ids = [token]
                     sample.token_ids.append(token)
                     if delta_lps is not None:
                         delta_lps.append(self._logprob_dict(token, params.logprobs))
                         sample.logprobs = (sample.logprobs or []) + delta_lps
-                    stop_token = token in params.stop_token_ids and len(sample.token_ids) > params.min_tokens
+                    stop_token = (
+                        token in params.stop_token_ids and len(sample.token_ids) > params.min_tokens
+                    )
                     length = len(sample.token_ids) >= max_tokens
-                    delta_text, stop_str = sample.detok.update([] if stop_token else [token],
-                                                               finished=stop_token or length)
+                    delta_text, stop_str = sample.detok.update(
+                        [] if stop_token else [token], finished=stop_token or length
+                    )
                     if stop_str is not None:
                         sample.finish_reason, sample.stop_reason = "stop", stop_str
                     elif stop_token:
@@ -207,18 +267,35 @@ class FakeEngine:
                     req.metrics.last_token_time = now
                     req.metrics.num_generation_tokens += 1
                 sample.text += delta_text
-            completions.append(CompletionOutput(
-                index=sample.index, text=sample.text, token_ids=list(sample.token_ids),
-                logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
-                finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, delta_text=delta_text,
-                delta_token_ids=delta_ids, delta_logprobs=delta_lps))
+            completions.append(
+                CompletionOutput(
+                    index=sample.index,
+                    text=sample.text,
+                    token_ids=list(sample.token_ids),
+                    logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
+                    delta_text=delta_text,
+                    delta_token_ids=delta_ids,
+                    delta_logprobs=delta_lps,
+                )
+            )
         finished = all(s.finish_reason is not None for s in req.samples)
         new_tokens = sum(len(c.delta_token_ids) for c in completions)
         self._generation_tokens_total += new_tokens
         if req.metrics.num_generation_tokens == new_tokens and (new_tokens or finished):
-            self._prompt_tokens_total += len(req.prompt_ids)  # first tokens (or a prompt-only finish)
+            self._prompt_tokens_total += len(
+                req.prompt_ids
+            )  # first tokens (or a prompt-only finish)
         if finished:
             req.metrics.finished_time = now
-        return RequestOutput(request_id=req.request_id, prompt=None, prompt_token_ids=list(req.prompt_ids),
-                             prompt_logprobs=req.prompt_logprobs, outputs=completions, finished=finished,
-                             num_cached_tokens=0, metrics=dataclasses.replace(req.metrics))
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=None,
+            prompt_token_ids=list(req.prompt_ids),
+            prompt_logprobs=req.prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=0,
+            metrics=dataclasses.replace(req.metrics),
+        )

@@ -25,8 +25,14 @@ class LiveServer:
       exit_code: run_server's return value once it stopped, else None.
     """
 
-    def __init__(self, llm: Any, *, api_key: str | None = None, dead_grace_s: float = 0.3,
-                 start_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        api_key: str | None = None,
+        dead_grace_s: float = 0.3,
+        start_timeout_s: float = 30.0,
+    ) -> None:
         self.llm = llm
         self.app = build_app(llm, api_key=api_key)
         self.exit_code: int | None = None
@@ -50,8 +56,15 @@ class LiveServer:
                 self._port = port
                 self._ready.set()
 
-            return await run_server(self.llm, host="127.0.0.1", port=0, ready=ready, stop=self._stop,
-                                    dead_grace_s=self._dead_grace_s, app=self.app)
+            return await run_server(
+                self.llm,
+                host="127.0.0.1",
+                port=0,
+                ready=ready,
+                stop=self._stop,
+                dead_grace_s=self._dead_grace_s,
+                app=self.app,
+            )
 
         self.exit_code = asyncio.run(main())
 
@@ -79,7 +92,7 @@ def sse(client, path, body, *, expect=200):
         events = []
         for line in r.iter_lines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 events.append(data if data == "[DONE]" else json.loads(data))
             else:
                 assert line == "", line
@@ -91,7 +104,9 @@ def metric_values(client) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            key = s.name + "".join(f"[{v}]" for k, v in sorted(s.labels.items()) if k != "model_name")
+            key = s.name + "".join(
+                f"[{v}]" for k, v in sorted(s.labels.items()) if k != "model_name"
+            )
             out[key] = s.value
     return out
 
@@ -101,8 +116,11 @@ def wait_idle(client, llm, timeout=2.0):
     deadline = time.monotonic() + timeout
     while True:
         m = metric_values(client)
-        idle = (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0
-                and m["jaxserve:num_requests_waiting"] == 0)
+        idle = (
+            m["jaxserve:num_requests_running"] == 0
+            and m["jaxserve:kv_cache_usage_perc"] == 0
+            and m["jaxserve:num_requests_waiting"] == 0
+        )
         if idle or time.monotonic() > deadline:
             return m, idle
         time.sleep(0.02)

@@ -29,17 +29,30 @@ COMPL = "/v1/completions"
 
 def _has_weights(path: str) -> bool:
     """Safetensors files, or our orbax layout's ``params/`` (jaxserve.model.loader)."""
-    return bool(glob.glob(os.path.join(path, "*.safetensors")) or os.path.isdir(os.path.join(path, "params")))
+    return bool(
+        glob.glob(os.path.join(path, "*.safetensors"))
+        or os.path.isdir(os.path.join(path, "params"))
+    )
 
 
 @pytest.fixture(scope="module")
 def server():
     if not os.path.isfile(os.path.join(MODEL_DIR, "config.json")):
         pytest.skip("the bundled model config is missing")
-    args = EngineArgs(model=MODEL_DIR, load_format="auto" if _has_weights(MODEL_DIR) else "dummy", dtype="float32",
-                      served_model_name="tiny-llama", max_model_len=MAX_MODEL_LEN,
-                      num_gpu_blocks_override=NUM_BLOCKS, block_size=16, max_num_batched_tokens=64, max_num_seqs=8,
-                      long_prefill_token_threshold=0, attention_backend="reference", token_buckets="16,64")
+    args = EngineArgs(
+        model=MODEL_DIR,
+        load_format="auto" if _has_weights(MODEL_DIR) else "dummy",
+        dtype="float32",
+        served_model_name="tiny-llama",
+        max_model_len=MAX_MODEL_LEN,
+        num_gpu_blocks_override=NUM_BLOCKS,
+        block_size=16,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        long_prefill_token_threshold=0,
+        attention_backend="reference",
+        token_buckets="16,64",
+    )
     llm = AsyncLLM.from_engine_args(args)
     srv = LiveServer(llm)
     yield srv
@@ -65,30 +78,63 @@ def _greedy(client, n_tokens=24, **extra):
 
 # ---- the official client -----------------------------------------------------------------------
 
+
 def test_openai_client_sync(server):
     oai = _oai(server)
     models = oai.models.list()
     assert [m.id for m in models.data] == ["tiny-llama"]
-    done = oai.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, n=2, temperature=0.8, seed=1)
+    done = oai.completions.create(
+        model="tiny-llama", prompt=PROMPT, max_tokens=8, n=2, temperature=0.8, seed=1
+    )
     assert len(done.choices) == 2 and {c.index for c in done.choices} == {0, 1}
     assert done.usage.completion_tokens <= 16 and done.usage.prompt_tokens > 0
-    greedy = oai.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=0,
-                                    extra_body={"ignore_eos": True})
-    streamed = oai.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
-                                      extra_body={"ignore_eos": True})
+    greedy = oai.completions.create(
+        model="tiny-llama",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    streamed = oai.completions.create(
+        model="tiny-llama",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == greedy.choices[0].text
 
     messages = [{"role": "user", "content": "Tell me a story."}]
-    chat = oai.chat.completions.create(model="tiny-llama", messages=messages, max_completion_tokens=8, temperature=0,
-                                       n=2, extra_body={"ignore_eos": True})
+    chat = oai.chat.completions.create(
+        model="tiny-llama",
+        messages=messages,
+        max_completion_tokens=8,
+        temperature=0,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.message.role for c in chat.choices] == ["assistant", "assistant"]
-    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: both samples agree
+    assert (
+        chat.choices[0].message.content == chat.choices[1].message.content
+    )  # greedy: both samples agree
     assert chat.usage.completion_tokens == 16
-    chunks = list(oai.chat.completions.create(model="tiny-llama", messages=messages, max_completion_tokens=8,
-                                              temperature=0, stream=True, stream_options={"include_usage": True},
-                                              extra_body={"ignore_eos": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model="tiny-llama",
+            messages=messages,
+            max_completion_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == chat.choices[0].message.content
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="does-not-exist", messages=messages)
@@ -101,15 +147,33 @@ def test_openai_client_async(server):
         oai = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         async with oai:
             prompts = [f"{PROMPT} {w}" for w in ("cat", "dog", "bird")]
-            together = await asyncio.gather(*(oai.completions.create(
-                model="tiny-llama", prompt=p, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
-                for p in prompts))
+            together = await asyncio.gather(
+                *(
+                    oai.completions.create(
+                        model="tiny-llama",
+                        prompt=p,
+                        max_tokens=6,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for p in prompts
+                )
+            )
             assert [r.usage.completion_tokens for r in together] == [6, 6, 6]
-            assert all(r.choices[0].finish_reason == "length" and r.id.startswith("cmpl-") for r in together)
+            assert all(
+                r.choices[0].finish_reason == "length" and r.id.startswith("cmpl-")
+                for r in together
+            )
             assert len({r.id for r in together}) == 3
             stream = await oai.chat.completions.create(
-                model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=2, stream=True,
-                temperature=1.0, seed=3)
+                model="tiny-llama",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=5,
+                n=2,
+                stream=True,
+                temperature=1.0,
+                seed=3,
+            )
             texts = {0: "", 1: ""}
             finish = {}
             async for chunk in stream:
@@ -124,10 +188,13 @@ def test_openai_client_async(server):
 
 # ---- streaming text ----------------------------------------------------------------------------
 
+
 def _token_boundaries(tokenizer, prompt_ids, out_ids):
     """Character offsets in the output text where each output token ends."""
     base = len(tokenizer.decode(prompt_ids))
-    return [len(tokenizer.decode(prompt_ids + out_ids[:i + 1])) - base for i in range(len(out_ids))]
+    return [
+        len(tokenizer.decode(prompt_ids + out_ids[: i + 1])) - base for i in range(len(out_ids))
+    ]
 
 
 def test_sentencepiece_spaces(server, client):
@@ -140,7 +207,7 @@ def test_sentencepiece_spaces(server, client):
     assert joined == full["text"]
     prompt_ids = tok.encode(PROMPT)
     engine_ids = _engine_token_ids(server, PROMPT, 32)
-    reference = tok.decode(prompt_ids + engine_ids)[len(tok.decode(prompt_ids)):]
+    reference = tok.decode(prompt_ids + engine_ids)[len(tok.decode(prompt_ids)) :]
     assert tok.decode(prompt_ids + engine_ids).startswith(tok.decode(prompt_ids))
     assert full["text"] == reference
     assert full["text"].strip() == tok.decode(engine_ids).strip()
@@ -151,6 +218,7 @@ def test_sentencepiece_spaces(server, client):
 def _engine_token_ids(server, prompt, n):
     async def run():
         from jaxserve.sampling_params import SamplingParams
+
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         last = None
         async for out in server.llm.generate(prompt, params, f"ids-{time.monotonic_ns()}"):
@@ -171,7 +239,7 @@ def test_stop_string_leak(server, client):
     cuts = set(ends)
     spanning = inside = None
     for start in range(1, len(greedy) - 3):
-        candidate = greedy[start:start + 3]
+        candidate = greedy[start : start + 3]
         first = greedy.index(candidate)
         crosses = any(first < b < first + 3 for b in cuts)
         if crosses and spanning is None and candidate.strip():
@@ -184,11 +252,21 @@ def test_stop_string_leak(server, client):
     for stop in stops:
         cut = greedy.index(stop)
         for include in (False, True):
-            expected = greedy[:cut + len(stop)] if include else greedy[:cut]
-            body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop],
-                    "include_stop_str_in_output": include}
+            expected = greedy[: cut + len(stop)] if include else greedy[:cut]
+            body = {
+                "prompt": PROMPT,
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stop": [stop],
+                "include_stop_str_in_output": include,
+            }
             full = client.post(COMPL, json=body).json()["choices"][0]
-            assert (full["text"], full["finish_reason"], full["stop_reason"]) == (expected, "stop", stop)
+            assert (full["text"], full["finish_reason"], full["stop_reason"]) == (
+                expected,
+                "stop",
+                stop,
+            )
             sent = ""
             chunks = sse(client, COMPL, {**body, "stream": True})[:-1]
             for c in chunks:
@@ -198,6 +276,7 @@ def test_stop_string_leak(server, client):
 
 
 # ---- aborts, queue, scoring, caching -----------------------------------------------------------
+
 
 def test_abort_n2_leak(server, client):
     """Case abort-n2-leak: close an n=2 stream after 3 chunks, 20 times; then a client timeout.
@@ -225,12 +304,19 @@ def test_abort_n2_leak(server, client):
 def test_echo_max_tokens_0(server, client):
     """Case echo-max-tokens-0 on the model: prompt scoring with logprobs, then max_tokens 0 and 1."""
     n_prompt = len(server.llm.tokenizer.encode(PROMPT))
-    body = client.post(COMPL, json={"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0}).json()
+    body = client.post(
+        COMPL, json={"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0}
+    ).json()
     choice = body["choices"][0]
     assert choice["text"] == PROMPT and body["usage"]["completion_tokens"] == 0
     lps = choice["logprobs"]["token_logprobs"]
     assert len(lps) == n_prompt and lps[0] is None and all(x <= 0 for x in lps[1:])
-    assert client.post(COMPL, json={"prompt": PROMPT, "max_tokens": 0}).json()["usage"]["completion_tokens"] == 0
+    assert (
+        client.post(COMPL, json={"prompt": PROMPT, "max_tokens": 0}).json()["usage"][
+            "completion_tokens"
+        ]
+        == 0
+    )
     one = client.post(COMPL, json={"prompt": PROMPT, "max_tokens": 1, "ignore_eos": True}).json()
     assert one["usage"]["completion_tokens"] == 1
 
@@ -241,7 +327,10 @@ def test_long_prompt_does_not_block_queue(server, client):
     error = assert_error(too_long, 400, "prompt")
     assert str(MAX_MODEL_LEN) in error["message"] and str(MAX_MODEL_LEN + 1) in error["message"]
     start = time.monotonic()
-    assert client.post(COMPL, json={"prompt": "one two three four", "max_tokens": 5}).status_code == 200
+    assert (
+        client.post(COMPL, json={"prompt": "one two three four", "max_tokens": 5}).status_code
+        == 200
+    )
     assert time.monotonic() - start < 30
     assert wait_idle(client, server.llm)[1]
 
@@ -255,9 +344,14 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
     assert first["usage"]["prompt_tokens"] == second["usage"]["prompt_tokens"] == 61
     after = metric_values(client)
-    assert after["jaxserve:prefix_cache_hits_total"] - before["jaxserve:prefix_cache_hits_total"] >= 48
+    assert (
+        after["jaxserve:prefix_cache_hits_total"] - before["jaxserve:prefix_cache_hits_total"] >= 48
+    )
     assert after["jaxserve:prompt_tokens_total"] - before["jaxserve:prompt_tokens_total"] == 122
-    assert after["jaxserve:time_to_first_token_seconds_count"] > before["jaxserve:time_to_first_token_seconds_count"]
+    assert (
+        after["jaxserve:time_to_first_token_seconds_count"]
+        > before["jaxserve:time_to_first_token_seconds_count"]
+    )
 
 
 def test_top_p_boundaries_on_the_model(client):

@@ -26,24 +26,54 @@ from server_harness import MODEL_DIR, LiveServer
 from jaxserve.cli import build_parser, main
 from jaxserve.config import EngineArgs
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.entrypoints.batch_io import (BatchLine, LineError, OutputFile, error_record, parse_input,
-                                           read_records, record_succeeded, response_record)
-from jaxserve.entrypoints.run_batch import (EXIT_ENGINE_DEAD, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE,
-                                            run_batch_main)
+from jaxserve.entrypoints.batch_io import (
+    BatchLine,
+    LineError,
+    OutputFile,
+    error_record,
+    parse_input,
+    read_records,
+    record_succeeded,
+    response_record,
+)
+from jaxserve.entrypoints.run_batch import (
+    EXIT_ENGINE_DEAD,
+    EXIT_OK,
+    EXIT_SOME_FAILED,
+    EXIT_USAGE,
+    run_batch_main,
+)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 XLA_CACHE_DIR = os.path.join(tempfile.gettempdir(), f"jaxserve-test-xla-{os.getuid()}")
 MAX_MODEL_LEN = 256
-ENGINE_FLAGS = [os.path.abspath(MODEL_DIR), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                "--num-gpu-blocks-override", "64", "--max-num-batched-tokens", "128", "--max-num-seqs", "8",
-                "--attention-backend", "reference", "--token-buckets", "16,32,64,128",
-                "--compilation-cache-dir", XLA_CACHE_DIR, "--no-progress"]
+ENGINE_FLAGS = [
+    os.path.abspath(MODEL_DIR),
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--num-gpu-blocks-override",
+    "64",
+    "--max-num-batched-tokens",
+    "128",
+    "--max-num-seqs",
+    "8",
+    "--attention-backend",
+    "reference",
+    "--token-buckets",
+    "16,32,64,128",
+    "--compilation-cache-dir",
+    XLA_CACHE_DIR,
+    "--no-progress",
+]
 COMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 def _args(input_path: str, output_path: str, *extra: str):
     return build_parser(["run-batch"]).parse_args(
-        ["run-batch", "-i", input_path, "-o", output_path, *ENGINE_FLAGS, *extra])
+        ["run-batch", "-i", input_path, "-o", output_path, *ENGINE_FLAGS, *extra]
+    )
 
 
 def _line(custom_id: str, url: str, body: dict) -> str:
@@ -93,7 +123,12 @@ def _assert_same(got, want, path="body") -> None:
 def _stable(body: dict) -> dict:
     """A response body without what legitimately differs between two runs (ids, time, prefix-cache hits)."""
     usage = {k: v for k, v in body["usage"].items() if k != "prompt_tokens_details"}
-    return {"choices": body["choices"], "usage": usage, "object": body["object"], "model": body["model"]}
+    return {
+        "choices": body["choices"],
+        "usage": usage,
+        "object": body["object"],
+        "model": body["model"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +140,21 @@ def llm():
 
 # ---- the shared cases ---------------------------------------------------------------------------
 
+
 def test_overlong_line(tmp_path, llm):
-    lines = [_line("first", COMPL, {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}),
-             _line("long", COMPL, {"prompt": list(range(5, 5 + MAX_MODEL_LEN + 40)), "max_tokens": 8}),
-             _line("third", CHAT, {"messages": [{"role": "user", "content": "Tell me a story."}],
-                                   "max_tokens": 10, "temperature": 0})]
+    lines = [
+        _line("first", COMPL, {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}),
+        _line("long", COMPL, {"prompt": list(range(5, 5 + MAX_MODEL_LEN + 40)), "max_tokens": 8}),
+        _line(
+            "third",
+            CHAT,
+            {
+                "messages": [{"role": "user", "content": "Tell me a story."}],
+                "max_tokens": 10,
+                "temperature": 0,
+            },
+        ),
+    ]
     code, records = _run(tmp_path, lines, llm)
     assert code == EXIT_SOME_FAILED
     got = _by_id(records)
@@ -128,39 +173,54 @@ def test_overlong_line(tmp_path, llm):
 
 def test_per_line_errors(tmp_path, llm):
     valid = {"prompt": "The cat", "max_tokens": 6, "temperature": 0}
-    lines = [_line("ok", COMPL, valid),
-             _line("embed", "/v1/embeddings", {"input": "hi", "model": "tiny-llama"}),
-             _line("streamed", CHAT, {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
-             '{"custom_id": "broken", "url": "/v1/completions", "body": {"prompt": ',
-             "",
-             _line("no-messages", CHAT, {"max_tokens": 4}),
-             json.dumps({"url": COMPL, "body": valid}),
-             _line("ok", COMPL, valid),
-             json.dumps({"custom_id": "get", "method": "GET", "url": COMPL, "body": valid}),
-             json.dumps({"custom_id": "no-body", "method": "POST", "url": COMPL}),
-             "[1, 2]",
-             _line("bad-param", COMPL, {**valid, "temperature": -1})]
+    lines = [
+        _line("ok", COMPL, valid),
+        _line("embed", "/v1/embeddings", {"input": "hi", "model": "tiny-llama"}),
+        _line("streamed", CHAT, {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        '{"custom_id": "broken", "url": "/v1/completions", "body": {"prompt": ',
+        "",
+        _line("no-messages", CHAT, {"max_tokens": 4}),
+        json.dumps({"url": COMPL, "body": valid}),
+        _line("ok", COMPL, valid),
+        json.dumps({"custom_id": "get", "method": "GET", "url": COMPL, "body": valid}),
+        json.dumps({"custom_id": "no-body", "method": "POST", "url": COMPL}),
+        "[1, 2]",
+        _line("bad-param", COMPL, {**valid, "temperature": -1}),
+    ]
     code, records = _run(tmp_path, lines, llm)
     assert code == EXIT_SOME_FAILED
     assert len(records) == len(lines) - 1  # the blank line has no record
     line_errors = {r["error"]["line"]: r for r in records if r["error"] is not None}
     responses = {r["custom_id"]: r["response"] for r in records if r["error"] is None}
     assert {line: (r["custom_id"], r["error"]["code"]) for line, r in line_errors.items()} == {
-        2: ("embed", "invalid_url"), 4: (None, "invalid_json"), 7: (None, "missing_custom_id"),
-        8: ("ok", "duplicate_custom_id"), 9: ("get", "invalid_method"), 10: ("no-body", "invalid_body"),
-        11: (None, "invalid_json")}
+        2: ("embed", "invalid_url"),
+        4: (None, "invalid_json"),
+        7: (None, "missing_custom_id"),
+        8: ("ok", "duplicate_custom_id"),
+        9: ("get", "invalid_method"),
+        10: ("no-body", "invalid_body"),
+        11: (None, "invalid_json"),
+    }
     for line, r in line_errors.items():
         assert r["response"] is None and r["error"]["message"].startswith(f"line {line}:")
     assert set(responses) == {"ok", "streamed", "no-messages", "bad-param"}
     assert responses["ok"]["status_code"] == 200 and responses["ok"]["body"]["choices"][0]["text"]
-    for cid, param in (("streamed", "stream"), ("no-messages", "messages"), ("bad-param", "temperature")):
+    for cid, param in (
+        ("streamed", "stream"),
+        ("no-messages", "messages"),
+        ("bad-param", "temperature"),
+    ):
         assert responses[cid]["status_code"] == 400
         assert responses[cid]["body"]["error"]["param"] == param, responses[cid]
 
 
 def _http(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -169,15 +229,36 @@ def _http(url: str, body: dict) -> tuple[int, dict]:
 
 
 def test_bodies_equal_the_http_servers(tmp_path, llm):
-    bodies = [(COMPL, {"prompt": "Once upon a time, there was", "max_tokens": 12, "temperature": 0}),
-              (COMPL, {"prompt": ["The dog", "A little girl"], "max_tokens": 6, "temperature": 0,
-                       "logprobs": 2, "echo": True, "ignore_eos": True}),
-              (COMPL, {"prompt": "She said", "max_tokens": 16, "temperature": 0, "stop": ["."]}),
-              (CHAT, {"messages": [{"role": "system", "content": "Be brief."},
-                                   {"role": "user", "content": "What is a cat?"}],
-                      "max_completion_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 1}),
-              (COMPL, {"prompt": "x", "top_p": 1.5}),
-              (CHAT, {"model": "not-served", "messages": [{"role": "user", "content": "hi"}]})]
+    bodies = [
+        (COMPL, {"prompt": "Once upon a time, there was", "max_tokens": 12, "temperature": 0}),
+        (
+            COMPL,
+            {
+                "prompt": ["The dog", "A little girl"],
+                "max_tokens": 6,
+                "temperature": 0,
+                "logprobs": 2,
+                "echo": True,
+                "ignore_eos": True,
+            },
+        ),
+        (COMPL, {"prompt": "She said", "max_tokens": 16, "temperature": 0, "stop": ["."]}),
+        (
+            CHAT,
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "What is a cat?"},
+                ],
+                "max_completion_tokens": 12,
+                "temperature": 0,
+                "logprobs": True,
+                "top_logprobs": 1,
+            },
+        ),
+        (COMPL, {"prompt": "x", "top_p": 1.5}),
+        (CHAT, {"model": "not-served", "messages": [{"role": "user", "content": "hi"}]}),
+    ]
     lines = [_line(f"r{i}", url, body) for i, (url, body) in enumerate(bodies)]
     _, records = _run(tmp_path, lines, llm)
     got = _by_id(records)
@@ -200,14 +281,40 @@ def test_bodies_equal_the_http_servers(tmp_path, llm):
 def test_resume_after_sigkill_and_torn_line(tmp_path, llm):
     """Kill the real command mid-run, tear its last record, rerun: every custom_id exactly once."""
     n = 40
-    lines = [_line(f"req-{i:02d}", COMPL, {"prompt": f"Story number {i}: once upon a time", "temperature": 0,
-                                           "max_tokens": 16 + 8 * (i % 5), "ignore_eos": True})
-             for i in range(n)]
+    lines = [
+        _line(
+            f"req-{i:02d}",
+            COMPL,
+            {
+                "prompt": f"Story number {i}: once upon a time",
+                "temperature": 0,
+                "max_tokens": 16 + 8 * (i % 5),
+                "ignore_eos": True,
+            },
+        )
+        for i in range(n)
+    ]
     src, out = tmp_path / "resume.in.jsonl", tmp_path / "resume.out.jsonl"
     src.write_text("\n".join(lines) + "\n")
     log = open(tmp_path / "first-run.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "run-batch", "-i", str(src), "-o", str(out),
-                             *ENGINE_FLAGS, "--fsync-interval-s", "0"], cwd=REPO, stdout=log, stderr=log)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxserve.cli",
+            "run-batch",
+            "-i",
+            str(src),
+            "-o",
+            str(out),
+            *ENGINE_FLAGS,
+            "--fsync-interval-s",
+            "0",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=log,
+    )
     try:
         deadline = time.monotonic() + 240
         while not (out.exists() and out.read_bytes().count(b"\n") >= 4):
@@ -223,7 +330,9 @@ def test_resume_after_sigkill_and_torn_line(tmp_path, llm):
     data = out.read_bytes()
     end = data.rfind(b"\n") + 1
     complete = data[:end].split(b"\n")[:-1]
-    assert 4 <= len(complete) < n, f"{len(complete)} of {n} records before the kill: nothing left to resume"
+    assert 4 <= len(complete) < n, (
+        f"{len(complete)} of {n} records before the kill: nothing left to resume"
+    )
     # Simulate a kill inside the last write: cut the last record in half.
     torn = json.loads(complete[-1])["custom_id"]
     keep = end - len(complete[-1]) - 1 + len(complete[-1]) // 2
@@ -234,7 +343,9 @@ def test_resume_after_sigkill_and_torn_line(tmp_path, llm):
     code = run_batch_main(_args(str(src), str(out)), llm=llm)
     assert code == EXIT_OK
     final = out.read_bytes()
-    assert final.startswith(b"\n".join(kept_records) + b"\n"), "records of the first run were rewritten"
+    assert final.startswith(b"\n".join(kept_records) + b"\n"), (
+        "records of the first run were rewritten"
+    )
     records = _records(out)
     got = _by_id(records)
     assert sorted(got) == [f"req-{i:02d}" for i in range(n)]
@@ -249,14 +360,19 @@ def test_resume_after_sigkill_and_torn_line(tmp_path, llm):
 
 # ---- the command around the cases ----------------------------------------------------------------
 
+
 def test_stdin_to_stdout(tmp_path, llm, monkeypatch, capsysbinary):
-    lines = [_line("a", COMPL, {"prompt": "Hello", "max_tokens": 4, "temperature": 0}),
-             _line("b", COMPL, {"prompt": "Hello", "max_tokens": 0, "echo": True})]
+    lines = [
+        _line("a", COMPL, {"prompt": "Hello", "max_tokens": 4, "temperature": 0}),
+        _line("b", COMPL, {"prompt": "Hello", "max_tokens": 0, "echo": True}),
+    ]
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines)).encode())))
     code = run_batch_main(_args("-", "-"), llm=llm)
     captured = capsysbinary.readouterr()
     assert code == EXIT_OK
-    records = [json.loads(x) for x in captured.out.decode().splitlines()]  # stdout holds records only
+    records = [
+        json.loads(x) for x in captured.out.decode().splitlines()
+    ]  # stdout holds records only
     assert sorted(r["custom_id"] for r in records) == ["a", "b"]
     assert all(record_succeeded(r) for r in records)
     assert b"2 succeeded, 0 failed" in captured.err
@@ -266,12 +382,14 @@ def test_usage_errors(tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     src = tmp_path / "in.jsonl"
     src.write_text(_line("a", COMPL, {"prompt": "hi"}) + "\n")
-    for argv in (["run-batch", "-i", str(tmp_path / "missing.jsonl"), "-o", str(out)],
-                 ["run-batch", "-i", str(src), "-o", str(tmp_path)],
-                 ["run-batch", "-i", str(src), "-o", str(tmp_path / "no-such-dir" / "out.jsonl")],
-                 ["run-batch", "-o", str(out)],
-                 ["run-batch", "-i", str(src), "-o", str(out), "--max-num-seqs", "many"],
-                 ["run-batch", "-i", str(src), "-o", str(out), "--fsync-interval-s", "-1"]):
+    for argv in (
+        ["run-batch", "-i", str(tmp_path / "missing.jsonl"), "-o", str(out)],
+        ["run-batch", "-i", str(src), "-o", str(tmp_path)],
+        ["run-batch", "-i", str(src), "-o", str(tmp_path / "no-such-dir" / "out.jsonl")],
+        ["run-batch", "-o", str(out)],
+        ["run-batch", "-i", str(src), "-o", str(out), "--max-num-seqs", "many"],
+        ["run-batch", "-i", str(src), "-o", str(out), "--fsync-interval-s", "-1"],
+    ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == EXIT_USAGE, argv
@@ -295,7 +413,9 @@ def test_engine_death_stops_the_run_and_a_rerun_resumes(tmp_path):
     assert 1 <= len(first) < len(lines) and all(record_succeeded(r) for r in first)
     healthy = AsyncLLM(FakeEngine(MODEL_DIR, step_s=0.0))
     try:
-        code = run_batch_main(_args(str(tmp_path / "dead.in.jsonl"), str(tmp_path / "dead.out.jsonl")), llm=healthy)
+        code = run_batch_main(
+            _args(str(tmp_path / "dead.in.jsonl"), str(tmp_path / "dead.out.jsonl")), llm=healthy
+        )
     finally:
         healthy.shutdown()
     assert code == EXIT_OK
@@ -304,8 +424,13 @@ def test_engine_death_stops_the_run_and_a_rerun_resumes(tmp_path):
 
 # ---- the file format, without an engine ------------------------------------------------------------
 
+
 def test_resume_keys_line_errors_by_line_and_responses_by_custom_id(tmp_path):
-    lines = [_line("a", COMPL, {"prompt": "x"}).encode(), b"{oops", _line("a", COMPL, {"prompt": "y"}).encode()]
+    lines = [
+        _line("a", COMPL, {"prompt": "x"}).encode(),
+        b"{oops",
+        _line("a", COMPL, {"prompt": "y"}).encode(),
+    ]
     items = parse_input(lines)
     assert [type(i) for i in items] == [BatchLine, LineError, LineError]
     assert [i.line for i in items] == [1, 2, 3]
@@ -315,7 +440,11 @@ def test_resume_keys_line_errors_by_line_and_responses_by_custom_id(tmp_path):
         output.write(error_record(items[2]))
     output, state = OutputFile.open(str(path))
     with output:
-        assert [state.is_done(i) for i in items] == [False, False, True]  # "a" itself still has to run
+        assert [state.is_done(i) for i in items] == [
+            False,
+            False,
+            True,
+        ]  # "a" itself still has to run
         output.write(response_record("a", 200, {"id": "cmpl-1", "usage": {}}))
         output.write(error_record(items[1]))
     state = read_records(path.read_bytes())

@@ -24,10 +24,21 @@ def golden_path(name: str) -> str:
 
 def tiny_hf_config(**overrides) -> dict:
     """A HF config.json dict of a tiny Llama (GQA 4/2 heads, head_dim 16)."""
-    hf = dict(architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=32,
-              intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-              rms_norm_eps=1e-5, rope_theta=10000.0, eos_token_id=2, bos_token_id=1)
+    hf = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     hf.update(overrides)
     return hf
 
@@ -51,7 +62,7 @@ def dense_logits(model, seq) -> np.ndarray:
 def _paged_step(graphdef, state, input_ids, positions, kv_caches, metadata):
     model = nnx.merge(graphdef, state)
     hidden, kv_caches = model(input_ids, positions, kv_caches, metadata)
-    return model.compute_logits(hidden), kv_caches        # [T, vocab] float32 (all rows)
+    return model.compute_logits(hidden), kv_caches  # [T, vocab] float32 (all rows)
 
 
 class PagedRunner:
@@ -63,8 +74,19 @@ class PagedRunner:
     ``{seq: logits [n_new, vocab]}``.
     """
 
-    def __init__(self, model, sequences: dict[str, list[int]], *, block_size=4, num_blocks=32,
-                 max_blocks_per_seq=8, t_bucket=16, s_bucket=4, backend="reference", seed=0):
+    def __init__(
+        self,
+        model,
+        sequences: dict[str, list[int]],
+        *,
+        block_size=4,
+        num_blocks=32,
+        max_blocks_per_seq=8,
+        t_bucket=16,
+        s_bucket=4,
+        backend="reference",
+        seed=0,
+    ):
         cfg = model.config
         self.graphdef, self.state = nnx.split(model)
         self.seqs = sequences
@@ -73,12 +95,15 @@ class PagedRunner:
         self.backend = backend
         ids = np.random.default_rng(seed).permutation(np.arange(1, num_blocks))
         self.block_tables = {
-            name: ids[i * max_blocks_per_seq:(i + 1) * max_blocks_per_seq]
-            for i, name in enumerate(sequences)}
+            name: ids[i * max_blocks_per_seq : (i + 1) * max_blocks_per_seq]
+            for i, name in enumerate(sequences)
+        }
         assert len(sequences) * max_blocks_per_seq < num_blocks
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
-                          for _ in range(cfg.num_layers)]
+        self.kv_caches = [
+            (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+            for _ in range(cfg.num_layers)
+        ]
         self.num_computed = {name: 0 for name in sequences}
 
     def step(self, schedule: dict[str, int]) -> dict[str, np.ndarray]:
@@ -95,21 +120,33 @@ class PagedRunner:
             start = self.num_computed[name]
             pos = np.arange(start, start + n_new)
             table = self.block_tables[name]
-            input_ids[t:t + n_new] = self.seqs[name][start:start + n_new]
-            positions[t:t + n_new] = pos
-            slot_mapping[t:t + n_new] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            input_ids[t : t + n_new] = self.seqs[name][start : start + n_new]
+            positions[t : t + n_new] = pos
+            slot_mapping[t : t + n_new] = (
+                table[pos // self.block_size] * self.block_size + pos % self.block_size
+            )
             block_tables[i] = table
             context_lens[i] = start + n_new
             spans[name] = (t, t + n_new)
             t += n_new
-            query_start_loc[i + 1:] = t
+            query_start_loc[i + 1 :] = t
             self.num_computed[name] += n_new
         assert t <= T
         metadata = PagedAttentionMetadata(
-            slot_mapping=jnp.asarray(slot_mapping), block_tables=jnp.asarray(block_tables),
-            context_lens=jnp.asarray(context_lens), query_start_loc=jnp.asarray(query_start_loc),
-            num_seqs=jnp.asarray(len(schedule), jnp.int32), backend=self.backend)
-        logits, self.kv_caches = _paged_step(self.graphdef, self.state, jnp.asarray(input_ids),
-                                             jnp.asarray(positions), self.kv_caches, metadata)
+            slot_mapping=jnp.asarray(slot_mapping),
+            block_tables=jnp.asarray(block_tables),
+            context_lens=jnp.asarray(context_lens),
+            query_start_loc=jnp.asarray(query_start_loc),
+            num_seqs=jnp.asarray(len(schedule), jnp.int32),
+            backend=self.backend,
+        )
+        logits, self.kv_caches = _paged_step(
+            self.graphdef,
+            self.state,
+            jnp.asarray(input_ids),
+            jnp.asarray(positions),
+            self.kv_caches,
+            metadata,
+        )
         logits = np.asarray(logits)
         return {name: logits[a:b] for name, (a, b) in spans.items()}

@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_testing import dense_logits, golden_path, tiny_hf_config
 
 from jaxserve.model.checkpoint import add_convert_parser, convert, save_params
 from jaxserve.model.config import ModelLoadError
 from jaxserve.model.loader import detect_load_format, load_model
-from model_testing import dense_logits, golden_path, tiny_hf_config
 
 
 def _leaves(model):
@@ -44,9 +44,14 @@ def test_convert_cli_matches_safetensors(tmp_path):
     args = parser.parse_args(["convert", golden_path("llama"), str(out), "--dtype", "float32"])
     assert args.func(args) == 0
 
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "golden.npz", "params"]
+    assert sorted(os.listdir(out)) == [
+        "config.json",
+        "generation_config.json",
+        "golden.npz",
+        "params",
+    ]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
-    converted, cfg, gen = load_model(str(out))                       # auto: orbax, float32
+    converted, cfg, gen = load_model(str(out))  # auto: orbax, float32
     original, _, _ = load_model(golden_path("llama"), dtype="float32")
     assert gen["eos_token_id"] == [2, 3] and cfg.rope.rope_type == "llama3"
     for a, b in zip(_leaves(converted), _leaves(original), strict=True):

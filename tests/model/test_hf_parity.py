@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from model_testing import GOLDEN_ARCHS, PagedRunner, dense_logits, golden_path
 
 from jaxserve.model.config import ModelArchConfig
 from jaxserve.model.loader import load_model
-from model_testing import GOLDEN_ARCHS, PagedRunner, dense_logits, golden_path
 
 ATOL = 1e-4
 
@@ -23,13 +23,15 @@ def _golden(name):
 def test_dense_logits_match_transformers(name):
     model, cfg, _ = load_model(golden_path(name), dtype="float32")
     for prompt, expected in _golden(name):
-        assert np.std(expected) > 0.5    # fixture logits are far from uniform
+        assert np.std(expected) > 0.5  # fixture logits are far from uniform
         np.testing.assert_allclose(dense_logits(model, prompt), expected, atol=ATOL, rtol=0)
 
 
 def test_fixture_configs_exercise_each_switch():
     cfgs = {name: ModelArchConfig.from_pretrained(golden_path(name)) for name in GOLDEN_ARCHS}
-    assert cfgs["llama"].rope.rope_type == "llama3" and cfgs["llama"].o_bias and cfgs["llama"].mlp_bias
+    assert (
+        cfgs["llama"].rope.rope_type == "llama3" and cfgs["llama"].o_bias and cfgs["llama"].mlp_bias
+    )
     assert cfgs["mistral"].layer_sliding_windows == (4, 4)
     assert cfgs["qwen2"].qkv_bias and not cfgs["qwen2"].o_bias and cfgs["qwen2"].tie_word_embeddings
     assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim == 24

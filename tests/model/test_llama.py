@@ -8,17 +8,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_testing import PagedRunner, dense_logits, tiny_config
 
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.loader import abstract_model
-from model_testing import PagedRunner, dense_logits, tiny_config
 
-SEQ_A = [1, 5, 9, 33, 7, 100, 12, 64, 3, 90, 17, 44, 8, 21, 5, 77]   # 16 tokens
-SEQ_B = [1, 40, 2, 11, 120, 6, 7, 99, 55, 31]                         # 10 tokens
+SEQ_A = [1, 5, 9, 33, 7, 100, 12, 64, 3, 90, 17, 44, 8, 21, 5, 77]  # 16 tokens
+SEQ_B = [1, 40, 2, 11, 120, 6, 7, 99, 55, 31]  # 10 tokens
 
 
-SCHEDULE = ({"a": 7, "b": 6}, {"a": 5, "b": 1}, {"b": 1, "a": 1}, {"a": 1, "b": 1},
-            {"a": 1, "b": 1}, {"a": 1})
+SCHEDULE = (
+    {"a": 7, "b": 6},
+    {"a": 5, "b": 1},
+    {"b": 1, "a": 1},
+    {"a": 1, "b": 1},
+    {"a": 1, "b": 1},
+    {"a": 1},
+)
 
 
 def _run_paged(model, backend, block_size=4, schedule=SCHEDULE):
@@ -26,25 +32,29 @@ def _run_paged(model, backend, block_size=4, schedule=SCHEDULE):
     and then decodes; then both decode. Returns per sequence the logits of every position."""
     runner = PagedRunner(model, {"a": SEQ_A, "b": SEQ_B}, backend=backend, block_size=block_size)
     out = {"a": [], "b": []}
-    for schedule in schedule:
-        for name, logits in runner.step(schedule).items():
+    for step in schedule:
+        for name, logits in runner.step(step).items():
             out[name].append(logits)
     return {name: np.concatenate(chunks) for name, chunks in out.items()}
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(),                                                           # Llama, GQA, untied
-    dict(architectures=["MistralForCausalLM"], sliding_window=5),     # sliding window
-    dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),   # q/k/v bias, tied
-    dict(architectures=["Qwen3ForCausalLM"]),                         # q/k norm
-], ids=["llama", "mistral-window", "qwen2-bias-tied", "qwen3-qknorm"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),  # Llama, GQA, untied
+        dict(architectures=["MistralForCausalLM"], sliding_window=5),  # sliding window
+        dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),  # q/k/v bias, tied
+        dict(architectures=["Qwen3ForCausalLM"]),  # q/k norm
+    ],
+    ids=["llama", "mistral-window", "qwen2-bias-tied", "qwen3-qknorm"],
+)
 def test_paged_matches_dense_reference_backend(overrides):
     model = LlamaForCausalLM(tiny_config(**overrides), dtype=jnp.float32, rngs=nnx.Rngs(0))
     paged = _run_paged(model, "reference")
     for name, seq in (("a", SEQ_A), ("b", SEQ_B)):
         n = len(paged[name])
         dense = dense_logits(model, seq)[:n]
-        assert np.abs(dense).max() > 0.1   # non-degenerate logits
+        assert np.abs(dense).max() > 0.1  # non-degenerate logits
         np.testing.assert_allclose(paged[name], dense, atol=1e-4, rtol=0)
 
 
@@ -55,24 +65,27 @@ def test_paged_matches_dense_pallas_backend():
     model = LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
     paged = _run_paged(model, "pallas", block_size=16, schedule=SCHEDULE[:3])
     for name, seq in (("a", SEQ_A), ("b", SEQ_B)):
-        dense = dense_logits(model, seq)[:len(paged[name])]
+        dense = dense_logits(model, seq)[: len(paged[name])]
         np.testing.assert_allclose(paged[name], dense, atol=1e-4, rtol=0)
 
 
 def test_sliding_window_changes_logits():
     """Guards the test above: a window shorter than the sequence must matter."""
     full = LlamaForCausalLM(tiny_config(), dtype=jnp.float32, rngs=nnx.Rngs(0))
-    windowed = LlamaForCausalLM(tiny_config(architectures=["MistralForCausalLM"], sliding_window=5),
-                                dtype=jnp.float32, rngs=nnx.Rngs(0))
+    windowed = LlamaForCausalLM(
+        tiny_config(architectures=["MistralForCausalLM"], sliding_window=5),
+        dtype=jnp.float32,
+        rngs=nnx.Rngs(0),
+    )
     a, b = dense_logits(full, SEQ_A), dense_logits(windowed, SEQ_A)
-    np.testing.assert_allclose(a[:5], b[:5], atol=1e-5)     # within the window: identical
+    np.testing.assert_allclose(a[:5], b[:5], atol=1e-5)  # within the window: identical
     assert np.abs(a[5:] - b[5:]).max() > 1e-3
 
 
 def test_dense_right_padding_does_not_change_real_positions():
     model = LlamaForCausalLM(tiny_config(), dtype=jnp.float32, rngs=nnx.Rngs(0))
     exact = dense_logits(model, SEQ_B)
-    padded = dense_logits(model, SEQ_B + [0] * 6)[:len(SEQ_B)]
+    padded = dense_logits(model, SEQ_B + [0] * 6)[: len(SEQ_B)]
     np.testing.assert_allclose(padded, exact, atol=1e-6)
 
 
@@ -90,8 +103,9 @@ def test_bfloat16_params_and_float32_logits():
 
 
 def test_parameters_carry_logical_axes():
-    model = LlamaForCausalLM(tiny_config(architectures=["Qwen2ForCausalLM"]), dtype=jnp.float32,
-                             rngs=nnx.Rngs(0))
+    model = LlamaForCausalLM(
+        tiny_config(architectures=["Qwen2ForCausalLM"]), dtype=jnp.float32, rngs=nnx.Rngs(0)
+    )
     attn = model.layers[0].self_attn
     assert attn.q_proj.get_metadata()["out_sharding"] == ("embed", "q_heads", "head_dim")
     assert attn.k_bias.get_metadata()["out_sharding"] == ("kv_heads", "head_dim")

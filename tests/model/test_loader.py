@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_testing import dense_logits, golden_path, tiny_hf_config
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.model.config import ModelArchConfig, ModelLoadError
@@ -25,7 +26,6 @@ from jaxserve.model.loader import (
     resolve_dtype,
 )
 from jaxserve.model.presets import PRESET_HF_CONFIGS
-from model_testing import dense_logits, golden_path, tiny_hf_config
 
 PROMPT = [1, 17, 42, 99, 3]
 
@@ -49,15 +49,29 @@ def test_hf_name_mapping():
     assert hf_tensor_name(("embed_tokens",)) == ("model.embed_tokens.weight", None)
     assert hf_tensor_name(("lm_head",)) == ("lm_head.weight", None)
     assert hf_tensor_name(("norm", "weight")) == ("model.norm.weight", None)
-    assert hf_tensor_name(("layers", 3, "self_attn", "q_proj")) == ("model.layers.3.self_attn.q_proj.weight", 1)
-    assert hf_tensor_name(("layers", 0, "self_attn", "o_proj")) == ("model.layers.0.self_attn.o_proj.weight", 2)
-    assert hf_tensor_name(("layers", 0, "self_attn", "k_bias")) == ("model.layers.0.self_attn.k_proj.bias", 0)
+    assert hf_tensor_name(("layers", 3, "self_attn", "q_proj")) == (
+        "model.layers.3.self_attn.q_proj.weight",
+        1,
+    )
+    assert hf_tensor_name(("layers", 0, "self_attn", "o_proj")) == (
+        "model.layers.0.self_attn.o_proj.weight",
+        2,
+    )
+    assert hf_tensor_name(("layers", 0, "self_attn", "k_bias")) == (
+        "model.layers.0.self_attn.k_proj.bias",
+        0,
+    )
     assert hf_tensor_name(("layers", 1, "self_attn", "q_norm", "weight")) == (
-        "model.layers.1.self_attn.q_norm.weight", None)
-    assert hf_tensor_name(("layers", 1, "mlp", "down_proj")) == ("model.layers.1.mlp.down_proj.weight", 1)
+        "model.layers.1.self_attn.q_norm.weight",
+        None,
+    )
+    assert hf_tensor_name(("layers", 1, "mlp", "down_proj")) == (
+        "model.layers.1.mlp.down_proj.weight",
+        1,
+    )
     # torch Linear [out, in] shapes of our [in..., out...] kernels
-    assert hf_shape((64, 4, 16), 1) == (64, 64)        # q_proj [e, h, d] <- [h*d, e]
-    assert hf_shape((4, 16, 32), 2) == (32, 64)        # o_proj [h, d, e] <- [e, h*d]
+    assert hf_shape((64, 4, 16), 1) == (64, 64)  # q_proj [e, h, d] <- [h*d, e]
+    assert hf_shape((4, 16, 32), 2) == (32, 64)  # o_proj [h, d, e] <- [e, h*d]
     assert hf_shape((4, 16), 0) == (64,)
 
 
@@ -77,7 +91,10 @@ def test_sharded_safetensors_with_index(llama_dir, tmp_path):
     tensors = load_file(llama_dir / "model.safetensors")
     os.remove(llama_dir / "model.safetensors")
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     for fname, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, llama_dir / fname)
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
@@ -107,15 +124,21 @@ def test_missing_directory_config_and_weights(tmp_path):
 
 def test_unsupported_architecture(llama_dir):
     _rewrite_config(llama_dir, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, "
-                                             "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(
+        ModelLoadError,
+        match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ):
         load_model(str(llama_dir))
 
 
 def test_shape_mismatch_names_the_tensor(llama_dir):
     _rewrite_config(llama_dir, intermediate_size=32)
-    with pytest.raises(ModelLoadError, match=r"shape mismatch for tensor model\.layers\.0\.mlp\.down_proj\.weight: "
-                                             r"expected \[64, 32\], got \[64, 64\]"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"shape mismatch for tensor model\.layers\.0\.mlp\.down_proj\.weight: "
+        r"expected \[64, 32\], got \[64, 64\]",
+    ):
         load_model(str(llama_dir))
 
 
@@ -123,15 +146,30 @@ def test_missing_tensor_is_named(llama_dir):
     tensors = load_file(llama_dir / "model.safetensors")
     del tensors["model.layers.1.self_attn.v_proj.bias"]
     save_file(tensors, llama_dir / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"tensor model\.layers\.1\.self_attn\.v_proj\.bias not found"):
+    with pytest.raises(
+        ModelLoadError, match=r"tensor model\.layers\.1\.self_attn\.v_proj\.bias not found"
+    ):
         load_model(str(llama_dir))
 
 
 def test_resolve_dtype():
-    assert resolve_dtype("auto", ModelArchConfig.from_hf_config(tiny_hf_config(torch_dtype="bfloat16"))) == jnp.bfloat16
-    assert resolve_dtype("auto", ModelArchConfig.from_hf_config(tiny_hf_config(dtype="float16"))) == jnp.bfloat16
+    assert (
+        resolve_dtype(
+            "auto", ModelArchConfig.from_hf_config(tiny_hf_config(torch_dtype="bfloat16"))
+        )
+        == jnp.bfloat16
+    )
+    assert (
+        resolve_dtype("auto", ModelArchConfig.from_hf_config(tiny_hf_config(dtype="float16")))
+        == jnp.bfloat16
+    )
     assert resolve_dtype("auto", ModelArchConfig.from_hf_config(tiny_hf_config())) == jnp.float32
-    assert resolve_dtype("float32", ModelArchConfig.from_hf_config(tiny_hf_config(torch_dtype="bfloat16"))) == jnp.float32
+    assert (
+        resolve_dtype(
+            "float32", ModelArchConfig.from_hf_config(tiny_hf_config(torch_dtype="bfloat16"))
+        )
+        == jnp.float32
+    )
 
 
 def test_bad_dtype_and_load_format(llama_dir):
@@ -145,7 +183,7 @@ def test_bad_dtype_and_load_format(llama_dir):
 
 def test_dummy_from_directory_dict_and_preset(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
-    model, cfg, gen = load_model(str(tmp_path), dtype="float32", load_format="dummy")   # no weights
+    model, cfg, gen = load_model(str(tmp_path), dtype="float32", load_format="dummy")  # no weights
     assert gen == {} and cfg.vocab_size == 128
     logits = dense_logits(model, PROMPT)
     assert logits.shape == (5, 128) and np.isfinite(logits).all() and np.abs(logits).max() > 0
@@ -160,8 +198,12 @@ def test_dummy_from_directory_dict_and_preset(tmp_path):
 
 def test_presets_have_the_published_parameter_counts():
     """Shapes only (``nnx.eval_shape``): nothing is allocated."""
-    expected = {"llama-3.1-8b": 8_030_261_248, "llama-3.2-1b": 1_235_814_400,
-                "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920}
+    expected = {
+        "llama-3.1-8b": 8_030_261_248,
+        "llama-3.2-1b": 1_235_814_400,
+        "qwen2.5-0.5b": 494_032_768,
+        "qwen3-0.6b": 596_049_920,
+    }
     for name, count in expected.items():
         cfg = ModelArchConfig.from_hf_config(PRESET_HF_CONFIGS[name])
         state = nnx.state(abstract_model(cfg, jnp.bfloat16))
@@ -174,4 +216,4 @@ def test_generation_config_and_eos_ids():
     assert gen["eos_token_id"] == [2, 3]
     assert eos_token_ids(gen, cfg) == (2, 3)
     assert eos_token_ids({"eos_token_id": 7}, cfg) == (7,)
-    assert eos_token_ids({}, cfg) == (2,)              # falls back to config.json
+    assert eos_token_ids({}, cfg) == (2,)  # falls back to config.json

@@ -7,11 +7,11 @@ import argparse
 
 import numpy as np
 import pytest
+from model_testing import dense_logits, golden_path
 
 import jaxserve.tokenizer
 from jaxserve.model.loader import load_model
 from jaxserve.reference_generate import add_generate_parser, bucket_len, generate_dense
-from model_testing import dense_logits, golden_path
 
 PROMPT = [1, 17, 42, 99, 3]
 
@@ -31,25 +31,28 @@ def test_each_token_is_the_unpadded_argmax(model):
     out = generate_dense(model, PROMPT, 14)
     assert len(out) == 14 and len(set(out)) > 5
     logits = dense_logits(model, PROMPT + out[:-1])
-    assert np.argmax(logits[len(PROMPT) - 1:], axis=-1).tolist() == out
+    assert np.argmax(logits[len(PROMPT) - 1 :], axis=-1).tolist() == out
 
 
 def test_eos_stops_and_is_included(model):
     full = generate_dense(model, PROMPT, 6)
     eos = full[2]
     first = full.index(eos)
-    assert generate_dense(model, PROMPT, 6, eos_token_ids=[eos]) == full[:first + 1]
+    assert generate_dense(model, PROMPT, 6, eos_token_ids=[eos]) == full[: first + 1]
     assert generate_dense(model, PROMPT, 6, eos_token_ids=[eos], ignore_eos=True) == full
     assert generate_dense(model, PROMPT, 0) == []
 
 
-@pytest.mark.parametrize("prompt,max_tokens,match", [
-    ([], 4, "prompt_token_ids must not be empty"),
-    ([1, 256], 4, r"prompt_token_ids must be in \[0, 256\)"),
-    ([1, -1], 4, "prompt_token_ids"),
-    ([1, 2], -1, "max_tokens must be >= 0"),
-    ([1] * 500, 13, "exceeds the model's max_position_embeddings"),
-])
+@pytest.mark.parametrize(
+    "prompt,max_tokens,match",
+    [
+        ([], 4, "prompt_token_ids must not be empty"),
+        ([1, 256], 4, r"prompt_token_ids must be in \[0, 256\)"),
+        ([1, -1], 4, "prompt_token_ids"),
+        ([1, 2], -1, "max_tokens must be >= 0"),
+        ([1] * 500, 13, "exceeds the model's max_position_embeddings"),
+    ],
+)
 def test_invalid_input(model, prompt, max_tokens, match):
     with pytest.raises(ValueError, match=match):
         generate_dense(model, prompt, max_tokens)
@@ -71,8 +74,20 @@ def test_generate_command(model, monkeypatch, capsys):
     monkeypatch.setattr(jaxserve.tokenizer, "get_tokenizer", lambda path: _ByteTokenizer())
     parser = argparse.ArgumentParser()
     add_generate_parser(parser.add_subparsers())
-    args = parser.parse_args(["generate", "hi", "--max-tokens", "4", "--model", golden_path("mistral"),
-                              "--dtype", "float32", "--ignore-eos", "--show-token-ids"])
+    args = parser.parse_args(
+        [
+            "generate",
+            "hi",
+            "--max-tokens",
+            "4",
+            "--model",
+            golden_path("mistral"),
+            "--dtype",
+            "float32",
+            "--ignore-eos",
+            "--show-token-ids",
+        ]
+    )
     assert args.func(args) == 0
     expected = generate_dense(model, [1, ord("h"), ord("i")], 4)
     lines = capsys.readouterr().out.splitlines()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from model_testing import dense_logits, tiny_config
 
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.sharding import (
@@ -17,7 +18,6 @@ from jaxserve.model.sharding import (
     model_shardings,
     shard_model,
 )
-from model_testing import dense_logits, tiny_config
 
 
 def test_logical_to_pspec():
@@ -36,8 +36,9 @@ def test_make_mesh_validates_size():
 
 
 def test_shard_model_on_one_device_mesh():
-    model = LlamaForCausalLM(tiny_config(architectures=["Qwen2ForCausalLM"]), dtype=jnp.float32,
-                             rngs=nnx.Rngs(0))
+    model = LlamaForCausalLM(
+        tiny_config(architectures=["Qwen2ForCausalLM"]), dtype=jnp.float32, rngs=nnx.Rngs(0)
+    )
     before = dense_logits(model, [1, 2, 3])
     mesh = make_mesh(1)
     specs = model_shardings(model, mesh)

@@ -7,10 +7,9 @@ import json
 import os
 
 import pytest
+from tokenizer_testing import LLAMA3_TEMPLATE, TINY_LLAMA, TRAIN_TEXT
 from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-
-from tokenizer_testing import LLAMA3_TEMPLATE, TINY_LLAMA, TRAIN_TEXT
 
 from jaxserve.tokenizer import get_tokenizer
 from jaxserve.tokenizer.tokenizer import Tokenizer
@@ -29,15 +28,28 @@ def bpe_dir(tmp_path_factory) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-    tok.train_from_iterator(TRAIN_TEXT, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        TRAIN_TEXT,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=specials,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)])
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+    )
     tok.save(os.path.join(d, "tokenizer.json"))
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-                   "chat_template": LLAMA3_TEMPLATE}, f)
+        json.dump(
+            {
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|eot_id|>",
+                "chat_template": LLAMA3_TEMPLATE,
+            },
+            f,
+        )
     with open(os.path.join(d, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [1, 2]}, f)
     return d
@@ -51,11 +63,19 @@ def unigram_dir(tmp_path_factory) -> str:
     tok = HFTok(models.Unigram())
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(TRAIN_TEXT, trainers.UnigramTrainer(
-        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>",
-        show_progress=False))
+    tok.train_from_iterator(
+        TRAIN_TEXT,
+        trainers.UnigramTrainer(
+            vocab_size=200,
+            special_tokens=["<unk>", "<s>", "</s>"],
+            unk_token="<unk>",
+            show_progress=False,
+        ),
+    )
     tok.save(os.path.join(d, "tokenizer.json"))
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-                   "add_bos_token": True}, f)
+        json.dump(
+            {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True},
+            f,
+        )
     return d

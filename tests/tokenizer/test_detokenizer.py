@@ -20,7 +20,7 @@ def stream(tok, prompt_ids, output_ids, chunks=None, **kw):
     deltas, pos = [], 0
     for k, size in enumerate(chunks):
         last = k == len(chunks) - 1
-        delta, stop = detok.update(output_ids[pos:pos + size], finished=last)
+        delta, stop = detok.update(output_ids[pos : pos + size], finished=last)
         deltas.append(delta)
         pos += size
         if stop is not None:
@@ -29,7 +29,7 @@ def stream(tok, prompt_ids, output_ids, chunks=None, **kw):
 
 
 def continuation(tok, prompt_ids, output_ids):
-    return tok.decode(prompt_ids + output_ids)[len(tok.decode(prompt_ids)):]
+    return tok.decode(prompt_ids + output_ids)[len(tok.decode(prompt_ids)) :]
 
 
 # ---------------------------------------------------------------- sentencepiece-spaces
@@ -46,7 +46,9 @@ def split_encoding(tok, prompt_text, full_text):
 
 def test_sentencepiece_spaces(sp_tokenizer):
     tok = sp_tokenizer
-    prompt, output = split_encoding(tok, "Once upon a", "Once upon a time there  was a king.\nThe end")
+    prompt, output = split_encoding(
+        tok, "Once upon a", "Once upon a time there  was a king.\nThe end"
+    )
     assert tok.convert_ids_to_tokens(output)[0] == "▁time"
     assert tok.decode(output) == "time there  was a king.\nThe end"  # alone: no leading space
     deltas, detok = stream(tok, prompt, output)
@@ -101,7 +103,7 @@ def test_multibyte_split_over_byte_fallback_tokens(sp_tokenizer):
     assert "".join(deltas) == " " + text
     # While a character's bytes are incomplete nothing is emitted.
     emoji_at = pieces.index("<0xF0>")
-    assert deltas[emoji_at:emoji_at + 3] == ["", "", ""] and deltas[emoji_at + 3] == "🙂"
+    assert deltas[emoji_at : emoji_at + 3] == ["", "", ""] and deltas[emoji_at + 3] == "🙂"
 
 
 def test_incomplete_character_is_flushed_at_finish(sp_tokenizer):
@@ -159,13 +161,15 @@ PIECES = ["Hel", "lo", " wor", "ld", "!", " Good", "bye", " E", "ND", " e", "xtr
 def run_stop(output_pieces, stop, include, chunks=None):
     tok = PieceTokenizer(PIECES)
     prompt = tok.ids("Hel")
-    deltas, detok = stream(tok, prompt, tok.ids(*output_pieces), chunks, stop=stop,
-                           include_stop_str_in_output=include)
+    deltas, detok = stream(
+        tok, prompt, tok.ids(*output_pieces), chunks, stop=stop, include_stop_str_in_output=include
+    )
     return deltas, detok
 
 
-@pytest.mark.parametrize("include, expected", [(False, "lo world! Goodbye"),
-                                               (True, "lo world! Goodbye END")])
+@pytest.mark.parametrize(
+    "include, expected", [(False, "lo world! Goodbye"), (True, "lo world! Goodbye END")]
+)
 def test_stop_string_spanning_a_token_boundary(include, expected):
     # " END" arrives as " E" + "ND".
     out = ["lo", " wor", "ld", "!", " Good", "bye", " E", "ND", " e", "xtra"]
@@ -212,7 +216,9 @@ def test_possible_stop_prefix_is_released_when_it_diverges_or_finishes():
 
 def test_stop_string_in_real_sentencepiece_text(sp_tokenizer):
     tok = sp_tokenizer
-    prompt, output = split_encoding(tok, "Once upon a", "Once upon a time there was a king who lived")
+    prompt, output = split_encoding(
+        tok, "Once upon a", "Once upon a time there was a king who lived"
+    )
     deltas, detok = stream(tok, prompt, output, stop=["e was"])
     assert detok.stop_str == "e was"
     assert "".join(deltas) == detok.output_text == " time ther"
@@ -224,14 +230,17 @@ def reference_stop(text, stops, include):
         hits = [s for s in stops if text[:end].endswith(s)]
         if hits:
             s = max(hits, key=len)
-            return text[:end] if include else text[:end - len(s)]
+            return text[:end] if include else text[: end - len(s)]
     return text
 
 
 @settings(max_examples=150, deadline=None)
-@given(out=st.lists(st.sampled_from(PIECES), max_size=12),
-       stops=st.lists(st.text(alphabet="HeloEND wr!dGbyxta", min_size=1, max_size=5), max_size=3),
-       include=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    out=st.lists(st.sampled_from(PIECES), max_size=12),
+    stops=st.lists(st.text(alphabet="HeloEND wr!dGbyxta", min_size=1, max_size=5), max_size=3),
+    include=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_stop_strings_match_char_by_char_reference(out, stops, include, seed):
     tok = PieceTokenizer(PIECES)
     ids = tok.ids(*out)
@@ -240,8 +249,9 @@ def test_stop_strings_match_char_by_char_reference(out, stops, include, seed):
     while left > 0:
         chunks.append(min(left, rng.randint(1, 3)))
         left -= chunks[-1]
-    deltas, detok = stream(tok, tok.ids("Hel"), ids, chunks or [0], stop=stops,
-                           include_stop_str_in_output=include)
+    deltas, detok = stream(
+        tok, tok.ids("Hel"), ids, chunks or [0], stop=stops, include_stop_str_in_output=include
+    )
     expected = reference_stop("".join(out), stops, include)
     assert "".join(deltas) == detok.output_text == expected
     shown = ""

@@ -10,7 +10,10 @@ from jaxserve.tokenizer import StopChecker
 def test_match_cut_before_or_after():
     checker = StopChecker(["END"])
     assert checker.check("hello END there", 15) == ("END", 6)
-    assert StopChecker(["END"], include_stop_str_in_output=True).check("hello END there", 15) == ("END", 9)
+    assert StopChecker(["END"], include_stop_str_in_output=True).check("hello END there", 15) == (
+        "END",
+        9,
+    )
     assert checker.check("hello there", 11) == (None, 11)
 
 

@@ -34,8 +34,11 @@ def test_sentencepiece_round_trip_and_specials(sp_tokenizer):
         assert ids[0] == 1 and 1 not in ids[1:]  # add_bos_token from tokenizer_config.json
         assert tok.encode(text, add_special_tokens=False) == ids[1:]
         assert tok.decode(ids) == text
-    assert tok.convert_ids_to_tokens(tok.encode("Once upon", add_special_tokens=False)) == \
-        ["▁On", "ce", "▁upon"]
+    assert tok.convert_ids_to_tokens(tok.encode("Once upon", add_special_tokens=False)) == [
+        "▁On",
+        "ce",
+        "▁upon",
+    ]
 
 
 def test_sentencepiece_byte_fallback_pieces(sp_tokenizer):
@@ -85,12 +88,16 @@ def test_metaspace_unigram_round_trip(unigram_dir):
 
 
 def test_backend_choice_and_file_paths(tmp_path, bpe_dir):
-    assert isinstance(get_tokenizer(os.path.join(TINY_LLAMA, "tokenizer.model")),
-                      SentencePieceTokenizer)
+    assert isinstance(
+        get_tokenizer(os.path.join(TINY_LLAMA, "tokenizer.model")), SentencePieceTokenizer
+    )
     assert isinstance(get_tokenizer(os.path.join(bpe_dir, "tokenizer.json")), HFTokenizer)
     both = tmp_path / "both"
     both.mkdir()
-    for src in (os.path.join(TINY_LLAMA, "tokenizer.model"), os.path.join(bpe_dir, "tokenizer.json")):
+    for src in (
+        os.path.join(TINY_LLAMA, "tokenizer.model"),
+        os.path.join(bpe_dir, "tokenizer.json"),
+    ):
         (both / os.path.basename(src)).write_bytes(open(src, "rb").read())
     assert isinstance(get_tokenizer(str(both)), HFTokenizer)  # tokenizer.json preferred
     assert isinstance(get_tokenizer(str(both), backend="sentencepiece"), SentencePieceTokenizer)
@@ -114,10 +121,19 @@ def test_missing_tokenizer_names_the_path(tmp_path):
 def test_config_overrides(tmp_path):
     """tokenizer_config.json's AddedToken-dict form, add_eos_token, and eos ids from
     generation_config.json and config.json are merged."""
-    (tmp_path / "tokenizer.model").write_bytes(open(os.path.join(TINY_LLAMA, "tokenizer.model"), "rb").read())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>",
-        "add_bos_token": False, "add_eos_token": True}))
+    (tmp_path / "tokenizer.model").write_bytes(
+        open(os.path.join(TINY_LLAMA, "tokenizer.model"), "rb").read()
+    )
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<s>", "special": True},
+                "eos_token": "</s>",
+                "add_bos_token": False,
+                "add_eos_token": True,
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 9}))
     tok = get_tokenizer(str(tmp_path))

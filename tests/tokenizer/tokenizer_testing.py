@@ -25,8 +25,8 @@ LLAMA3_TEMPLATE = (
     "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
     "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}")
-
+    "{% endif %}"
+)
 
 
 class PieceTokenizer(Tokenizer):
@@ -35,8 +35,9 @@ class PieceTokenizer(Tokenizer):
 
     def __init__(self, pieces: Sequence[str]):
         self.pieces = ["<s>", "</s>", *pieces]
-        super().__init__("/nonexistent", {"bos_token": "<s>", "eos_token": "</s>"},
-                         default_add_bos=True)
+        super().__init__(
+            "/nonexistent", {"bos_token": "<s>", "eos_token": "</s>"}, default_add_bos=True
+        )
 
     def ids(self, *pieces: str) -> list[int]:
         return [self.pieces.index(p) for p in pieces]

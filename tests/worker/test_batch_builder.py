@@ -50,18 +50,28 @@ def test_seq_bucket_and_pick_bucket():
 
 
 def _new(req_id, prompt, blocks, computed=0, output=(), params=None):
-    return NewRequestData(req_id=req_id, prompt_token_ids=list(prompt), output_token_ids=list(output),
-                          sampling_params=params or SamplingParams(temperature=0.0), eos_token_id=2,
-                          block_ids=list(blocks), num_computed_tokens=computed)
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        sampling_params=params or SamplingParams(temperature=0.0),
+        eos_token_id=2,
+        block_ids=list(blocks),
+        num_computed_tokens=computed,
+    )
 
 
 def _sched(new=(), cached=None, num_scheduled=None, finished=(), preempted=()):
     cached = cached or CachedRequestData()
     num_scheduled = dict(num_scheduled or {})
-    return SchedulerOutput(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached,
-                           num_scheduled_tokens=num_scheduled,
-                           total_num_scheduled_tokens=sum(num_scheduled.values()),
-                           preempted_req_ids=set(preempted), finished_req_ids=set(finished))
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        preempted_req_ids=set(preempted),
+        finished_req_ids=set(finished),
+    )
 
 
 def _builder(max_reqs=4, max_len=32, buckets=(16, 32)):
@@ -97,8 +107,15 @@ def test_mixed_step_inputs_are_exact():
     assert not inp.block_tables[2:].any()
     np.testing.assert_array_equal(step.sample_mask, [True, False])
     assert step.prompt_logprob_targets is None
-    for arr in (inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables, inp.context_lens,
-                inp.query_start_loc, inp.logits_indices):
+    for arr in (
+        inp.input_ids,
+        inp.positions,
+        inp.slot_mapping,
+        inp.block_tables,
+        inp.context_lens,
+        inp.query_start_loc,
+        inp.logits_indices,
+    ):
         assert arr.dtype == np.int32
 
 
@@ -109,8 +126,9 @@ def test_cached_requests_append_blocks_and_tokens_and_rows_are_reused():
     builder.update_states(sched)
     builder.build(sched)
     # decode step: the sampled token 14 arrives as new_token_ids; a block boundary is crossed
-    cached = CachedRequestData(req_ids=["a"], new_block_ids=[[8]], num_computed_tokens=[3],
-                               new_token_ids=[[14]])
+    cached = CachedRequestData(
+        req_ids=["a"], new_block_ids=[[8]], num_computed_tokens=[3], new_token_ids=[[14]]
+    )
     sched = _sched(cached=cached, num_scheduled={"a": 1})
     builder.update_states(sched)
     step = builder.build(sched)
@@ -118,7 +136,9 @@ def test_cached_requests_append_blocks_and_tokens_and_rows_are_reused():
     assert step.inputs.slot_mapping[0] == 4 * BS + 3
     np.testing.assert_array_equal(batch.block_table[batch.req_id_to_row["a"], :2], [4, 8])
     assert step.sample_mask.tolist() == [True]
-    cached = CachedRequestData(req_ids=["a"], new_block_ids=[[]], num_computed_tokens=[4], new_token_ids=[[15]])
+    cached = CachedRequestData(
+        req_ids=["a"], new_block_ids=[[]], num_computed_tokens=[4], new_token_ids=[[15]]
+    )
     sched = _sched(cached=cached, num_scheduled={"a": 1})
     builder.update_states(sched)
     step = builder.build(sched)
@@ -169,8 +189,9 @@ def test_prompt_logprob_targets_mark_next_prompt_tokens():
     # a computes positions 0..2 -> scores prompt tokens at 1..3; b asked for none
     np.testing.assert_array_equal(step.prompt_logprob_targets[:5], [11, 12, 13, -1, -1])
     assert (step.prompt_logprob_targets[5:] == -1).all()
-    cached = CachedRequestData(req_ids=["a"], new_block_ids=[[]], num_computed_tokens=[3],
-                               new_token_ids=[[13, 14]])
+    cached = CachedRequestData(
+        req_ids=["a"], new_block_ids=[[]], num_computed_tokens=[3], new_token_ids=[[13, 14]]
+    )
     sched = _sched(cached=cached, num_scheduled={"a": 2}, finished=["b"])
     builder.update_states(sched)
     step = builder.build(sched)

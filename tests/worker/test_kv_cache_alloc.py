@@ -28,8 +28,16 @@ class FakeDevice:
 
 
 def _spec(device, **kw):
-    args = dict(SHAPE, dtype=jnp.float32, block_size=16, gpu_memory_utilization=0.5,
-                num_gpu_blocks_override=None, max_num_seqs=4, max_model_len=64, device=device)
+    args = dict(
+        SHAPE,
+        dtype=jnp.float32,
+        block_size=16,
+        gpu_memory_utilization=0.5,
+        num_gpu_blocks_override=None,
+        max_num_seqs=4,
+        max_model_len=64,
+        device=device,
+    )
     args.update(kw)
     return determine_kv_cache_spec(**args)
 
@@ -55,7 +63,7 @@ def test_cpu_default_holds_max_num_seqs_full_sequences_plus_null_block():
 
 
 def test_memory_budget_subtracts_in_use_and_activations():
-    per_block = 16 * (2 * 2 * 2 * 16 * 4)                  # 4 KiB
+    per_block = 16 * (2 * 2 * 2 * 16 * 4)  # 4 KiB
     dev = FakeDevice(limit=1000 * per_block, in_use=100 * per_block)
     spec = _spec(dev, peak_activation_bytes=50 * per_block)
     # 0.5 * 1000 - 100 - 50 = 350 blocks

@@ -22,9 +22,18 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import kv_cache_alloc
 from jaxserve.worker.model_runner import ModelRunner, resolve_attention_backend
 
-HF = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
-      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-      "max_position_embeddings": 128, "eos_token_id": 2}
+HF = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "eos_token_id": 2,
+}
 XLA_CACHE_DIR = os.path.join(tempfile.gettempdir(), f"jaxserve-test-xla-{os.getuid()}")
 
 
@@ -36,18 +45,36 @@ def _random_model(seed=0):
     for path, leaf in flat.items():
         shape = leaf.get_value().shape
         norm = "norm" in "/".join(map(str, path))
-        leaf.set_value(jnp.asarray(np.ones(shape, np.float32) if norm else
-                                   (0.05 * rng.standard_normal(shape)).astype(np.float32)))
+        leaf.set_value(
+            jnp.asarray(
+                np.ones(shape, np.float32)
+                if norm
+                else (0.05 * rng.standard_normal(shape)).astype(np.float32)
+            )
+        )
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), cfg
 
 
 @pytest.fixture(scope="module")
 def runner():
     model, cfg = _random_model()
-    args = EngineArgs(model="tiny", dtype="float32", attention_backend="reference", token_buckets="16,32",
-                      max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128,
-                      num_gpu_blocks_override=1024, compilation_cache_dir=XLA_CACHE_DIR)
-    r = ModelRunner(model, cfg, args.create_engine_config(128), warmup_sampling=(SamplingParams(temperature=0.0),))
+    args = EngineArgs(
+        model="tiny",
+        dtype="float32",
+        attention_backend="reference",
+        token_buckets="16,32",
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=128,
+        num_gpu_blocks_override=1024,
+        compilation_cache_dir=XLA_CACHE_DIR,
+    )
+    r = ModelRunner(
+        model,
+        cfg,
+        args.create_engine_config(128),
+        warmup_sampling=(SamplingParams(temperature=0.0),),
+    )
     r.initialize_kv_cache()
     return r
 
@@ -71,13 +98,19 @@ def test_kv_caches_are_donated_not_copied(runner):
     ``memory_analysis()`` and the HLO; and the donated input buffers are consumed."""
     spec = runner.kv_spec
     layer_bytes = spec.total_bytes // spec.num_layers // 2
-    compiled = runner._forward.lower(runner.state, runner.kv_caches, runner._dummy_inputs(16)).compile()
+    compiled = runner._forward.lower(
+        runner.state, runner.kv_caches, runner._dummy_inputs(16)
+    ).compile()
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes == spec.total_bytes
-    assert mem.temp_size_in_bytes < layer_bytes                     # no temporary the size of a layer cache
+    assert mem.temp_size_in_bytes < layer_bytes  # no temporary the size of a layer cache
     assert mem.output_size_in_bytes - mem.alias_size_in_bytes < layer_bytes
-    shape = "f32[%d,%d,%d,%d]" % spec.layer_shape
-    copies = [line for line in compiled.as_text().splitlines() if re.search(r"=\s*" + re.escape(shape) + r".*\bcopy\(", line)]
+    shape = "f32[{},{},{},{}]".format(*spec.layer_shape)
+    copies = [
+        line
+        for line in compiled.as_text().splitlines()
+        if re.search(r"=\s*" + re.escape(shape) + r".*\bcopy\(", line)
+    ]
     assert copies == []
     kv_in = runner.kv_caches
     _, _, runner.kv_caches = runner._forward(runner.state, kv_in, runner._dummy_inputs(16))
@@ -87,16 +120,26 @@ def test_kv_caches_are_donated_not_copied(runner):
 
 def test_kv_pool_sized_from_device_memory_minus_profiled_activations(monkeypatch):
     model, cfg = _random_model()
-    args = EngineArgs(model="tiny", dtype="float32", attention_backend="reference", token_buckets="16,32",
-                      max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128, gpu_memory_utilization=0.5,
-                      compilation_cache_dir=XLA_CACHE_DIR)
+    args = EngineArgs(
+        model="tiny",
+        dtype="float32",
+        attention_backend="reference",
+        token_buckets="16,32",
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=128,
+        gpu_memory_utilization=0.5,
+        compilation_cache_dir=XLA_CACHE_DIR,
+    )
     r = ModelRunner(model, cfg, args.create_engine_config(128))
     peak = r.profile_peak_activation_bytes()
     assert peak > 0
     per_block = 16 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     limit, in_use = 2000 * per_block, 100 * per_block
     monkeypatch.setattr(kv_cache_alloc, "device_memory", lambda device: (limit, in_use))
-    monkeypatch.setattr("jaxserve.worker.model_runner.device_memory", lambda device: (limit, in_use))
+    monkeypatch.setattr(
+        "jaxserve.worker.model_runner.device_memory", lambda device: (limit, in_use)
+    )
     spec = r.initialize_kv_cache()
     assert spec.source == "memory"
     assert spec.num_blocks == (int(0.5 * limit) - in_use - peak) // per_block
@@ -106,8 +149,10 @@ def test_kv_pool_sized_from_device_memory_minus_profiled_activations(monkeypatch
 def test_one_step_samples_only_completed_prompts(runner):
     runner.reset_requests()
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
-    new = [NewRequestData("a", [1, 5, 7], [], greedy, 2, [1], 0),
-           NewRequestData("b", list(range(10, 30)), [], greedy, 2, [2, 3], 0)]
+    new = [
+        NewRequestData("a", [1, 5, 7], [], greedy, 2, [1], 0),
+        NewRequestData("b", list(range(10, 30)), [], greedy, 2, [2, 3], 0),
+    ]
     sched = SchedulerOutput(new, CachedRequestData(), {"a": 3, "b": 16}, 19, set(), set())
     out = runner.execute_model(sched)
     assert out.req_ids == ["a", "b"] and out.req_id_to_index == {"a": 0, "b": 1}
@@ -121,7 +166,10 @@ def test_one_step_samples_only_completed_prompts(runner):
     assert all(0 <= t[0] < HF["vocab_size"] for t in out2.sampled_token_ids)
     # the dense forward agrees with the paged step's greedy tokens
     logits = runner_model_logits(runner, [1, 5, 7, tok])
-    assert int(np.argmax(logits[2])) == tok and int(np.argmax(logits[3])) == out2.sampled_token_ids[0][0]
+    assert (
+        int(np.argmax(logits[2])) == tok
+        and int(np.argmax(logits[3])) == out2.sampled_token_ids[0][0]
+    )
     runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, set(), {"a", "b"}))
     assert len(runner.input_batch) == 0
 

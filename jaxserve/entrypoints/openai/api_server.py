@@ -51,21 +51,45 @@ import re
 import signal
 import sys
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pydantic
 from aiohttp import web
 
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
-from jaxserve.entrypoints.openai.common import ServingInfo, check_priority, check_prompt_ids, check_queue
+from jaxserve.entrypoints.openai.common import (
+    ServingInfo,
+    check_priority,
+    check_prompt_ids,
+    check_queue,
+)
 from jaxserve.entrypoints.openai.engine_calls import abort_all, engine_error
-from jaxserve.entrypoints.openai.errors import APIError, bad_request, error_body, from_validation_error, \
-    from_value_error, model_not_found
-from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  TokenizeRequest)
-from jaxserve.entrypoints.openai.serving_chat import create_chat, messages_as_dicts, prepare_chat, stream_chat
-from jaxserve.entrypoints.openai.serving_completion import (create_completion, prepare_completion,
-                                                            stream_completion)
+from jaxserve.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    from_validation_error,
+    from_value_error,
+    model_not_found,
+)
+from jaxserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from jaxserve.entrypoints.openai.serving_chat import (
+    create_chat,
+    messages_as_dicts,
+    prepare_chat,
+    stream_chat,
+)
+from jaxserve.entrypoints.openai.serving_completion import (
+    create_completion,
+    prepare_completion,
+    stream_completion,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +103,7 @@ _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 # ---- JSON in and out ------------------------------------------------------------------------
+
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a valid JSON number")
@@ -114,9 +139,11 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         try:
             dumps(body)
         except UnicodeEncodeError as exc:
-            bad = exc.object[exc.start:exc.end]
-            raise bad_request(f"the request body is not valid JSON: a string holds an unpaired UTF-16 surrogate "
-                              f"({bad.encode('unicode_escape').decode()}); strings must be valid Unicode") from None
+            bad = exc.object[exc.start : exc.end]
+            raise bad_request(
+                f"the request body is not valid JSON: a string holds an unpaired UTF-16 surrogate "
+                f"({bad.encode('unicode_escape').decode()}); strings must be valid Unicode"
+            ) from None
     return body
 
 
@@ -125,14 +152,18 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+def json_response(
+    obj: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
     """An ``application/json`` response with ``dumps(obj)`` as its body.
 
     Raises:
       ValueError: if ``obj`` holds NaN or infinity (``allow_nan=False``).
       TypeError: if ``obj`` is not JSON-serialisable.
     """
-    return web.Response(body=dumps(obj), status=status, headers=headers, content_type="application/json")
+    return web.Response(
+        body=dumps(obj), status=status, headers=headers, content_type="application/json"
+    )
 
 
 def _validate(model: type[pydantic.BaseModel], body: dict[str, Any]) -> Any:
@@ -143,6 +174,7 @@ def _validate(model: type[pydantic.BaseModel], body: dict[str, Any]) -> Any:
 
 
 # ---- non-HTTP entry (batch CLI) -------------------------------------------------------------
+
 
 def prepare(llm: Any, info: ServingInfo, url: str, body: dict[str, Any]) -> tuple[Any, Any]:
     """Validates a completions or chat body: returns ``(request_model, job)``.
@@ -160,12 +192,17 @@ def prepare(llm: Any, info: ServingInfo, url: str, body: dict[str, Any]) -> tupl
         request = _validate(ChatCompletionRequest, body)
         check_priority(request.priority, info)
         return request, prepare_chat(request, info, llm.tokenizer)
-    raise APIError(f"url {url!r} is not supported (use /v1/completions or /v1/chat/completions)",
-                   status=404, param="url", code="not_found")
+    raise APIError(
+        f"url {url!r} is not supported (use /v1/completions or /v1/chat/completions)",
+        status=404,
+        param="url",
+        code="not_found",
+    )
 
 
-async def serve_request(llm: Any, url: str, body: dict[str, Any], info: ServingInfo | None = None
-                        ) -> tuple[int, dict[str, Any]]:
+async def serve_request(
+    llm: Any, url: str, body: dict[str, Any], info: ServingInfo | None = None
+) -> tuple[int, dict[str, Any]]:
     """Serves one non-streaming completions or chat request without HTTP.
 
     Args:
@@ -202,14 +239,17 @@ async def serve_request(llm: Any, url: str, body: dict[str, Any], info: ServingI
 
 # ---- HTTP handlers ---------------------------------------------------------------------------
 
+
 async def _read_json(request: web.Request) -> dict[str, Any]:
     return parse_json_body(await request.read())
 
 
-async def _write_sse(request: web.Request, streams: list[RequestStream],
-                     chunks: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                           "Cache-Control": "no-cache"})
+async def _write_sse(
+    request: web.Request, streams: list[RequestStream], chunks: AsyncIterator[dict[str, Any]]
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    )
     try:
         await response.prepare(request)
         async for chunk in chunks:
@@ -247,8 +287,15 @@ def _generation_handler(url: str) -> Callable[[web.Request], Awaitable[web.Strea
 
 
 def _model_card(info: ServingInfo) -> dict[str, Any]:
-    return {"id": info.model_name, "object": "model", "created": info.created, "owned_by": "jaxserve",
-            "root": info.model_path, "parent": None, "max_model_len": info.max_model_len}
+    return {
+        "id": info.model_name,
+        "object": "model",
+        "created": info.created,
+        "owned_by": "jaxserve",
+        "root": info.model_path,
+        "parent": None,
+        "max_model_len": info.max_model_len,
+    }
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -268,8 +315,12 @@ async def _model(request: web.Request) -> web.Response:
 async def _health(request: web.Request) -> web.Response:
     llm = request.app[LLM_KEY]
     if llm.errored:
-        return json_response(error_body(f"the engine is dead: {llm.dead_error!r}", "server_error",
-                                        code="engine_dead"), status=503)
+        return json_response(
+            error_body(
+                f"the engine is dead: {llm.dead_error!r}", "server_error", code="engine_dead"
+            ),
+            status=503,
+        )
     return web.Response(status=200)
 
 
@@ -293,13 +344,16 @@ async def _tokenize(request: web.Request) -> web.Response:
     info.check_model(body.model)
     try:
         if body.messages is not None:
-            tokens = llm.tokenizer.encode_chat(messages_as_dicts(body.messages),
-                                               add_generation_prompt=body.add_generation_prompt)
+            tokens = llm.tokenizer.encode_chat(
+                messages_as_dicts(body.messages), add_generation_prompt=body.add_generation_prompt
+            )
         else:
             tokens = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     except ValueError as exc:
         raise from_value_error(exc) from None
-    return json_response({"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens})
+    return json_response(
+        {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+    )
 
 
 async def _detokenize(request: web.Request) -> web.Response:
@@ -308,12 +362,16 @@ async def _detokenize(request: web.Request) -> web.Response:
     body = _validate(DetokenizeRequest, await _read_json(request))
     info.check_model(body.model)
     if body.tokens:
-        check_prompt_ids(body.tokens, dataclasses.replace(info, max_model_len=len(body.tokens),
-                                                          enable_chunked_prefill=True), field="tokens")
+        check_prompt_ids(
+            body.tokens,
+            dataclasses.replace(info, max_model_len=len(body.tokens), enable_chunked_prefill=True),
+            field="tokens",
+        )
     return json_response({"prompt": llm.tokenizer.decode(body.tokens)})
 
 
 # ---- middleware and app ----------------------------------------------------------------------
+
 
 @web.middleware
 async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -325,16 +383,23 @@ async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamRe
         if exc.status < 400:
             raise
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
-        message = exc.text if exc.text and exc.text != exc.reason else f"{exc.status} {exc.reason}: {request.path}"
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            exc.status
+        )
+        message = (
+            exc.text
+            if exc.text and exc.text != exc.reason
+            else f"{exc.status} {exc.reason}: {request.path}"
+        )
         return json_response(error_body(message, kind, code=code), status=exc.status)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as exc:  # noqa: BLE001 - a bug of ours, not the client's input
         logger.exception("internal error serving %s %s", request.method, request.path)
         request.app[INTERNAL_ERRORS].append(repr(exc))
-        return json_response(error_body("internal server error", "server_error", code="internal_error"),
-                             status=500)
+        return json_response(
+            error_body("internal server error", "server_error", code="internal_error"), status=500
+        )
 
 
 def _auth_middleware(api_key: str) -> Any:
@@ -345,15 +410,23 @@ def _auth_middleware(api_key: str) -> Any:
         if request.path.startswith(_PROTECTED_PREFIXES):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-                raise APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
-                               type="invalid_request_error", code="invalid_api_key")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode(), expected
+            ):
+                raise APIError(
+                    "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    status=401,
+                    type="invalid_request_error",
+                    code="invalid_api_key",
+                )
         return await handler(request)
 
     return auth
 
 
-def build_app(llm: Any, *, api_key: str | None = None, info: ServingInfo | None = None) -> web.Application:
+def build_app(
+    llm: Any, *, api_key: str | None = None, info: ServingInfo | None = None
+) -> web.Application:
     """The aiohttp application serving ``llm`` (an AsyncLLM).
 
     Args:
@@ -381,9 +454,17 @@ def build_app(llm: Any, *, api_key: str | None = None, info: ServingInfo | None 
     return app
 
 
-async def run_server(llm: Any, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                     ready: Callable[[str, int], None] | None = None, stop: asyncio.Event | None = None,
-                     dead_grace_s: float = 1.0, app: web.Application | None = None) -> int:
+async def run_server(
+    llm: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    ready: Callable[[str, int], None] | None = None,
+    stop: asyncio.Event | None = None,
+    dead_grace_s: float = 1.0,
+    app: web.Application | None = None,
+) -> int:
     """Serves ``llm`` over HTTP until ``stop`` is set or the engine dies.
 
     Args:
@@ -423,19 +504,27 @@ async def run_server(llm: Any, *, host: str = "127.0.0.1", port: int = 8000, api
 
 # ---- the `serve` subcommand ------------------------------------------------------------------
 
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Adds ``serve``: every EngineArgs flag (vLLM's names) plus --host, --port and --api-key."""
     from jaxserve.config import EngineArgs
 
     parser = subparsers.add_parser(
-        "serve", help="run the OpenAI-compatible HTTP server",
-        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).")
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).",
+    )
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    parser.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
-                        help="require 'Authorization: Bearer <key>' on the API routes "
-                             "(default: $JAXSERVE_API_KEY, else open)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (0: any free port)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXSERVE_API_KEY"),
+        help="require 'Authorization: Bearer <key>' on the API routes "
+        "(default: $JAXSERVE_API_KEY, else open)",
+    )
     parser.set_defaults(func=run_serve)
     return parser
 
@@ -447,11 +536,15 @@ def _startup_report(llm: Any, startup_s: float) -> str:
         lines.append(f"  {part.name}: {dataclasses.asdict(getattr(cfg, part.name))}")
     runner = getattr(llm.engine, "runner", None)
     if runner is not None and hasattr(runner, "token_buckets"):
-        lines.append(f"  step token buckets: {list(runner.token_buckets)} "
-                     f"(sequence buckets {list(runner.seq_buckets)})")
+        lines.append(
+            f"  step token buckets: {list(runner.token_buckets)} "
+            f"(sequence buckets {list(runner.seq_buckets)})"
+        )
     blocks, size = cfg.cache.num_gpu_blocks, cfg.cache.block_size
-    lines.append(f"KV pool: {blocks} blocks x {size} tokens ({max(blocks - 1, 0) * size} usable tokens; "
-                 f"block 0 is the null block)")
+    lines.append(
+        f"KV pool: {blocks} blocks x {size} tokens ({max(blocks - 1, 0) * size} usable tokens; "
+        f"block 0 is the null block)"
+    )
     compile_s = getattr(runner, "compile_seconds", None)
     if compile_s is not None:
         lines.append(f"compile time: {compile_s:.1f} s (startup {startup_s:.1f} s)")
@@ -468,7 +561,9 @@ def run_serve(args: argparse.Namespace) -> None:
     from jaxserve.config import EngineArgs
     from jaxserve.engine.async_llm import AsyncLLM
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     engine_args = EngineArgs.from_cli_args(args)
     start = time.perf_counter()
     llm = AsyncLLM.from_engine_args(engine_args)
@@ -479,8 +574,14 @@ def run_serve(args: argparse.Namespace) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        return await run_server(llm, host=args.host, port=args.port, api_key=args.api_key, stop=stop,
-                                ready=lambda h, p: print(f"serving {llm.model_name} on http://{h}:{p}", flush=True))
+        return await run_server(
+            llm,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            stop=stop,
+            ready=lambda h, p: print(f"serving {llm.model_name} on http://{h}:{p}", flush=True),
+        )
 
     code = asyncio.run(main())
     llm.shutdown()

@@ -45,17 +45,23 @@ class ServingInfo:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def from_engine(cls, llm: Any) -> "ServingInfo":
+    def from_engine(cls, llm: Any) -> ServingInfo:
         """Reads the facts off an AsyncLLM (its ``engine_config`` and ``tokenizer``)."""
         cfg = llm.engine_config
         # Token ids must be known to both the model and the tokenizer (the detokenizer decodes them).
-        vocab = min(v for v in (llm.tokenizer.vocab_size, getattr(llm.engine, "vocab_size", None)) if v)
-        return cls(model_name=cfg.model.served_model_name, model_path=cfg.model.model,
-                   max_model_len=cfg.scheduler.max_model_len, vocab_size=vocab,
-                   max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
-                   enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill,
-                   max_waiting_requests=cfg.scheduler.max_waiting_requests,
-                   scheduling_policy=cfg.scheduler.policy)
+        vocab = min(
+            v for v in (llm.tokenizer.vocab_size, getattr(llm.engine, "vocab_size", None)) if v
+        )
+        return cls(
+            model_name=cfg.model.served_model_name,
+            model_path=cfg.model.model,
+            max_model_len=cfg.scheduler.max_model_len,
+            vocab_size=vocab,
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+            enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill,
+            max_waiting_requests=cfg.scheduler.max_waiting_requests,
+            scheduling_policy=cfg.scheduler.policy,
+        )
 
     def check_model(self, name: Any) -> None:
         """Raises the 404 ``model_not_found`` unless ``name`` is None or the served name."""
@@ -73,7 +79,9 @@ def check_priority(priority: int, info: ServingInfo) -> None:
     if priority != 0 and info.scheduling_policy != "priority":
         raise bad_request(
             f"priority {priority} needs priority scheduling, but this server runs --scheduling-policy "
-            f"{info.scheduling_policy} (send priority 0 or omit it)", param="priority")
+            f"{info.scheduling_policy} (send priority 0 or omit it)",
+            param="priority",
+        )
 
 
 def random_id(prefix: str) -> str:
@@ -91,21 +99,27 @@ def check_prompt_ids(ids: list[int], info: ServingInfo, field: str = "prompt") -
         raise bad_request(f"{field} must not be empty (it has 0 tokens)", param=field)
     for token in ids:
         if not 0 <= token < info.vocab_size:
-            raise bad_request(f"{field} token id {token} is outside the vocabulary [0, {info.vocab_size})",
-                              param=field)
+            raise bad_request(
+                f"{field} token id {token} is outside the vocabulary [0, {info.vocab_size})",
+                param=field,
+            )
     if len(ids) > info.max_model_len:
         raise bad_request(
             f"{field} is too long: this model's maximum context length (max_model_len) is "
-            f"{info.max_model_len} tokens, but the prompt has {len(ids)} tokens", param=field)
+            f"{info.max_model_len} tokens, but the prompt has {len(ids)} tokens",
+            param=field,
+        )
     if not info.enable_chunked_prefill and len(ids) > info.max_num_batched_tokens:
         raise bad_request(
             f"{field} is too long: with chunked prefill off a prompt must fit the token budget "
             f"(max_num_batched_tokens) of {info.max_num_batched_tokens} tokens, but it has {len(ids)} tokens",
-            param=field)
+            param=field,
+        )
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, info: ServingInfo,
-                       field: str = "max_tokens") -> int:
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, info: ServingInfo, field: str = "max_tokens"
+) -> int:
     """The output cap of one prompt: ``requested`` clamped to what max_model_len leaves.
 
     Length policy (the engine's, see ``jaxserve.engine.llm_engine``): a ``max_tokens`` beyond
@@ -124,7 +138,9 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, info: ServingInfo
     if room <= 0:
         raise bad_request(
             f"prompt leaves no room to generate: this model's maximum context length (max_model_len) "
-            f"is {info.max_model_len} tokens and the prompt has {prompt_len} tokens", param="prompt")
+            f"is {info.max_model_len} tokens and the prompt has {prompt_len} tokens",
+            param="prompt",
+        )
     if requested is None:
         return room
     if isinstance(requested, int) and not isinstance(requested, bool) and requested > room:
@@ -134,9 +150,12 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, info: ServingInfo
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     """OpenAI's ``usage`` object, with ``prompt_tokens_details.cached_tokens`` (prefix caching)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def check_queue(llm: Any, info: ServingInfo) -> None:
@@ -145,4 +164,8 @@ def check_queue(llm: Any, info: ServingInfo) -> None:
         raise APIError(
             f"the server is overloaded: {llm.num_waiting_requests} requests are waiting "
             f"(max_waiting_requests={info.max_waiting_requests}); retry later",
-            status=503, type="server_error", code="server_overloaded", headers={"Retry-After": "1"})
+            status=503,
+            type="server_error",
+            code="server_overloaded",
+            headers={"Retry-After": "1"},
+        )

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
 from jaxserve.entrypoints.openai.errors import APIError, from_value_error
@@ -20,13 +21,20 @@ from jaxserve.sampling_params import SamplingParams
 
 def engine_error(exc: EngineDeadError) -> APIError:
     """The error a client sees when the engine died under its request."""
-    return APIError(f"the engine stopped serving: {exc}", status=503, type="server_error",
-                    code="engine_dead")
+    return APIError(
+        f"the engine stopped serving: {exc}", status=503, type="server_error", code="engine_dead"
+    )
 
 
-async def start_requests(llm: Any, request_id: str, prompts: Sequence[list[int]],
-                         params: Sequence[SamplingParams], *, priority: int = 0,
-                         cache_salt: str | None = None) -> list[RequestStream]:
+async def start_requests(
+    llm: Any,
+    request_id: str,
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    *,
+    priority: int = 0,
+    cache_salt: str | None = None,
+) -> list[RequestStream]:
     """Adds one engine request per prompt (ids ``{request_id}-{i}``) and returns their streams.
 
     Raises:
@@ -35,8 +43,11 @@ async def start_requests(llm: Any, request_id: str, prompts: Sequence[list[int]]
     streams: list[RequestStream] = []
     try:
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            streams.append(await llm.add_request(f"{request_id}-{i}", prompt, sp, priority=priority,
-                                                 cache_salt=cache_salt))
+            streams.append(
+                await llm.add_request(
+                    f"{request_id}-{i}", prompt, sp, priority=priority, cache_salt=cache_salt
+                )
+            )
     except BaseException as exc:
         abort_all(streams)
         if isinstance(exc, EngineDeadError):
@@ -69,7 +80,9 @@ async def collect_final(stream: RequestStream) -> RequestOutput:
         if output.prompt_logprobs is not None:
             prompt_logprobs = output.prompt_logprobs
     assert last is not None and last.finished, "a request stream ended without a finished output"
-    return dataclasses.replace(last, outputs=[latest[i] for i in sorted(latest)], prompt_logprobs=prompt_logprobs)
+    return dataclasses.replace(
+        last, outputs=[latest[i] for i in sorted(latest)], prompt_logprobs=prompt_logprobs
+    )
 
 
 async def collect_all(streams: Sequence[RequestStream]) -> list[RequestOutput]:
@@ -86,7 +99,9 @@ async def collect_all(streams: Sequence[RequestStream]) -> list[RequestOutput]:
         abort_all(streams)
 
 
-async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(
+    streams: Sequence[RequestStream],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yields ``(prompt_index, output)`` from several streams as outputs arrive.
 
     A single stream is iterated directly; several are read by one task each into a shared

@@ -16,8 +16,12 @@ import pydantic
 _FIELD_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)\b")
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
     """The JSON body of an OpenAI error response."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -36,9 +40,16 @@ class APIError(Exception):
       headers: extra HTTP headers (``Retry-After`` for 503).
     """
 
-    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -59,8 +70,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def model_not_found(name: str) -> APIError:
     """The 404 OpenAI sends for a model it does not serve."""
-    return APIError(f"The model `{name}` does not exist.", status=404, param="model",
-                    code="model_not_found")
+    return APIError(
+        f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found"
+    )
 
 
 def from_value_error(exc: ValueError) -> APIError:

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jaxserve.outputs import Logprob
 
@@ -74,8 +75,12 @@ class CompletionLogprobs:
         self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
 
-    def add(self, token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob] | None] | None,
-            num_top: int) -> None:
+    def add(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[dict[int, Logprob] | None] | None,
+        num_top: int,
+    ) -> None:
         """Appends tokens with their per-position dicts (None: no logits, e.g. prompt position 0).
 
         Args:
@@ -97,19 +102,27 @@ class CompletionLogprobs:
                 continue
             self.token_logprobs.append(_finite(chosen.logprob))
             top: dict[str, float] = {}
-            for tid, lp in sorted(step.items(), key=lambda kv: (kv[1].rank or 0)):
+            for tid, lp in sorted(step.items(), key=lambda kv: kv[1].rank or 0):
                 if tid == token or lp.rank is None or lp.rank <= num_top:
                     top.setdefault(token_text(tid, lp, self.tokenizer), _finite(lp.logprob))
             self.top_logprobs.append(top)
 
     def to_dict(self) -> dict[str, Any]:
         """The OpenAI ``logprobs`` object of the tokens added so far."""
-        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
-                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
 
 
-def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]] | None, num_top: int,
-                  tokenizer: Any) -> dict[str, Any]:
+def chat_logprobs(
+    token_ids: Sequence[int],
+    logprobs: Sequence[dict[int, Logprob]] | None,
+    num_top: int,
+    tokenizer: Any,
+) -> dict[str, Any]:
     """The chat ``logprobs`` object (``{"content": [...]}``) of generated tokens.
 
     Args:
@@ -124,8 +137,10 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob
             continue
         chosen = step.get(token)
         text = token_text(token, chosen, tokenizer)
-        ranked = sorted(((lp.rank or 0, tid, lp) for tid, lp in step.items() if lp.rank is not None),
-                        key=lambda x: (x[0], x[1]))
+        ranked = sorted(
+            ((lp.rank or 0, tid, lp) for tid, lp in step.items() if lp.rank is not None),
+            key=lambda x: (x[0], x[1]),
+        )
         top = []
         seen: set[int] = set()
         for rank, tid, lp in ranked:
@@ -133,7 +148,19 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob
                 continue
             seen.add(tid)
             alt = token_text(tid, lp, tokenizer)
-            top.append({"token": alt, "logprob": _finite(lp.logprob), "bytes": token_bytes(tid, alt, tokenizer)})
-        content.append({"token": text, "logprob": _finite(chosen.logprob) if chosen else _FLOOR,
-                        "bytes": token_bytes(token, text, tokenizer), "top_logprobs": top})
+            top.append(
+                {
+                    "token": alt,
+                    "logprob": _finite(lp.logprob),
+                    "bytes": token_bytes(tid, alt, tokenizer),
+                }
+            )
+        content.append(
+            {
+                "token": text,
+                "logprob": _finite(chosen.logprob) if chosen else _FLOOR,
+                "bytes": token_bytes(token, text, tokenizer),
+                "top_logprobs": top,
+            }
+        )
     return {"content": content}

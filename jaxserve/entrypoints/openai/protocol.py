@@ -79,9 +79,17 @@ class _SamplingRequest(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {key: value for key, value in data.items()
-                if not (value is None and key in fields and key != "max_tokens"
-                        and not fields[key].is_required() and fields[key].default is not None)}
+        return {
+            key: value
+            for key, value in data.items()
+            if not (
+                value is None
+                and key in fields
+                and key != "max_tokens"
+                and not fields[key].is_required()
+                and fields[key].default is not None
+            )
+        }
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -94,7 +102,9 @@ class _SamplingRequest(BaseModel):
 
     @field_validator("stream_options")
     @classmethod
-    def _no_options_without_stream(cls, value: StreamOptions | None, info: Any) -> StreamOptions | None:
+    def _no_options_without_stream(
+        cls, value: StreamOptions | None, info: Any
+    ) -> StreamOptions | None:
         if value is not None and not info.data.get("stream", False):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
@@ -111,8 +121,15 @@ class _SamplingRequest(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "seed": self.seed,
         }
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -157,7 +174,8 @@ class CompletionRequest(_SamplingRequest):
             if value and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value):
                 return value
         raise ValueError(
-            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
+            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        )
 
     @field_validator("best_of")
     @classmethod
@@ -185,8 +203,12 @@ class CompletionRequest(_SamplingRequest):
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = self.logprobs
-        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
-                              **self._sampling_kwargs())
+        return SamplingParams(
+            max_tokens=max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            **self._sampling_kwargs(),
+        )
 
 
 class TextPart(BaseModel):
@@ -213,8 +235,10 @@ class ChatMessage(BaseModel):
         if isinstance(value, list) and all(isinstance(p, dict) for p in value):
             kinds = {p.get("type") for p in value}
             if kinds - {"text"}:
-                raise ValueError(f"content parts of type {sorted(map(str, kinds - {'text'}))} are not supported "
-                                 f"(only text)")
+                raise ValueError(
+                    f"content parts of type {sorted(map(str, kinds - {'text'}))} are not supported "
+                    f"(only text)"
+                )
             return value
         raise ValueError("content must be a string, a list of text parts, or null")
 
@@ -252,7 +276,11 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` if given, else ``max_tokens``."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The SamplingParams of this request (see :meth:`CompletionRequest.to_sampling_params`)."""
@@ -271,7 +299,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
-    def _one_of(self) -> "TokenizeRequest":
+    def _one_of(self) -> TokenizeRequest:
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("prompt: give exactly one of prompt and messages")
         return self

@@ -20,13 +20,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
-from jaxserve.entrypoints.openai.common import (ServingInfo, check_prompt_ids, random_id, resolve_max_tokens,
-                                                usage)
-from jaxserve.entrypoints.openai.engine_calls import (collect_all, engine_error, merge_streams,
-                                                      start_requests)
+from jaxserve.entrypoints.openai.common import (
+    ServingInfo,
+    check_prompt_ids,
+    random_id,
+    resolve_max_tokens,
+    usage,
+)
+from jaxserve.entrypoints.openai.engine_calls import (
+    collect_all,
+    engine_error,
+    merge_streams,
+    start_requests,
+)
 from jaxserve.entrypoints.openai.errors import APIError, from_value_error
 from jaxserve.entrypoints.openai.logprobs import chat_logprobs
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -75,7 +85,7 @@ def _chat_field_error(exc: ValueError, max_tokens_field: str) -> APIError:
     error = from_value_error(exc)
     renamed = {"logprobs": "top_logprobs", "max_tokens": max_tokens_field}.get(error.param or "")
     if renamed and renamed != error.param and error.message.startswith(error.param):
-        error.message = renamed + error.message[len(error.param):]
+        error.message = renamed + error.message[len(error.param) :]
         error.param = renamed
     return error
 
@@ -89,22 +99,31 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
     """
     info.check_model(request.model)
     try:
-        prompt_ids = tokenizer.encode_chat(messages_as_dicts(request.messages),
-                                           add_generation_prompt=request.add_generation_prompt)
+        prompt_ids = tokenizer.encode_chat(
+            messages_as_dicts(request.messages), add_generation_prompt=request.add_generation_prompt
+        )
     except ValueError as exc:  # malformed messages, or the chat template refused them
         error = from_value_error(exc)
         error.param = "messages"
         raise error from exc
     check_prompt_ids(prompt_ids, info, field="messages")
     field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(request.requested_max_tokens, len(prompt_ids), info, field=field)
+    max_tokens = resolve_max_tokens(
+        request.requested_max_tokens, len(prompt_ids), info, field=field
+    )
     try:
         params = request.to_sampling_params(max_tokens)
         params.check_vocab(info.vocab_size)
     except ValueError as exc:
         raise _chat_field_error(exc, field) from exc
-    return ChatJob(request=request, request_id=random_id("chatcmpl"), created=int(time.time()),
-                   model=request.model or info.model_name, prompt_ids=prompt_ids, params=params)
+    return ChatJob(
+        request=request,
+        request_id=random_id("chatcmpl"),
+        created=int(time.time()),
+        model=request.model or info.model_name,
+        prompt_ids=prompt_ids,
+        params=params,
+    )
 
 
 def _header(job: ChatJob, obj: str) -> dict[str, Any]:
@@ -118,15 +137,26 @@ def build_chat_response(job: ChatJob, output: RequestOutput, tokenizer: Any) -> 
     for completion in output.outputs:
         logprobs = None
         if request.logprobs:
-            logprobs = chat_logprobs(completion.token_ids, completion.logprobs, request.top_logprobs or 0,
-                                     tokenizer)
-        choices.append({"index": completion.index,
-                        "message": {"role": "assistant", "content": completion.text},
-                        "logprobs": logprobs, "finish_reason": completion.finish_reason,
-                        "stop_reason": completion.stop_reason})
+            logprobs = chat_logprobs(
+                completion.token_ids, completion.logprobs, request.top_logprobs or 0, tokenizer
+            )
+        choices.append(
+            {
+                "index": completion.index,
+                "message": {"role": "assistant", "content": completion.text},
+                "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+            }
+        )
     completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    return {**_header(job, "chat.completion"), "choices": choices,
-            "usage": usage(len(output.prompt_token_ids), completion_tokens, max(0, output.num_cached_tokens))}
+    return {
+        **_header(job, "chat.completion"),
+        "choices": choices,
+        "usage": usage(
+            len(output.prompt_token_ids), completion_tokens, max(0, output.num_cached_tokens)
+        ),
+    }
 
 
 async def create_chat(llm: Any, job: ChatJob) -> dict[str, Any]:
@@ -135,33 +165,64 @@ async def create_chat(llm: Any, job: ChatJob) -> dict[str, Any]:
     Raises:
       APIError: 400 if the engine refused the prompt, 503 if the engine died.
     """
-    streams = await start_requests(llm, job.request_id, [job.prompt_ids], [job.params],
-                                   priority=job.request.priority, cache_salt=job.request.cache_salt)
+    streams = await start_requests(
+        llm,
+        job.request_id,
+        [job.prompt_ids],
+        [job.params],
+        priority=job.request.priority,
+        cache_salt=job.request.cache_salt,
+    )
     (output,) = await collect_all(streams)
     return build_chat_response(job, output, llm.tokenizer)
 
 
-async def stream_chat(llm: Any, job: ChatJob) -> tuple[list[RequestStream], AsyncIterator[dict[str, Any]]]:
+async def stream_chat(
+    llm: Any, job: ChatJob
+) -> tuple[list[RequestStream], AsyncIterator[dict[str, Any]]]:
     """Starts the engine request and returns it with the async iterator of chunk dicts.
 
     Same contract as ``serving_completion.stream_completion``.
     """
-    streams = await start_requests(llm, job.request_id, [job.prompt_ids], [job.params],
-                                   priority=job.request.priority, cache_salt=job.request.cache_salt)
+    streams = await start_requests(
+        llm,
+        job.request_id,
+        [job.prompt_ids],
+        [job.params],
+        priority=job.request.priority,
+        cache_salt=job.request.cache_salt,
+    )
     return streams, _chunks(job, streams, llm.tokenizer)
 
 
-async def _chunks(job: ChatJob, streams: list[RequestStream], tokenizer: Any) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(
+    job: ChatJob, streams: list[RequestStream], tokenizer: Any
+) -> AsyncIterator[dict[str, Any]]:
     request = job.request
     header = _header(job, "chat.completion.chunk")
     if request.include_usage:
         header["usage"] = None
     num_top = request.top_logprobs or 0
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None,
-              stop_reason: Any = None) -> dict[str, Any]:
-        return {**header, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                       "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+    def chunk(
+        index: int,
+        delta: dict[str, Any],
+        logprobs: Any = None,
+        finish_reason: str | None = None,
+        stop_reason: Any = None,
+    ) -> dict[str, Any]:
+        return {
+            **header,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                    "stop_reason": stop_reason,
+                }
+            ],
+        }
 
     for index in range(request.n):
         yield chunk(index, {"role": "assistant", "content": ""})
@@ -178,17 +239,27 @@ async def _chunks(job: ChatJob, streams: list[RequestStream], tokenizer: Any) ->
                 completion_tokens[completion.index] = len(completion.token_ids)
                 logprobs = None
                 if request.logprobs and completion.delta_token_ids:
-                    logprobs = chat_logprobs(completion.delta_token_ids, completion.delta_logprobs, num_top,
-                                             tokenizer)
+                    logprobs = chat_logprobs(
+                        completion.delta_token_ids, completion.delta_logprobs, num_top, tokenizer
+                    )
                 text = completion.delta_text
                 if completion.finished:
                     finished.add(completion.index)
                 elif not text and logprobs is None:
                     continue
-                yield chunk(completion.index, {"content": text} if text else {}, logprobs,
-                            completion.finish_reason, completion.stop_reason)
+                yield chunk(
+                    completion.index,
+                    {"content": text} if text else {},
+                    logprobs,
+                    completion.finish_reason,
+                    completion.stop_reason,
+                )
     except EngineDeadError as exc:
         yield engine_error(exc).body()
         return
     if request.include_usage:
-        yield {**header, "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens.values()), cached)}
+        yield {
+            **header,
+            "choices": [],
+            "usage": usage(prompt_tokens, sum(completion_tokens.values()), cached),
+        }

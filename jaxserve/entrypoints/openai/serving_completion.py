@@ -19,13 +19,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
-from jaxserve.entrypoints.openai.common import (ServingInfo, check_prompt_ids, random_id, resolve_max_tokens,
-                                                usage)
-from jaxserve.entrypoints.openai.engine_calls import (collect_all, engine_error, merge_streams,
-                                                      start_requests)
+from jaxserve.entrypoints.openai.common import (
+    ServingInfo,
+    check_prompt_ids,
+    random_id,
+    resolve_max_tokens,
+    usage,
+)
+from jaxserve.entrypoints.openai.engine_calls import (
+    collect_all,
+    engine_error,
+    merge_streams,
+    start_requests,
+)
 from jaxserve.entrypoints.openai.errors import bad_request, from_value_error
 from jaxserve.entrypoints.openai.logprobs import CompletionLogprobs
 from jaxserve.entrypoints.openai.protocol import CompletionRequest
@@ -57,7 +67,9 @@ class CompletionJob:
     params: list[SamplingParams]
 
 
-def _prompts(request: CompletionRequest, tokenizer: Any) -> tuple[list[list[int]], list[str | None]]:
+def _prompts(
+    request: CompletionRequest, tokenizer: Any
+) -> tuple[list[list[int]], list[str | None]]:
     prompt = request.prompt
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt)], [prompt]
@@ -70,7 +82,9 @@ def _prompts(request: CompletionRequest, tokenizer: Any) -> tuple[list[list[int]
     return [list(p) for p in prompt], [None] * len(prompt)
 
 
-def prepare_completion(request: CompletionRequest, info: ServingInfo, tokenizer: Any) -> CompletionJob:
+def prepare_completion(
+    request: CompletionRequest, info: ServingInfo, tokenizer: Any
+) -> CompletionJob:
     """Tokenizes and checks the prompts and builds each one's SamplingParams.
 
     Raises:
@@ -89,18 +103,37 @@ def prepare_completion(request: CompletionRequest, info: ServingInfo, tokenizer:
         except ValueError as exc:
             raise from_value_error(exc) from exc
         params.append(sp)
-    texts = [t if t is not None else tokenizer.decode(ids, skip_special_tokens=False)
-             for t, ids in zip(given_texts, prompt_ids)] if request.echo else [""] * len(prompt_ids)
-    return CompletionJob(request=request, request_id=random_id("cmpl"), created=int(time.time()),
-                         model=request.model or info.model_name, prompt_ids=prompt_ids,
-                         prompt_texts=texts, params=params)
+    texts = (
+        [
+            t if t is not None else tokenizer.decode(ids, skip_special_tokens=False)
+            for t, ids in zip(given_texts, prompt_ids)
+        ]
+        if request.echo
+        else [""] * len(prompt_ids)
+    )
+    return CompletionJob(
+        request=request,
+        request_id=random_id("cmpl"),
+        created=int(time.time()),
+        model=request.model or info.model_name,
+        prompt_ids=prompt_ids,
+        prompt_texts=texts,
+        params=params,
+    )
 
 
 def _header(job: CompletionJob) -> dict[str, Any]:
-    return {"id": job.request_id, "object": "text_completion", "created": job.created, "model": job.model}
+    return {
+        "id": job.request_id,
+        "object": "text_completion",
+        "created": job.created,
+        "model": job.model,
+    }
 
 
-def build_completion_response(job: CompletionJob, outputs: list[RequestOutput], tokenizer: Any) -> dict[str, Any]:
+def build_completion_response(
+    job: CompletionJob, outputs: list[RequestOutput], tokenizer: Any
+) -> dict[str, Any]:
     """The non-streaming response body from each prompt's final RequestOutput (in prompt order)."""
     request = job.request
     choices = []
@@ -118,12 +151,23 @@ def build_completion_response(job: CompletionJob, outputs: list[RequestOutput], 
                     builder.add(output.prompt_token_ids, output.prompt_logprobs, request.logprobs)
                 builder.add(completion.token_ids, completion.logprobs, request.logprobs)
                 logprobs = builder.to_dict()
-            choices.append({"index": i * request.n + completion.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+            choices.append(
+                {
+                    "index": i * request.n + completion.index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+            )
     choices.sort(key=lambda c: c["index"])
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     cached = sum(max(0, o.num_cached_tokens) for o in outputs)
-    return {**_header(job), "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)}
+    return {
+        **_header(job),
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens, cached),
+    }
 
 
 async def create_completion(llm: Any, job: CompletionJob) -> dict[str, Any]:
@@ -132,14 +176,21 @@ async def create_completion(llm: Any, job: CompletionJob) -> dict[str, Any]:
     Raises:
       APIError: 400 if the engine refused a prompt, 503 if the engine died.
     """
-    streams = await start_requests(llm, job.request_id, job.prompt_ids, job.params,
-                                   priority=job.request.priority, cache_salt=job.request.cache_salt)
+    streams = await start_requests(
+        llm,
+        job.request_id,
+        job.prompt_ids,
+        job.params,
+        priority=job.request.priority,
+        cache_salt=job.request.cache_salt,
+    )
     outputs = await collect_all(streams)
     return build_completion_response(job, outputs, llm.tokenizer)
 
 
-async def stream_completion(llm: Any, job: CompletionJob
-                            ) -> tuple[list[RequestStream], AsyncIterator[dict[str, Any]]]:
+async def stream_completion(
+    llm: Any, job: CompletionJob
+) -> tuple[list[RequestStream], AsyncIterator[dict[str, Any]]]:
     """Starts the engine requests and returns them with the async iterator of chunk dicts.
 
     The caller writes each chunk as an SSE event, then ``data: [DONE]``, and aborts the streams
@@ -149,12 +200,20 @@ async def stream_completion(llm: Any, job: CompletionJob
     Raises:
       APIError: 400 if the engine refused a prompt (nothing started), 503 if it is dead.
     """
-    streams = await start_requests(llm, job.request_id, job.prompt_ids, job.params,
-                                   priority=job.request.priority, cache_salt=job.request.cache_salt)
+    streams = await start_requests(
+        llm,
+        job.request_id,
+        job.prompt_ids,
+        job.params,
+        priority=job.request.priority,
+        cache_salt=job.request.cache_salt,
+    )
     return streams, _chunks(job, streams, llm.tokenizer)
 
 
-async def _chunks(job: CompletionJob, streams: list[RequestStream], tokenizer: Any) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(
+    job: CompletionJob, streams: list[RequestStream], tokenizer: Any
+) -> AsyncIterator[dict[str, Any]]:
     request = job.request
     header = _header(job)
     if request.include_usage:
@@ -171,7 +230,9 @@ async def _chunks(job: CompletionJob, streams: list[RequestStream], tokenizer: A
             cached[i] = max(0, output.num_cached_tokens)
             for completion in output.outputs:
                 index = i * request.n + completion.index
-                if index in finished or (index not in started and not (completion.token_ids or completion.finished)):
+                if index in finished or (
+                    index not in started and not (completion.token_ids or completion.finished)
+                ):
                     continue
                 completion_tokens[index] = len(completion.token_ids)
                 if index not in started:
@@ -182,7 +243,9 @@ async def _chunks(job: CompletionJob, streams: list[RequestStream], tokenizer: A
                     if request.logprobs is not None:
                         builder = builders[index] = CompletionLogprobs(tokenizer)
                         if request.echo:
-                            builder.add(output.prompt_token_ids, output.prompt_logprobs, request.logprobs)
+                            builder.add(
+                                output.prompt_token_ids, output.prompt_logprobs, request.logprobs
+                            )
                 else:
                     text = completion.delta_text
                     new_ids, new_logprobs = completion.delta_token_ids, completion.delta_logprobs
@@ -196,12 +259,26 @@ async def _chunks(job: CompletionJob, streams: list[RequestStream], tokenizer: A
                     finished.add(index)
                 elif not text and not (logprobs and logprobs["tokens"]):
                     continue
-                yield {**header, "choices": [{
-                    "index": index, "text": text, "logprobs": logprobs,
-                    "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}]}
+                yield {
+                    **header,
+                    "choices": [
+                        {
+                            "index": index,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": completion.finish_reason,
+                            "stop_reason": completion.stop_reason,
+                        }
+                    ],
+                }
     except EngineDeadError as exc:
         yield engine_error(exc).body()
         return
     if request.include_usage:
-        yield {**header, "choices": [], "usage": usage(sum(prompt_tokens.values()),
-                                                       sum(completion_tokens.values()), sum(cached.values()))}
+        yield {
+            **header,
+            "choices": [],
+            "usage": usage(
+                sum(prompt_tokens.values()), sum(completion_tokens.values()), sum(cached.values())
+            ),
+        }
