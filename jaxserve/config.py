@@ -190,6 +190,44 @@ class RunnerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ObservabilityConfig:
+    """What the engine tells the outside: metric names and KV-cache events.
+
+    Attributes:
+      metrics_namespace: "jaxserve" or "vllm", the prefix of every ``/metrics`` name
+        (jaxserve/metrics.py).
+      kv_events_endpoint: ZMQ address the engine publishes KV-cache events to
+        (jaxserve/kv_events.py); "" publishes nothing. ``tcp://*:PORT`` binds, ``tcp://HOST:PORT``
+        connects (vLLM's rule).
+      data_parallel_rank: this engine's replica index (labels its KV events; a bound endpoint's
+        port is offset by it).
+
+    Raises:
+      ValueError: an unknown namespace, an endpoint that is not ``tcp://``, ``ipc://`` or
+        ``inproc://``, or a negative rank (naming the field).
+    """
+
+    metrics_namespace: str = "jaxserve"
+    kv_events_endpoint: str = ""
+    data_parallel_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.metrics_namespace not in ("jaxserve", "vllm"):
+            raise ValueError(
+                f"metrics_namespace must be jaxserve or vllm, got {self.metrics_namespace!r}"
+            )
+        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(
+            ("tcp://", "ipc://", "inproc://")
+        ):
+            raise ValueError(
+                f"kv_events_endpoint must be a ZMQ address like tcp://HOST:PORT, got "
+                f"{self.kv_events_endpoint!r}"
+            )
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """All resolved configs of one engine."""
 
@@ -197,6 +235,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     runner: RunnerConfig
+    observability: ObservabilityConfig = dataclasses.field(default_factory=ObservabilityConfig)
 
 
 def _meta(help_text: str, **kw: Any) -> dict[str, Any]:
@@ -284,6 +323,28 @@ class EngineArgs:
     )
     warmup: bool = dataclasses.field(
         default=True, metadata=_meta("compile every bucket before serving")
+    )
+    # Observability (#14): names the routers read, KV events for KV-aware routers.
+    metrics_namespace: str = dataclasses.field(
+        default="jaxserve",
+        metadata=_meta(
+            "prefix of the /metrics names; vllm serves vLLM's names (vllm:num_requests_waiting, ...)",
+            choices=["jaxserve", "vllm"],
+        ),
+    )
+    kv_events_endpoint: str = dataclasses.field(
+        default="",
+        metadata=_meta(
+            "publish KV-cache events (vLLM's format, ZMQ PUB + msgpack) here: tcp://*:PORT binds, "
+            "tcp://HOST:PORT connects; '' publishes nothing"
+        ),
+    )
+    data_parallel_rank: int = dataclasses.field(
+        default=0,
+        metadata=_meta(
+            "this engine's replica index (the Ray deployment sets it); labels KV events and "
+            "offsets a bound --kv-events-endpoint port"
+        ),
     )
 
     @classmethod
@@ -395,5 +456,10 @@ class EngineArgs:
                 token_buckets=buckets,
                 compilation_cache_dir=cache_dir,
                 warmup=self.warmup,
+            ),
+            observability=ObservabilityConfig(
+                metrics_namespace=self.metrics_namespace,
+                kv_events_endpoint=self.kv_events_endpoint,
+                data_parallel_rank=self.data_parallel_rank,
             ),
         )

@@ -5,6 +5,12 @@ Source: vLLM V1's ``v1/metrics/loggers.py`` (PrometheusStatLogger): the same met
 ``_total`` suffix in the exposition, as prometheus_client writes them
 (``jaxserve:prompt_tokens_total``, ``jaxserve:request_success_total{finished_reason="stop"}``).
 
+``--metrics-namespace vllm`` (``EngineMetrics(namespace="vllm")``) serves the same families
+under vLLM's own prefix (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:cache_config_info{block_size,num_gpu_blocks,...}``), so an endpoint picker (the Gateway
+API Inference Extension, llm-d) or vLLM's Grafana dashboard reads them unchanged. The names
+are written once, in :data:`METRIC_NAMES`; only the prefix changes.
+
 Each :class:`EngineMetrics` owns its ``CollectorRegistry``, so several servers (or tests) in one
 process do not collide. Updates come from the engine thread after each step
 (:meth:`EngineMetrics.record_step`); prometheus_client's metric objects are thread-safe, so the
@@ -42,6 +48,35 @@ if TYPE_CHECKING:
     from jaxserve.outputs import RequestOutput
 
 PREFIX = "jaxserve:"
+"""Prefix of the default namespace."""
+
+NAMESPACES = ("jaxserve", "vllm")
+"""Values of ``--metrics-namespace``: the prefix before ``:`` in every metric name."""
+
+METRIC_NAMES = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "prompt_tokens",
+    "generation_tokens",
+    "request_success",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "time_per_output_token_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_inference_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "request_max_num_generation_tokens",
+    "cache_config_info",
+)
+"""Every metric family, without its namespace (counters get ``_total`` in the exposition)."""
 
 # vLLM V1's buckets (seconds).
 TTFT_BUCKETS = (
@@ -116,12 +151,29 @@ REQUEST_LATENCY_BUCKETS = (
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
+def token_count_buckets(max_value: int) -> tuple[int, ...]:
+    """1-2-5 buckets up to ``max_value`` (vLLM's ``build_1_2_5_buckets``): 1, 2, 5, 10, 20, ...
+
+    Used for the per-request token-count histograms (prompt and generation lengths).
+    """
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            value = m * scale
+            if value > max_value:
+                return tuple(out)
+            out.append(value)
+        scale *= 10
+
+
 @dataclasses.dataclass
 class _RequestState:
     """What the recorder remembers of a running request between steps."""
 
     ttft_recorded: bool = False
     last_token_time: float | None = None
+    max_sample_tokens: int = 0  # most tokens of one sample so far (n > 1: the longest)
 
 
 class EngineMetrics:
@@ -130,66 +182,86 @@ class EngineMetrics:
     Args:
       model_name: value of the ``model_name`` label (the served model name).
       cache_config: the resolved CacheConfig; its knobs become labels of
-        ``jaxserve:cache_config_info`` (value 1). None leaves that metric out.
+        ``<namespace>:cache_config_info`` (value 1). None leaves that metric out.
+      namespace: "jaxserve" (default) or "vllm" (vLLM's names, for routers and dashboards
+        built for vLLM).
+      max_model_len: top of the token-count histograms' buckets (prompt and generation
+        lengths), tokens.
 
     Attributes:
       registry: this server's own ``CollectorRegistry``.
+      prefix: ``namespace + ":"``.
+
+    Raises:
+      ValueError: an unknown namespace.
     """
 
-    def __init__(self, model_name: str, cache_config: CacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        cache_config: CacheConfig | None = None,
+        *,
+        namespace: str = "jaxserve",
+        max_model_len: int = 2048,
+    ) -> None:
+        if namespace not in NAMESPACES:
+            raise ValueError(
+                f"metrics_namespace must be one of {', '.join(NAMESPACES)}, got {namespace!r}"
+            )
         # No ``*_created`` series (vLLM does the same; the switch is process-wide).
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        self.prefix = prefix = namespace + ":"
         labels = ["model_name"]
         reg = self.registry
         self.num_requests_running = Gauge(
-            PREFIX + "num_requests_running",
+            prefix + "num_requests_running",
             "Requests holding KV blocks (in the running batch).",
             labels,
             registry=reg,
         ).labels(model_name)
         self.num_requests_waiting = Gauge(
-            PREFIX + "num_requests_waiting",
+            prefix + "num_requests_waiting",
             "Requests waiting to be scheduled (preempted included).",
             labels,
             registry=reg,
         ).labels(model_name)
         self.kv_cache_usage_perc = Gauge(
-            PREFIX + "kv_cache_usage_perc",
+            prefix + "kv_cache_usage_perc",
             "KV-cache usage, fraction of blocks in use (1 = full).",
             labels,
             registry=reg,
         ).labels(model_name)
         self.num_preemptions = Counter(
-            PREFIX + "num_preemptions",
+            prefix + "num_preemptions",
             "Preemptions (recompute) of running requests.",
             labels,
             registry=reg,
         ).labels(model_name)
         self.prefix_cache_queries = Counter(
-            PREFIX + "prefix_cache_queries",
+            prefix + "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
             labels,
             registry=reg,
         ).labels(model_name)
         self.prefix_cache_hits = Counter(
-            PREFIX + "prefix_cache_hits",
+            prefix + "prefix_cache_hits",
             "Prompt tokens found in the prefix cache.",
             labels,
             registry=reg,
         ).labels(model_name)
         self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens",
+            prefix + "prompt_tokens",
             "Prompt tokens of requests that started generating.",
             labels,
             registry=reg,
         ).labels(model_name)
         self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Generated tokens.", labels, registry=reg
+            prefix + "generation_tokens", "Generated tokens.", labels, registry=reg
         ).labels(model_name)
         success = Counter(
-            PREFIX + "request_success",
+            prefix + "request_success",
             "Finished samples, by finish reason.",
             labels + ["finished_reason"],
             registry=reg,
@@ -198,39 +270,76 @@ class EngineMetrics:
             reason: success.labels(model_name, reason) for reason in FINISHED_REASONS
         }
         self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds",
+            prefix + "time_to_first_token_seconds",
             "Time to first token (TTFT), seconds.",
             labels,
             buckets=TTFT_BUCKETS,
             registry=reg,
         ).labels(model_name)
         self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds",
+            prefix + "inter_token_latency_seconds",
             "Inter-token latency (ITL), seconds.",
             labels,
             buckets=ITL_BUCKETS,
             registry=reg,
         ).labels(model_name)
         self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+            prefix + "e2e_request_latency_seconds",
             "End-to-end request latency, seconds.",
             labels,
             buckets=REQUEST_LATENCY_BUCKETS,
             registry=reg,
         ).labels(model_name)
         self.request_queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds",
+            prefix + "request_queue_time_seconds",
             "Time from arrival to first scheduling, seconds.",
             labels,
             buckets=REQUEST_LATENCY_BUCKETS,
             registry=reg,
         ).labels(model_name)
+        self.time_per_output_token = Histogram(
+            prefix + "time_per_output_token_seconds",
+            "Mean time per output token after the first (TPOT) of a finished request, seconds.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        phases = (
+            ("request_inference_time_seconds", "first scheduling to finish"),
+            ("request_prefill_time_seconds", "first scheduling to first token"),
+            ("request_decode_time_seconds", "first token to last token"),
+        )
+        self.request_inference_time, self.request_prefill_time, self.request_decode_time = (
+            Histogram(
+                prefix + name,
+                f"Time from {what} of a finished request, seconds.",
+                labels,
+                buckets=REQUEST_LATENCY_BUCKETS,
+                registry=reg,
+            ).labels(model_name)
+            for name, what in phases
+        )
+        token_buckets = token_count_buckets(max(1, max_model_len))
+        lengths = (
+            ("request_prompt_tokens", "Prompt tokens of a finished request."),
+            ("request_generation_tokens", "Generated tokens of a finished request (all samples)."),
+            (
+                "request_max_num_generation_tokens",
+                "Generated tokens of a finished request's longest sample.",
+            ),
+        )
+        self.request_prompt_tokens, self.request_generation_tokens, self.request_max_gen = (
+            Histogram(prefix + name, help_text, labels, buckets=token_buckets, registry=reg).labels(
+                model_name
+            )
+            for name, help_text in lengths
+        )
         if cache_config is not None:
             knobs = {
                 f.name: str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)
             }
             info = Gauge(
-                PREFIX + "cache_config_info",
+                prefix + "cache_config_info",
                 "Information of the KV cache configuration.",
                 list(knobs),
                 registry=reg,
@@ -286,6 +395,9 @@ class EngineMetrics:
     def _record_output(self, output: RequestOutput) -> None:
         state = self._requests.setdefault(output.request_id, _RequestState())
         new_tokens = sum(len(c.delta_token_ids) for c in output.outputs)
+        for completion in output.outputs:
+            if len(completion.token_ids) > state.max_sample_tokens:
+                state.max_sample_tokens = len(completion.token_ids)
         m = output.metrics
         if m is not None:
             if not state.ttft_recorded and m.first_token_time is not None:
@@ -316,4 +428,22 @@ class EngineMetrics:
                     self.request_queue_time.observe(
                         max(0.0, m.first_scheduled_time - m.arrival_time)
                     )
+                self._record_finished(output, m, state)
             del self._requests[output.request_id]
+
+    def _record_finished(self, output: RequestOutput, m: Any, state: _RequestState) -> None:
+        """The per-request families vLLM's dashboard reads, observed once at the finish."""
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(m.num_generation_tokens)
+        self.request_max_gen.observe(state.max_sample_tokens)
+        if m.first_scheduled_time is not None:
+            self.request_inference_time.observe(max(0.0, m.finished_time - m.first_scheduled_time))
+            if m.first_token_time is not None:
+                self.request_prefill_time.observe(
+                    max(0.0, m.first_token_time - m.first_scheduled_time)
+                )
+        if m.first_token_time is not None and m.last_token_time is not None:
+            decode = max(0.0, m.last_token_time - m.first_token_time)
+            self.request_decode_time.observe(decode)
+            if state.max_sample_tokens > 1:
+                self.time_per_output_token.observe(decode / (state.max_sample_tokens - 1))

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.config import CacheConfig
 from jaxserve.engine.llm_engine import EngineStats
-from jaxserve.metrics import EngineMetrics
+from jaxserve.metrics import METRIC_NAMES, NAMESPACES, EngineMetrics, token_count_buckets
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -108,3 +113,80 @@ def test_registries_are_independent():
     a.record_step(EngineStats(num_preemptions_total=5), [])
     assert _samples(a)[("jaxserve:num_preemptions_total", ())] == 5
     assert _samples(b)[("jaxserve:num_preemptions_total", ())] == 0
+
+
+def _families(metrics: EngineMetrics) -> dict[str, object]:
+    return {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_every_family_under_each_namespace(namespace):
+    metrics = EngineMetrics(
+        "m", CacheConfig(block_size=16, num_gpu_blocks=100), namespace=namespace
+    )
+    families = _families(metrics)  # parses with prometheus_client's own parser
+    assert set(families) == {f"{namespace}:{name}" for name in METRIC_NAMES}
+    info = families[f"{namespace}:cache_config_info"].samples[0].labels
+    assert info["block_size"] == "16" and info["num_gpu_blocks"] == "100"
+
+
+def test_unknown_namespace_is_refused():
+    with pytest.raises(ValueError, match="metrics_namespace"):
+        EngineMetrics("m", namespace="sglang")
+
+
+def test_per_request_families_at_finish():
+    metrics = EngineMetrics("m", namespace="vllm", max_model_len=100)
+    out = _output("a", 1, t=[11.0, 12.0], finished=True, reason="length", prompt=range(7), n=2)
+    out.metrics.num_generation_tokens = 9
+    out.outputs[0].token_ids = [1] * 5  # the longest sample
+    out.outputs[1].token_ids = [1] * 4
+    metrics.record_step(None, [out])
+    s = _samples(metrics)
+    assert s[("vllm:request_prompt_tokens_sum", ())] == 7
+    assert s[("vllm:request_prompt_tokens_bucket", (("le", "10.0"),))] == 1
+    assert s[("vllm:request_prompt_tokens_bucket", (("le", "5.0"),))] == 0
+    assert s[("vllm:request_generation_tokens_sum", ())] == 9
+    assert s[("vllm:request_max_num_generation_tokens_sum", ())] == 5
+    assert s[("vllm:request_prefill_time_seconds_sum", ())] == 0.5  # scheduled 10.5, token 11
+    assert s[("vllm:request_decode_time_seconds_sum", ())] == 1.0
+    assert s[("vllm:request_inference_time_seconds_sum", ())] == 1.5
+    assert s[("vllm:time_per_output_token_seconds_sum", ())] == 0.25  # 1.0 s / (5 - 1)
+    assert max(token_count_buckets(100)) == 100 and token_count_buckets(100)[:4] == (1, 2, 5, 10)
+
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "jaxserve-dashboard.json"
+
+
+def _queried_metrics(node) -> set[str]:
+    """Every ``vllm:`` name in the dashboard's queries (panel targets and template variables)."""
+    if isinstance(node, dict):
+        found = set()
+        for key, value in node.items():
+            if key in ("expr", "definition", "query") and isinstance(value, str):
+                found |= set(re.findall(r"vllm:[A-Za-z0-9_:]+", value))
+            else:
+                found |= _queried_metrics(value)
+        return found
+    if isinstance(node, list):
+        return set().union(*(_queried_metrics(v) for v in node)) if node else set()
+    return set()
+
+
+def test_grafana_dashboard_queries_only_metrics_we_serve():
+    queried = _queried_metrics(json.loads(DASHBOARD.read_text()))
+    metrics = EngineMetrics("m", CacheConfig(block_size=16, num_gpu_blocks=10), namespace="vllm")
+    served = {s.name for f in _families(metrics).values() for s in f.samples}
+    assert queried and queried <= served, sorted(queried - served)
+    # It covers the seed's dashboard: waiting depth, preemptions, KV usage, prefix hit rate,
+    # TTFT and TPOT quantiles.
+    for name in (
+        "vllm:num_requests_waiting",
+        "vllm:num_preemptions_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_per_output_token_seconds_bucket",
+    ):
+        assert name in queried, name

@@ -10,13 +10,26 @@ Follows vLLM V1's ``v1/core/block_pool.py``. Invariants (checked by tests):
 * each hash maps to at most one block. When two requests compute the same block at the same
   time, the first one to fill it caches it; the other's copy stays uncached and is freed like
   any uncached block.
+
+KV events (the one hook): while ``kv_events`` is a list, the pool appends a ``BlockStored`` for
+each run of blocks it registers, a ``BlockRemoved`` for the hashes it evicts and an
+``AllBlocksCleared`` on a reset; the owner takes them (``take_kv_events``) after each step and
+publishes them (jaxserve/kv_events.py). None (the default) records nothing and costs nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from jaxserve.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+from jaxserve.core.kv_cache_utils import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    KVEvent,
+)
 
 
 class BlockPool:
@@ -41,6 +54,7 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0  # interval counter, reset by the manager's make_stats
+        self.kv_events: list[KVEvent] | None = None  # set to [] to record (module docstring)
 
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (evictable cached blocks included)."""
@@ -67,14 +81,27 @@ class BlockPool:
             raise ValueError(f"cannot get {num_blocks} blocks, {queue.num_free_blocks} free")
         blocks = [queue.popleft()] if num_blocks == 1 else queue.popleft_n(num_blocks)
         cache = self.cached_block_hash_to_block
+        removed = [] if self.kv_events is not None else None
         for block in blocks:
             if block.block_hash is not None:
                 if cache.get(block.block_hash) is block:
                     del cache[block.block_hash]
+                    if removed is not None:
+                        removed.append(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
+        if removed:
+            self.kv_events.append(BlockRemoved(removed))
         return blocks
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The events recorded since the previous call (empty when not recording)."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Adds a reference to each block (prefix-cache hits), taking free ones out of the queue."""
@@ -104,6 +131,8 @@ class BlockPool:
         block_hashes: list[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
+        token_ids: list[int] | None = None,
+        block_size: int = 0,
     ) -> None:
         """Registers ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
@@ -112,8 +141,11 @@ class BlockPool:
           block_hashes: the request's block hashes (at least ``num_full_blocks`` of them).
           num_cached_blocks: blocks of the table already handled by an earlier call.
           num_full_blocks: blocks of the table that are now full.
+          token_ids, block_size: the request's tokens and the block size, read only while
+            recording KV events (for ``BlockStored.token_ids``).
         """
         cache = self.cached_block_hash_to_block
+        stored = [] if self.kv_events is not None else None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None:  # a prefix-cache hit: cached already
@@ -122,6 +154,24 @@ class BlockPool:
             if block_hash not in cache:
                 cache[block_hash] = block
                 block.block_hash = block_hash
+                if stored is not None:
+                    stored.append(i)
+        if stored:
+            # One event per run of consecutive blocks, so each names its true parent.
+            start = prev = stored[0]
+            for i in [*stored[1:], -1]:
+                if i != prev + 1:
+                    self.kv_events.append(
+                        BlockStored(
+                            block_hashes[start : prev + 1],
+                            block_hashes[start - 1] if start else None,
+                            list(token_ids[start * block_size : (prev + 1) * block_size])
+                            if token_ids is not None
+                            else [],
+                        )
+                    )
+                    start = i
+                prev = i
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash. Only allowed when no block is in use.
@@ -134,4 +184,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return True

@@ -236,7 +236,9 @@ class KVCacheManager:
         if num_full <= num_cached:
             return num_cached
         hashes = update_block_hashes(request, block_size, self.none_hash)
-        self.block_pool.cache_full_blocks(blocks, hashes, num_cached, num_full)
+        self.block_pool.cache_full_blocks(
+            blocks, hashes, num_cached, num_full, request._all_token_ids, block_size
+        )
         self.num_cached_block[request.request_id] = num_full
         return num_full
 

@@ -19,10 +19,12 @@ e.g. Llama-3-8B in bfloat16 (L=32, Hkv=8, D=128, itemsize 2): 128 KiB per token,
 profile step, then calls :func:`compute_num_gpu_blocks` with what is left.
 
 Prefix caching: a full block's hash is ``sha256(parent_hash || token ids as packed int32 ||
-extra keys)``; the chain starts from a per-process random seed (:data:`NONE_HASH`), so hashes
-cannot be predicted across processes, and the first block mixes in the request's
-``cache_salt`` so tenants with different salts never share blocks (vLLM's ``cache_salt``).
-Only full blocks are hashed and cached.
+extra keys)``; the chain starts from :data:`NONE_HASH`, random per process unless
+``PYTHONHASHSEED`` is set (vLLM's rule; then every process with the same value computes the
+same hashes, which a prefix-aware router and KV-event consumers need), and the first block
+mixes in the request's ``cache_salt`` so tenants with different salts never share blocks
+(vLLM's ``cache_salt``). Only full blocks are hashed and cached. :func:`hash_token_blocks`
+hashes a bare token list the same way (the router's use).
 """
 
 from __future__ import annotations
@@ -40,8 +42,17 @@ if TYPE_CHECKING:
 BlockHash = bytes
 """32-byte sha256 digest identifying a full block's tokens and everything before them."""
 
-NONE_HASH: BlockHash = os.urandom(32)
-"""Parent hash of a request's first block: random per process."""
+
+def none_hash_from_seed(seed: str | None) -> BlockHash:
+    """The chain's start for a seed string: ``sha256("jaxserve-none-hash:" + seed)``; 32 random
+    bytes when ``seed`` is None or empty (or ``"random"``, Python's own spelling)."""
+    if not seed or seed == "random":
+        return os.urandom(32)
+    return hashlib.sha256(b"jaxserve-none-hash:" + seed.encode()).digest()
+
+
+NONE_HASH: BlockHash = none_hash_from_seed(os.environ.get("PYTHONHASHSEED"))
+"""Parent hash of a request's first block: from ``PYTHONHASHSEED`` if set, else random per process."""
 
 _SALT_TAG = b"\x01salt:"
 
@@ -81,6 +92,40 @@ def hash_block_tokens(
 def salt_extra_keys(cache_salt: str | None) -> bytes:
     """Extra keys of a request's first block: its tagged cache salt, or nothing."""
     return _SALT_TAG + cache_salt.encode() if cache_salt else b""
+
+
+def hash_token_blocks(
+    token_ids: list[int],
+    block_size: int,
+    *,
+    cache_salt: str | None = None,
+    none_hash: BlockHash = NONE_HASH,
+    max_blocks: int | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks of a token list, exactly as the KV-cache manager
+    computes them for a request with these tokens and ``cache_salt``.
+
+    Args:
+      token_ids: the prompt's token ids.
+      block_size: tokens per block.
+      cache_salt: the request's salt (mixed into block 0), or None.
+      none_hash: the chain's start (the engine's :data:`NONE_HASH`; a router in another
+        process passes :func:`none_hash_from_seed` of the engines' ``PYTHONHASHSEED``).
+      max_blocks: hash at most this many leading blocks (None: all full blocks).
+
+    Returns:
+      One 32-byte hash per full block (``len(token_ids) // block_size``, capped), in order.
+    """
+    num_full = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_full = min(num_full, max_blocks)
+    hashes: list[BlockHash] = []
+    parent = none_hash
+    for i in range(num_full):
+        extra = salt_extra_keys(cache_salt) if i == 0 else b""
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
+        hashes.append(parent)
+    return hashes
 
 
 def update_block_hashes(
@@ -337,6 +382,36 @@ class KVCacheStats:
     num_free_blocks: int
     prefix_cache: PrefixCacheStats
     num_evictions: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockStored:
+    """KV event: consecutive full blocks entered the prefix cache (vLLM's ``BlockStored``).
+
+    Attributes:
+      block_hashes: the blocks' chained hashes, in order.
+      parent_block_hash: hash of the block before the first one; None for a prompt's first block.
+      token_ids: the blocks' tokens, ``len(block_hashes) * block_size`` of them.
+    """
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """KV event: cached blocks were evicted (their hashes no longer hit)."""
+
+    block_hashes: list[BlockHash]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """KV event: the whole prefix cache was reset."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def blocks_to_ids(blocks: Iterable[KVCacheBlock]) -> list[int]:

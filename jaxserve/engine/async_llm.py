@@ -142,7 +142,12 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.engine_config: EngineConfig = engine.engine_config
         self.model_name: str = self.engine_config.model.served_model_name
-        self.metrics = metrics or EngineMetrics(self.model_name, self.engine_config.cache)
+        self.metrics = metrics or EngineMetrics(
+            self.model_name,
+            self.engine_config.cache,
+            namespace=self.engine_config.observability.metrics_namespace,
+            max_model_len=self.engine_config.scheduler.max_model_len,
+        )
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Any]] = []
         self._streams: dict[str, RequestStream] = {}  # engine thread only
@@ -303,6 +308,9 @@ class AsyncLLM:
                 self._dispatch(wanted)
                 has_work = self.engine.has_unfinished_requests()
             self._fail_pending(EngineDeadError("engine was shut down"))
+            close = getattr(self.engine, "close", None)  # the KV-event publisher, if any
+            if close is not None:
+                close()
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
             logger.exception("engine loop died")
             self._die(exc)

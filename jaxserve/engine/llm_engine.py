@@ -151,6 +151,27 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_id, self.extra_eos_token_ids = _eos_ids(tokenizer, generation_config, arch)
         self._stats = EngineStats()
+        self.kv_event_publisher = self._start_kv_events(config)
+
+    def _start_kv_events(self, config: EngineConfig) -> Any:
+        """With ``kv_events_endpoint`` set: the block pool records its events and a
+        ``KVEventPublisher`` sends them after each step (jaxserve/kv_events.py); else None."""
+        obs = config.observability
+        if not obs.kv_events_endpoint:
+            return None
+        from jaxserve.kv_events import KVEventPublisher, offset_endpoint
+
+        self._block_pool = self.scheduler.kv_cache_manager.block_pool
+        self._block_pool.kv_events = []
+        endpoint = offset_endpoint(obs.kv_events_endpoint, obs.data_parallel_rank)
+        logger.info("publishing KV-cache events on %s", endpoint)
+        return KVEventPublisher(endpoint, config.cache.block_size, obs.data_parallel_rank)
+
+    def close(self) -> None:
+        """Stops the KV-event publisher (if any) after it sent what is queued."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
+            self.kv_event_publisher = None
 
     # ------------------------------------------------------------------ construction
 
@@ -359,6 +380,10 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         t3 = time.perf_counter()
+        if self.kv_event_publisher is not None:
+            events = self._block_pool.take_kv_events()
+            if events:
+                self.kv_event_publisher.publish(events)
         self._update_stats(sched_out.total_num_scheduled_tokens, outputs)
         st = self._stats
         st.schedule_s += t1 - t0

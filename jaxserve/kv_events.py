@@ -1,0 +1,206 @@
+"""KV-cache events over ZMQ PUB with msgpack payloads, in vLLM's event format.
+
+An external KV-aware router (llm-d's KV-cache indexer, the Gateway API Inference Extension's
+prefix scorer) subscribes to every replica's events to learn which replica holds which prefix.
+The block pool records the events (``BlockPool.kv_events``, its one hook); the engine takes them
+after each step and hands them to :class:`KVEventPublisher`, whose thread encodes and sends them,
+so the engine thread never blocks on the network.
+
+Wire format (vLLM's ``vllm/distributed/kv_events.py``; msgspec structs encoded as maps, the
+event class name under ``"type"``). Each ZMQ message has three frames::
+
+    [topic (bytes, "" by default), seq (8-byte big-endian unsigned, +1 per message from 0),
+     payload (msgpack)]
+
+    payload = {"ts": float (Unix seconds), "events": [event, ...], "data_parallel_rank": int}
+    event   = {"type": "BlockStored", "block_hashes": [bytes32, ...],
+               "parent_block_hash": bytes32 | None, "token_ids": [int, ...],
+               "block_size": int, "lora_id": None, "medium": "GPU", "lora_name": None}
+            | {"type": "BlockRemoved", "block_hashes": [bytes32, ...], "medium": "GPU"}
+            | {"type": "AllBlocksCleared"}
+
+A gap in ``seq`` means the subscriber missed messages (PUB drops above its high-water mark
+and before a subscriber connects); vLLM's replay socket is not implemented, so a subscriber
+that sees a gap should treat that replica's index as stale. ``medium`` is always "GPU"
+(the device pool; vLLM's name even on CPU or TPU).
+
+Where our block hashes differ from vLLM's (docs/ARCHITECTURE.md, "KV-cache events"): ours are
+``sha256(parent || token ids packed as native int32 || extra keys)`` with the salt's tagged
+bytes as block 0's extra keys, chained from ``none_hash_from_seed(PYTHONHASHSEED)``; vLLM's
+are sha256 (or xxhash) over a CBOR/pickle of ``(parent, token tuple, extra keys)`` from its own
+seed. The two never match, so a router must not compute vLLM's hashes for us: either it indexes
+by the hashes we send (and, to match a new prompt, computes ours with
+``jaxserve.core.kv_cache_utils.hash_token_blocks`` given the engines' ``PYTHONHASHSEED``), or it
+re-hashes the ``token_ids`` each ``BlockStored`` carries with its own function (llm-d does this).
+Without ``PYTHONHASHSEED`` each engine's chain starts from random bytes and hashes are only
+comparable within one replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.core.kv_cache_utils import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
+
+logger = logging.getLogger(__name__)
+
+MEDIUM = "GPU"
+"""vLLM's name for the device KV pool (the only pool we have)."""
+
+
+def event_to_wire(event: KVEvent, block_size: int) -> dict[str, Any]:
+    """One event as vLLM's msgspec struct encodes it (a map with its class name under "type")."""
+    if isinstance(event, BlockStored):
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": block_size,
+            "lora_id": None,
+            "medium": MEDIUM,
+            "lora_name": None,
+        }
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": MEDIUM}
+    if isinstance(event, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+def encode_batch(
+    events: Sequence[KVEvent], block_size: int, data_parallel_rank: int, ts: float | None = None
+) -> bytes:
+    """msgpack bytes of one event batch (vLLM's ``KVEventBatch``).
+
+    Args:
+      events: the block pool's events, in order.
+      block_size: tokens per block (``BlockStored.block_size``).
+      data_parallel_rank: the replica's index.
+      ts: Unix seconds (default: now).
+    """
+    import msgpack
+
+    return msgpack.packb(
+        {
+            "ts": time.time() if ts is None else ts,
+            "events": [event_to_wire(e, block_size) for e in events],
+            "data_parallel_rank": data_parallel_rank,
+        },
+        use_bin_type=True,
+    )
+
+
+def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
+    """The endpoint replica ``data_parallel_rank`` uses. A bound endpoint gets a ``tcp://`` port
+    + rank, an ipc or inproc name + ``_dp<rank>`` (vLLM's rule, so N replicas given one address
+    do not collide); a connecting one is shared as given (one subscriber, many publishers;
+    vLLM offsets it too, we do not need to).
+
+    Raises:
+      ValueError: a bound tcp endpoint without a numeric port (naming ``kv_events_endpoint``).
+    """
+    if data_parallel_rank == 0 or not binds(endpoint):
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"kv_events_endpoint {endpoint!r} has no numeric port")
+        return f"{base}:{int(port) + data_parallel_rank}"
+    return f"{endpoint}_dp{data_parallel_rank}"
+
+
+def binds(endpoint: str) -> bool:
+    """Whether the publisher binds (``*``, ``::``, ipc, inproc) or connects (a host name/IP)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class KVEventPublisher:
+    """Sends the engine's KV events from a daemon thread over a ZMQ PUB socket.
+
+    Args:
+      endpoint: ``tcp://*:PORT`` (bind) or ``tcp://HOST:PORT`` (connect), already offset for
+        the rank (:func:`offset_endpoint`).
+      block_size: tokens per block.
+      data_parallel_rank: the replica's index (in each payload).
+      topic: first frame of every message.
+      max_queue: batches kept while the socket is slow; beyond it new batches are dropped
+        (counted in ``num_dropped``; the subscriber sees a ``seq`` gap only for sent ones).
+
+    Raises:
+      ImportError: pyzmq or msgpack missing (``pip install 'jaxserve[events]'``).
+      zmq.ZMQError: the address cannot be bound or connected.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        block_size: int,
+        data_parallel_rank: int = 0,
+        *,
+        topic: str = "",
+        max_queue: int = 10_000,
+        hwm: int = 100_000,
+    ) -> None:
+        try:
+            import msgpack  # noqa: F401
+            import zmq
+        except ImportError as exc:
+            raise ImportError(
+                "--kv-events-endpoint needs pyzmq and msgpack: pip install 'jaxserve[events]'"
+            ) from exc
+        self.endpoint = endpoint
+        self.block_size = block_size
+        self.data_parallel_rank = data_parallel_rank
+        self.num_dropped = 0
+        self._topic = topic.encode()
+        self._queue: queue.Queue[list[KVEvent] | None] = queue.Queue(max_queue)
+        self._ctx = zmq.Context()
+        self._socket = self._ctx.socket(zmq.PUB)
+        self._socket.set_hwm(hwm)
+        if binds(endpoint):
+            self._socket.bind(endpoint)
+        else:
+            self._socket.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, name="jaxserve-kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[KVEvent]) -> None:
+        """Queues one step's events (engine thread; never blocks)."""
+        try:
+            self._queue.put_nowait(events)
+        except queue.Full:
+            self.num_dropped += 1
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Sends what is queued (up to ``timeout``), then closes the socket."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        self._socket.close(linger=0)
+        self._ctx.term()
+
+    def _run(self) -> None:
+        seq = 0
+        while True:
+            events = self._queue.get()
+            if events is None:
+                return
+            try:
+                payload = encode_batch(events, self.block_size, self.data_parallel_rank)
+                self._socket.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                seq += 1
+            except Exception:  # noqa: BLE001 - events are best-effort; the engine goes on
+                logger.exception("publishing KV events failed")
