@@ -229,13 +229,22 @@ class ObservabilityConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """All resolved configs of one engine."""
+    """All resolved configs of one engine.
+
+    Attributes:
+      ledger_history: finished requests whose ledgers the engine keeps (a ring; 0 = none).
+    """
 
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     runner: RunnerConfig
     observability: ObservabilityConfig = dataclasses.field(default_factory=ObservabilityConfig)
+    ledger_history: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.ledger_history < 0:
+            raise ValueError(f"ledger_history must be >= 0, got {self.ledger_history}")
 
 
 def _meta(help_text: str, **kw: Any) -> dict[str, Any]:
@@ -345,6 +354,10 @@ class EngineArgs:
             "this engine's replica index (the Ray deployment sets it); labels KV events and "
             "offsets a bound --kv-events-endpoint port"
         ),
+    )
+    ledger_history: int = dataclasses.field(
+        default=1000,
+        metadata=_meta("finished requests whose ledgers GET /v1/requests/{id}/ledger serves"),
     )
 
     @classmethod
@@ -462,4 +475,5 @@ class EngineArgs:
                 kv_events_endpoint=self.kv_events_endpoint,
                 data_parallel_rank=self.data_parallel_rank,
             ),
+            ledger_history=self.ledger_history,
         )

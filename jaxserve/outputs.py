@@ -112,6 +112,8 @@ class RequestOutput:
       num_cached_tokens: prompt tokens served from the prefix cache (the first sample's count;
         OpenAI ``usage.prompt_tokens_details.cached_tokens``).
       metrics: timing (see RequestMetrics).
+      ledgers: on the final output only, one RequestLedger per sample (steps, prefix hits,
+        preemptions; ``jaxserve.core.ledger.parent_ledger_dict`` makes it JSON); else None.
     """
 
     request_id: str
@@ -122,3 +124,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    ledgers: list | None = None

@@ -16,6 +16,8 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from jaxserve.core.ledger import RequestLedger
+
 if TYPE_CHECKING:
     from jaxserve.sampling_params import SamplingParams
 
@@ -102,6 +104,8 @@ class Request:
         no block filling up), so ``allocate_slots`` would return ``[]`` and change nothing; 0
         while it holds no blocks. The scheduler checks it before calling ``allocate_slots``
         (the decode fast path: 14 of 16 decode steps with 16-token blocks).
+      ledger: the request's RequestLedger (steps, prefix hits, preemptions), filled by the
+        scheduler; it outlives the request (the engine keeps finished ones).
     """
 
     __slots__ = (
@@ -129,6 +133,7 @@ class Request:
         "sort_key",
         "stop_token_set",
         "kv_noop_end",
+        "ledger",
     )
 
     def __init__(
@@ -172,6 +177,7 @@ class Request:
             stop.add(eos_token_id)
         self.stop_token_set = frozenset(stop)
         self.kv_noop_end = 0
+        self.ledger = RequestLedger()
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -119,6 +119,7 @@ class Scheduler:
         self._num_preemptions = 0
         self._num_scheduled_tokens = 0
         self._num_steps = 0
+        self._step_index = 0  # steps scheduled so far (never reset): the ledgers' step numbers
         self._pending_blocks = 0
         # The latest SchedulerOutput and its requests in num_scheduled_tokens order, so that
         # update_from_output needs no id lookups in the usual schedule -> update sequence.
@@ -198,6 +199,7 @@ class Scheduler:
 
     def _free_request(self, request: Request, now: float) -> None:
         request.finished_time = now
+        request.ledger.finished(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
@@ -226,6 +228,7 @@ class Scheduler:
           never more than max_num_seqs running requests.
         """
         self._num_steps += 1
+        self._step_index = step = self._step_index + 1
         kv = self.kv_cache_manager
         running = self.running
         waiting = self.waiting
@@ -292,6 +295,7 @@ class Scheduler:
                 add_tokens([token_ids[num_computed]])
                 num_scheduled[req_id] = 1
                 request.num_computed_tokens = num_tokens
+                request.ledger.decode_steps.append(step)
                 budget -= 1
                 continue
             # Catch up, in chunks, under the budget.
@@ -323,6 +327,7 @@ class Scheduler:
             add_tokens(token_ids[num_computed:end])
             num_scheduled[req_id] = num_new
             request.num_computed_tokens = end
+            request.ledger.scheduled(step, now, num_computed, num_new, request.num_prompt_tokens)
             budget -= num_new
         # Then the waiting queue (priority: what is left is less urgent than every running request).
         while budget > 0 and admit and waiting:
@@ -436,6 +441,9 @@ class Scheduler:
         num_scheduled[req_id] = num_new
         end = num_hit + num_new
         request.num_computed_tokens = end
+        ledger = request.ledger
+        ledger.admitted(self._step_index, now, num_hit)
+        ledger.scheduled(self._step_index, now, num_hit, num_new, request.num_prompt_tokens)
         if end < num_tokens:
             self._pending_blocks += -(-num_tokens // block_size) - -(-end // block_size)
         return num_new
@@ -450,6 +458,7 @@ class Scheduler:
         )
         self.running.pop()
         self.kv_cache_manager.free(victim)
+        victim.ledger.preempted(self._step_index, now, victim.num_computed_tokens)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1

@@ -262,6 +262,10 @@ class AsyncLLM:
         finally:
             stream.abort()
 
+    def get_ledger(self, request_id: str) -> dict[str, Any] | None:
+        """A finished request's ledger as JSON-ready data (see LedgerHistory.get), or None."""
+        return self.engine.ledger_history.get(request_id)
+
     def abort(self, request_id: str) -> None:
         """Aborts a request (all its samples) before the engine's next step; thread-safe, idempotent."""
         with self._cond:

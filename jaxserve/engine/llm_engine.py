@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.config import EngineArgs, EngineConfig
+from jaxserve.core.ledger import LedgerHistory
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.output_processor import OutputProcessor
@@ -149,6 +150,7 @@ class LLMEngine:
         self.max_model_len = config.scheduler.max_model_len
         self.scheduler = Scheduler(config.scheduler, config.cache, config.cache.num_gpu_blocks)
         self.output_processor = OutputProcessor(tokenizer)
+        self.ledger_history = LedgerHistory(config.ledger_history)
         self.eos_token_id, self.extra_eos_token_ids = _eos_ids(tokenizer, generation_config, arch)
         self._stats = EngineStats()
         self.kv_event_publisher = self._start_kv_events(config)
@@ -352,7 +354,11 @@ class LLMEngine:
         for rid in request_ids:
             children = self.output_processor.abort_request(rid)
             if children:
+                get = self.scheduler.requests.get
+                ledgers = [r.ledger for r in map(get, children) if r is not None]
                 self.scheduler.abort_requests(children)
+                if ledgers:
+                    self.ledger_history.add(rid, ledgers)
 
     def has_unfinished_requests(self) -> bool:
         """True while any parent request (n > 1 counts once) has not produced its final output."""
@@ -379,6 +385,9 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process_outputs(core_outputs, tokens_time)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for out in outputs:
+            if out.finished:
+                self.ledger_history.add(out.request_id, out.ledgers)
         t3 = time.perf_counter()
         if self.kv_event_publisher is not None:
             events = self._block_pool.take_kv_events()

@@ -302,6 +302,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
             metrics=self._metrics(parent, finished, now),
+            ledgers=[s.request.ledger for s in parent.samples] if finished else None,
         )
 
     @staticmethod

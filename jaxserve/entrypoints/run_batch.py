@@ -111,6 +111,7 @@ async def run_batch(
     *,
     stats: BatchStats | None = None,
     progress: bool = True,
+    include_ledger: bool = False,
 ) -> BatchStats:
     """Serves ``lines`` on ``llm`` concurrently and writes one record per line as each finishes.
 
@@ -120,6 +121,8 @@ async def run_batch(
       write: called with each output record (``batch_io.response_record``), in completion order.
       stats: counts to add to (default: new ones).
       progress: show a tqdm bar on stderr (requests done, output tokens/s, ETA).
+      include_ledger: put each request's ledger in its response body (``"ledger"``), as if
+        every line asked with ``"include_ledger": true`` (a line may also ask by itself).
 
     Returns:
       The updated counts (``run_s`` is this call's wall time).
@@ -136,7 +139,8 @@ async def run_batch(
 
     async def serve(item: BatchLine) -> tuple[BatchLine, int, dict[str, Any]]:
         try:
-            status, body = await serve_request(llm, item.url, item.body, info)
+            request_body = {**item.body, "include_ledger": True} if include_ledger else item.body
+            status, body = await serve_request(llm, item.url, request_body, info)
         except Exception:  # noqa: BLE001 - a bug of ours; the server answers it with a 500 too
             logger.exception(
                 "internal error serving line %d (custom_id %r)", item.line, item.custom_id
@@ -252,6 +256,11 @@ def add_run_batch_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="fsync the output file at most this often, seconds (0: after every record)",
     )
     parser.add_argument(
+        "--include-ledger",
+        action="store_true",
+        help="write each request's ledger (steps, prefix hits, preemptions) into its record",
+    )
+    parser.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -320,7 +329,16 @@ def run_batch_main(args: argparse.Namespace, llm: Any = None) -> int:
                     return _usage_error(str(exc))
                 stats.startup_s = time.perf_counter() - start
             try:
-                asyncio.run(run_batch(llm, todo, output.write, stats=stats, progress=args.progress))
+                asyncio.run(
+                    run_batch(
+                        llm,
+                        todo,
+                        output.write,
+                        stats=stats,
+                        progress=args.progress,
+                        include_ledger=args.include_ledger,
+                    )
+                )
             except EngineDeadError as exc:
                 print(
                     f"jaxserve run-batch: {exc}; rerun with the same output file to resume the "

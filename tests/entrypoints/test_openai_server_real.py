@@ -360,3 +360,76 @@ def test_top_p_boundaries_on_the_model(client):
     assert _greedy(client, 8, temperature=1.0, top_p=0, seed=5) == greedy
     sampled = _greedy(client, 8, temperature=1.0, seed=5)
     assert _greedy(client, 8, temperature=1.0, top_p=1, seed=5) == sampled
+
+
+# ---- request ledgers --------------------------------------------------------------------------
+
+
+def _without_wall(ledger):
+    return {k: v for k, v in ledger.items() if k != "arrival_time"}  # re-read from the clock
+
+
+def test_ledger_in_the_body_and_by_id(client):
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    plain = client.post(COMPL, json=body).json()
+    assert "ledger" not in plain
+    r = client.post(COMPL, json={**body, "include_ledger": True}).json()
+    led = r["ledger"]
+    prompt_tokens = r["usage"]["prompt_tokens"]
+    hits = led["prefix_cache_hit_tokens"]["device"]
+    assert led["request_id"] == r["id"] + "-0"
+    assert led["num_prompt_tokens"] == prompt_tokens and led["num_output_tokens"] == 5
+    assert led["finish_reason"] == "length" and led["prefix_cache_hit_tokens"]["host"] is None
+    assert sum(e["tokens"] for e in led["steps"]) == prompt_tokens + 5 - 1 - hits
+    assert 0 <= led["queued_s"] <= led["first_token_s"] <= led["finished_s"]
+    for rid in (r["id"], r["id"] + "-0"):  # the response id or the engine request id
+        got = client.get(f"/v1/requests/{rid}/ledger")
+        assert got.status_code == 200
+        assert _without_wall(got.json()) == _without_wall(led)
+    assert_error(client.get("/v1/requests/cmpl-nope/ledger"), 404, "request_id", "ledger_not_found")
+
+
+def test_ledger_in_the_last_streamed_chunk(client):
+    body = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": True}
+    events = sse(client, COMPL, {**body, "prompt": PROMPT, "include_ledger": True})
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    assert events[-2]["ledger"]["num_output_tokens"] == 3
+    assert all("ledger" not in e for e in events[:-2])
+    chat = {**body, "messages": [{"role": "user", "content": "hi"}], "include_ledger": True}
+    events = sse(client, "/v1/chat/completions", chat)
+    assert events[-2]["ledger"]["request_id"].startswith(events[0]["id"])
+    assert events[-2]["ledger"]["finish_reason"] == "length"
+
+
+def test_preempted_request_ledger_shows_recompute(server, client):
+    """Four long requests outgrow the 63-block pool as they decode: somebody is preempted,
+    and its ledger (body and GET) shows the discarded and the recomputed tokens."""
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            bodies = [
+                {  # lengths apart mod 16: a victim's last block is part-filled (recomputed)
+                    "prompt": [1 + (7 * i + j) % 200 for j in range(190 + 5 * i)],
+                    "max_tokens": 66 - 5 * i,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "include_ledger": True,
+                }
+                for i in range(4)
+            ]
+            return await asyncio.gather(*(c.post(COMPL, json=b) for b in bodies))
+
+    responses = [r.json() for r in asyncio.run(run())]
+    preempted = [r["ledger"] for r in responses if r["ledger"]["num_preemptions"]]
+    assert preempted, [r["ledger"]["num_preemptions"] for r in responses]
+    assert any(led["num_recomputed_tokens"] > 0 for led in preempted)
+    led = max(preempted, key=lambda led: led["num_recomputed_tokens"])
+    for p in led["preemptions"]:
+        # Freed blocks stay cached: full ones come back as restored (never as hits), the rest
+        # is recomputed (less if it was preempted again before catching up).
+        assert p["tokens_restored_from_cache"] + p["tokens_recomputed"] <= p["tokens_discarded"]
+        assert p["resumed_step"] > p["step"]
+    assert sum(p["tokens_recomputed"] for p in led["preemptions"]) == led["num_recomputed_tokens"]
+    assert led["prefix_cache_hit_tokens"]["device"] == 0  # its prompt shares no block
+    got = client.get(f"/v1/requests/{led['request_id']}/ledger").json()
+    assert got["preemptions"] == led["preemptions"]

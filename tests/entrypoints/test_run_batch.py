@@ -465,3 +465,16 @@ def test_torn_tail_is_truncated_and_the_file_is_locked(tmp_path):
     finally:
         output.close()
     OutputFile.open(str(path))[0].close()  # the lock went with the first handle
+
+
+def test_include_ledger_writes_each_records_ledger(tmp_path, llm):
+    body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    lines = [_line("own", COMPL, {**body, "include_ledger": True}), _line("plain", COMPL, body)]
+    code, records = _run(tmp_path, lines, llm)
+    assert code == EXIT_OK
+    got = _by_id(records)
+    assert got["own"]["response"]["body"]["ledger"]["num_output_tokens"] == 3
+    assert "ledger" not in got["plain"]["response"]["body"]
+    code, records = _run(tmp_path, [lines[1]], llm, "all", "--include-ledger")
+    led = records[0]["response"]["body"]["ledger"]
+    assert led["finish_reason"] == "length" and led["num_steps"] >= 3

@@ -312,6 +312,22 @@ async def _model(request: web.Request) -> web.Response:
     return json_response(_model_card(info))
 
 
+async def _ledger(request: web.Request) -> web.Response:
+    """``GET /v1/requests/{request_id}/ledger``: a finished request's ledger (engine request id
+    or response id), or 404 ``ledger_not_found`` when unknown or past ``--ledger-history``."""
+    request_id = request.match_info["request_id"]
+    ledger = request.app[LLM_KEY].get_ledger(request_id)
+    if ledger is None:
+        raise APIError(
+            f"no ledger for request {request_id!r}: unknown, unfinished, or older than the "
+            "last --ledger-history finished requests",
+            status=404,
+            param="request_id",
+            code="ledger_not_found",
+        )
+    return json_response(ledger)
+
+
 async def _health(request: web.Request) -> web.Response:
     llm = request.app[LLM_KEY]
     if llm.errored:
@@ -446,6 +462,7 @@ def build_app(
     app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
+    app.router.add_get("/v1/requests/{request_id}/ledger", _ledger)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/version", _version)

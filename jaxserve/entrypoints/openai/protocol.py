@@ -69,6 +69,7 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    include_ledger: bool = False  # jaxserve: the request's ledger in the response ("ledger")
 
     @model_validator(mode="before")
     @classmethod

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from jaxserve.core.ledger import response_ledger
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
 from jaxserve.entrypoints.openai.common import (
     ServingInfo,
@@ -150,13 +151,18 @@ def build_chat_response(job: ChatJob, output: RequestOutput, tokenizer: Any) -> 
             }
         )
     completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    return {
+    body = {
         **_header(job, "chat.completion"),
         "choices": choices,
         "usage": usage(
             len(output.prompt_token_ids), completion_tokens, max(0, output.num_cached_tokens)
         ),
     }
+    if request.include_ledger:
+        body["ledger"] = response_ledger(
+            job.request_id, [(output.request_id, output.ledgers or [])]
+        )
+    return body
 
 
 async def create_chat(llm: Any, job: ChatJob) -> dict[str, Any]:
@@ -229,8 +235,11 @@ async def _chunks(
     finished: set[int] = set()
     prompt_tokens = cached = 0
     completion_tokens: dict[int, int] = {}
+    ledgers: list[tuple[str, list]] = []
     try:
         async for _, output in merge_streams(streams):
+            if output.finished:
+                ledgers = [(output.request_id, output.ledgers or [])]
             prompt_tokens = len(output.prompt_token_ids)
             cached = max(0, output.num_cached_tokens)
             for completion in output.outputs:
@@ -257,9 +266,10 @@ async def _chunks(
     except EngineDeadError as exc:
         yield engine_error(exc).body()
         return
-    if request.include_usage:
-        yield {
-            **header,
-            "choices": [],
-            "usage": usage(prompt_tokens, sum(completion_tokens.values()), cached),
-        }
+    if request.include_usage or request.include_ledger:
+        last: dict[str, Any] = {**header, "choices": []}
+        if request.include_usage:
+            last["usage"] = usage(prompt_tokens, sum(completion_tokens.values()), cached)
+        if request.include_ledger and ledgers:
+            last["ledger"] = response_ledger(job.request_id, ledgers)
+        yield last

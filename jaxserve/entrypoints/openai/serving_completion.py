@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from jaxserve.core.ledger import response_ledger
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
 from jaxserve.entrypoints.openai.common import (
     ServingInfo,
@@ -163,11 +164,16 @@ def build_completion_response(
     choices.sort(key=lambda c: c["index"])
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     cached = sum(max(0, o.num_cached_tokens) for o in outputs)
-    return {
+    body = {
         **_header(job),
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens, cached),
     }
+    if request.include_ledger:
+        body["ledger"] = response_ledger(
+            job.request_id, [(o.request_id, o.ledgers or []) for o in outputs]
+        )
+    return body
 
 
 async def create_completion(llm: Any, job: CompletionJob) -> dict[str, Any]:
@@ -224,8 +230,11 @@ async def _chunks(
     prompt_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
+    ledgers: dict[int, tuple[str, list]] = {}
     try:
         async for i, output in merge_streams(streams):
+            if output.finished:
+                ledgers[i] = (output.request_id, output.ledgers or [])
             prompt_tokens[i] = len(output.prompt_token_ids)
             cached[i] = max(0, output.num_cached_tokens)
             for completion in output.outputs:
@@ -274,11 +283,12 @@ async def _chunks(
     except EngineDeadError as exc:
         yield engine_error(exc).body()
         return
-    if request.include_usage:
-        yield {
-            **header,
-            "choices": [],
-            "usage": usage(
+    if request.include_usage or request.include_ledger:
+        last: dict[str, Any] = {**header, "choices": []}
+        if request.include_usage:
+            last["usage"] = usage(
                 sum(prompt_tokens.values()), sum(completion_tokens.values()), sum(cached.values())
-            ),
-        }
+            )
+        if request.include_ledger:
+            last["ledger"] = response_ledger(job.request_id, [ledgers[i] for i in sorted(ledgers)])
+        yield last
