@@ -12,12 +12,14 @@ Typical use by the scheduler::
     new = kv.allocate_slots(req, 1)                         # a decode step (usually [])
     kv.free(req)                                            # finish / abort / preempt
 
-After each allocation the manager sets ``req.kv_noop_end``, the ledger end up to which the
-table needs nothing from it, so the scheduler skips ``allocate_slots`` for most decode steps.
+After each allocation the manager records the request's *no-op end*: the ledger end up to which
+its table needs nothing from the manager. ``get_noop_ends()`` shows them read-only, so the
+scheduler skips ``allocate_slots`` for most decode steps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from jaxserve.core.block_pool import BlockPool
@@ -61,6 +63,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # req_id -> blocks of its table already registered in the prefix cache (or skipped).
         self.num_cached_block: dict[str, int] = {}
+        # req_id -> its no-op end (see get_noop_ends); only requests holding blocks.
+        self._noop_end: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -77,6 +81,18 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         """Blocks in the free queue, evictable prefix-cached blocks included (null block excluded)."""
         return self.block_pool.get_num_free_blocks()
+
+    def get_noop_ends(self) -> Mapping[str, int]:
+        """Live map (read-only for callers): request id -> the largest ledger end
+        (``num_computed_tokens`` + new tokens) its block table serves with no work for the
+        manager (no new block, no block filling up), so ``allocate_slots`` up to it returns
+        ``[]`` and changes nothing. Only requests holding blocks are in it. The map itself, not
+        a view: the scheduler reads it once per running request per step."""
+        return self._noop_end
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """Blocks in the request's table (0 when it holds none)."""
+        return len(self.req_to_blocks.get(request_id, ()))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request's tokens, in whole blocks.
@@ -139,10 +155,10 @@ class KVCacheManager:
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
         end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        # Fast path (decode): the table has room and no block fills up (Request.kv_noop_end).
-        if end <= request.kv_noop_end and not new_computed_blocks:
-            return []
         req_id = request.request_id
+        # Fast path (decode): the table has room and no block fills up (get_noop_ends).
+        if not new_computed_blocks and end <= self._noop_end.get(req_id, 0):
+            return []
         block_size = self.block_size
         blocks = self.req_to_blocks.get(req_id)
         if blocks is not None and not new_computed_blocks:
@@ -173,11 +189,11 @@ class KVCacheManager:
                 num_cached = self._cache_blocks(request, blocks, end, num_cached)
             # Filling the first unregistered block is work for the manager: stop just before it.
             first_unregistered_end = (num_cached + 1) * block_size
-            request.kv_noop_end = (
+            self._noop_end[req_id] = (
                 capacity if capacity < first_unregistered_end else first_unregistered_end - 1
             )
         else:
-            request.kv_noop_end = capacity
+            self._noop_end[req_id] = capacity
         return new_blocks
 
     def _allocate_admission(
@@ -231,13 +247,13 @@ class KVCacheManager:
         """Registers the blocks that ``end`` fills (of the request's known tokens) in the prefix
         cache; returns the request's new count of registered blocks."""
         block_size = self.block_size
-        num_tokens = len(request._all_token_ids)
+        num_tokens = len(request.all_token_ids)
         num_full = (end if end < num_tokens else num_tokens) // block_size
         if num_full <= num_cached:
             return num_cached
         hashes = update_block_hashes(request, block_size, self.none_hash)
         self.block_pool.cache_full_blocks(
-            blocks, hashes, num_cached, num_full, request._all_token_ids, block_size
+            blocks, hashes, num_cached, num_full, request.all_token_ids, block_size
         )
         self.num_cached_block[request.request_id] = num_full
         return num_full
@@ -249,7 +265,7 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
-        request.kv_noop_end = 0
+        self._noop_end.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 

@@ -139,7 +139,7 @@ def update_block_hashes(
     block; O(1) when no block filled up since the last call.
     """
     hashes = request.block_hashes
-    tokens = request._all_token_ids
+    tokens = request.all_token_ids
     num_full = len(tokens) // block_size
     first = len(hashes)
     if first >= num_full:

@@ -82,7 +82,8 @@ class Request:
     Attributes (beyond the args):
       status: a RequestStatus.
       output_token_ids: generated tokens, in order (a stop token id stays in the list).
-      all_token_ids: prompt + output, one list (read-only for callers).
+      all_token_ids: prompt + output, one list (read-only for callers: append through
+        ``append_output_token_ids``).
       num_computed_tokens: tokens of all_token_ids whose K/V are in the paged cache. The
         scheduler advances it when it schedules tokens and resets it to 0 on preemption.
       num_cached_tokens: prompt tokens served from the prefix cache at the first admission
@@ -99,11 +100,6 @@ class Request:
       preempted_times: monotonic seconds of each preemption.
       stop_token_set: token ids that end the request once more than min_tokens tokens exist
         (stop_token_ids, plus eos_token_id unless ignore_eos).
-      kv_noop_end: kept by the KV-cache manager: the largest ledger end (``num_computed_tokens``
-        + new tokens) that its block table serves with no work for the manager (no new block,
-        no block filling up), so ``allocate_slots`` would return ``[]`` and change nothing; 0
-        while it holds no blocks. The scheduler checks it before calling ``allocate_slots``
-        (the decode fast path: 14 of 16 decode steps with 16-token blocks).
       ledger: the request's RequestLedger (steps, prefix hits, preemptions), filled by the
         scheduler; it outlives the request (the engine keeps finished ones).
     """
@@ -118,7 +114,7 @@ class Request:
         "cache_salt",
         "status",
         "output_token_ids",
-        "_all_token_ids",
+        "all_token_ids",
         "num_computed_tokens",
         "num_cached_tokens",
         "max_tokens",
@@ -132,7 +128,6 @@ class Request:
         "preempted_times",
         "sort_key",
         "stop_token_set",
-        "kv_noop_end",
         "ledger",
     )
 
@@ -155,7 +150,7 @@ class Request:
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
         max_tokens = sampling_params.max_tokens
@@ -176,18 +171,12 @@ class Request:
         if eos_token_id is not None and not sampling_params.ignore_eos:
             stop.add(eos_token_id)
         self.stop_token_set = frozenset(stop)
-        self.kv_noop_end = 0
         self.ledger = RequestLedger()
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt followed by output; the live list (do not mutate)."""
-        return self._all_token_ids
 
     @property
     def num_tokens(self) -> int:
         """len(prompt) + len(output)."""
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -199,14 +188,20 @@ class Request:
         """Tokens generated so far (kept across preemption), in tokens."""
         return len(self.output_token_ids)
 
+    def append_output_token(self, token_id: int) -> None:
+        """Appends one sampled token to the output and to all_token_ids (the scheduler's
+        per-step update)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         """Appends sampled token(s) to the output and to all_token_ids."""
         if isinstance(token_ids, int):
             self.output_token_ids.append(token_ids)
-            self._all_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
         else:
             self.output_token_ids.extend(token_ids)
-            self._all_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
 
     def is_finished(self) -> bool:
         """True once the status is any FINISHED_* one."""

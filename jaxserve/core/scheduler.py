@@ -24,10 +24,12 @@ Follows vLLM V1's ``v1/core/sched/scheduler.py``. There are no phases: each requ
 5. ``update_from_output`` appends sampled tokens to requests whose ledger reached their
    length, checks stop conditions and frees finished requests.
 
+The ledgers advance in one place, ``_update_after_schedule``, once the step is decided.
+
 Hot path (benchmarks/bench_scheduler.py): a running request one token behind whose block table
-has room (``Request.kv_noop_end``, kept by the KV-cache manager) is scheduled without calling
-``allocate_slots``, and ``update_from_output`` handles one sampled token that ends nothing
-inline; everything else takes the general path, with the same result
+has room (``KVCacheManager.get_noop_ends``) is scheduled without calling ``allocate_slots``, and
+``update_from_output`` starts with a lean update for one sampled token that ends nothing;
+everything else takes the general path, with the same result
 (tests/core/test_scheduler_fast_paths.py runs both side by side).
 
 Call ``add_request``, ``abort_requests`` and ``finish_requests`` between steps (after
@@ -61,16 +63,6 @@ if TYPE_CHECKING:
     from jaxserve.config import CacheConfig, SchedulerConfig
 
 _RUNNING = RequestStatus.RUNNING
-# update_from_output's fast path sets EngineCoreOutput's fields one by one: keep it in step.
-assert [f.name for f in dataclasses.fields(EngineCoreOutput)] == [
-    "req_id",
-    "new_token_ids",
-    "finish_reason",
-    "stop_reason",
-    "new_logprobs",
-    "new_prompt_logprobs",
-    "num_cached_tokens",
-], "EngineCoreOutput changed: update the fast path of Scheduler.update_from_output"
 _FINISH_REASON = {
     status: reason.value
     for status, reason in ((st, RequestStatus.get_finish_reason(st)) for st in RequestStatus)
@@ -80,6 +72,24 @@ _FINISH_REASON = {
 
 def _sort_key(request: Request) -> tuple:
     return request.sort_key
+
+
+@dataclasses.dataclass(slots=True)
+class _Step:
+    """What one ``schedule()`` call has decided so far."""
+
+    index: int  # the step number the request ledgers record
+    now: float
+    scheduled: list[Request] = dataclasses.field(default_factory=list)  # num_scheduled order
+    num_scheduled: dict[str, int] = dataclasses.field(default_factory=dict)
+    new_reqs: list[NewRequestData] = dataclasses.field(default_factory=list)
+    cached: CachedRequestData = dataclasses.field(default_factory=CachedRequestData)
+    preempted: set[str] = dataclasses.field(default_factory=set)
+    prefix_hits: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
+    # Blocks that requests scheduled so far still need to finish their prompts: admission does
+    # not hand them out (see Scheduler._try_admit).
+    pending_blocks: int = 0
+    admit: bool = True  # False once the waiting queue is blocked for this step
 
 
 class Scheduler:
@@ -120,7 +130,6 @@ class Scheduler:
         self._num_scheduled_tokens = 0
         self._num_steps = 0
         self._step_index = 0  # steps scheduled so far (never reset): the ledgers' step numbers
-        self._pending_blocks = 0
         # The latest SchedulerOutput and its requests in num_scheduled_tokens order, so that
         # update_from_output needs no id lookups in the usual schedule -> update sequence.
         self._last_output: SchedulerOutput | None = None
@@ -228,90 +237,88 @@ class Scheduler:
           never more than max_num_seqs running requests.
         """
         self._num_steps += 1
-        self._step_index = step = self._step_index + 1
+        self._step_index += 1
+        step = _Step(self._step_index, time.monotonic())
+        budget = self._schedule_running(step, self.max_num_scheduled_tokens)
+        # Then the waiting queue (priority: what is left is less urgent than every running request).
+        budget = self._admit_waiting(step, budget)
+        self._update_after_schedule(step)
+        total = self.max_num_scheduled_tokens - budget
+        self._num_scheduled_tokens += total
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        output = SchedulerOutput(
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=total,
+            preempted_req_ids=step.preempted,
+            finished_req_ids=finished,
+        )
+        self._last_output, self._last_scheduled = output, step.scheduled
+        return output
+
+    def _schedule_running(self, step: _Step, budget: int) -> int:
+        """Schedules the running requests in order (priority: each after the waiting requests
+        more urgent than it); returns the budget left. The hot loop: locals only."""
         kv = self.kv_cache_manager
         running = self.running
-        waiting = self.waiting
         priority = self._priority
         chunk_limit = self.chunk_limit
-        budget = self.max_num_scheduled_tokens
         block_size = self.block_size
-        # Blocks that requests scheduled so far in this step will still need to finish their
-        # prompts; admission does not hand them out (see _try_admit).
-        self._pending_blocks = 0
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
-        cached_ids, cached_blocks = cached.req_ids, cached.new_block_ids
-        cached_computed, cached_tokens = cached.num_computed_tokens, cached.new_token_ids
-        preempted: set[str] = set()
-        now = time.monotonic()
-        admit = True  # False once the waiting queue is blocked for this step
-
-        scheduled: list[Request] = []  # in num_scheduled order, for update_from_output
-        add_req = scheduled.append
+        step_index, now = step.index, step.now
+        noop_end = kv.get_noop_ends()
         allocate = kv.allocate_slots
-        add_id, add_blocks = cached_ids.append, cached_blocks.append
-        add_computed, add_tokens = cached_computed.append, cached_tokens.append
-        no_blocks: list[
-            int
-        ] = []  # new_block_ids of every request that gets no new block (read-only)
-        # Running requests in order. Priority walks a copy: admissions insert into ``running``
-        # and preemptions remove from it while we walk; fcfs only pops victims off the end of
-        # ``running`` (which ends the walk before them), so it walks the list itself.
+        num_scheduled = step.num_scheduled
+        cached = step.cached
+        add_req = step.scheduled.append
+        add_id, add_blocks = cached.req_ids.append, cached.new_block_ids.append
+        add_computed, add_tokens = cached.num_computed_tokens.append, cached.new_token_ids.append
+        no_blocks: list[int] = []  # new_block_ids of every request that gets no block (read-only)
+        # Priority walks a copy: admissions insert into ``running`` and preemptions remove from
+        # it while we walk; fcfs only pops victims off the end of ``running`` (which ends the
+        # walk before them), so it walks the list itself.
         for request in running[:] if priority else running:
             if budget <= 0:
                 break
             if priority:
                 if request.status is not _RUNNING:
                     continue  # preempted earlier in this step
-                # More urgent waiting requests go first.
-                while (
-                    admit and waiting and waiting.peek().sort_key < request.sort_key and budget > 0
-                ):
-                    head = waiting.peek()
-                    num_new = self._try_admit(head, budget, num_scheduled, preempted, new_reqs, now)
-                    if num_new:
-                        add_req(head)
-                        budget -= num_new
-                    else:
-                        admit = False
+                budget = self._admit_waiting(step, budget, before=request.sort_key)
                 if budget <= 0:
                     break
                 if request.status is not _RUNNING:
-                    continue  # preempted to make room for one of them
+                    continue  # preempted to make room for a more urgent request
+            req_id = request.request_id
             num_computed = request.num_computed_tokens
-            token_ids = request._all_token_ids
-            num_tokens = len(token_ids)
-            num_new = num_tokens - num_computed
-            if num_new == 1 and num_computed < request.kv_noop_end:
-                # Decode fast path: one token (the budget is > 0) in a block table with room,
-                # so allocate_slots would do nothing. Same effect as the general case below.
-                req_id = request.request_id
+            token_ids = request.all_token_ids
+            if len(token_ids) == num_computed + 1 and num_computed < noop_end[req_id]:
+                # Decode with room in the block table: the general case below, minus the checks
+                # that cannot fire (one token fits any budget > 0 and needs no allocation).
                 add_req(request)
                 add_id(req_id)
                 add_blocks(no_blocks)
                 add_computed(num_computed)
                 add_tokens([token_ids[num_computed]])
                 num_scheduled[req_id] = 1
-                request.num_computed_tokens = num_tokens
-                request.ledger.decode_steps.append(step)
+                request.ledger.decode_steps.append(step_index)
                 budget -= 1
                 continue
             # Catch up, in chunks, under the budget.
+            num_tokens = len(token_ids)
+            num_new = num_tokens - num_computed
             if num_new > chunk_limit:
                 num_new = chunk_limit
             if num_new > budget:
                 num_new = budget
             end = num_computed + num_new
-            if num_computed < end <= request.kv_noop_end:
+            if num_computed < end <= noop_end[req_id]:
                 add_blocks(no_blocks)  # its table has room: nothing to allocate
             else:
                 new_blocks = allocate(request, num_new)
                 while new_blocks is None:
                     victim = running[-1]
-                    self._preempt(victim, num_scheduled, preempted, now)
-                    admit = False
+                    self._preempt(victim, step)
+                    step.admit = False
                     if victim is request:
                         break
                     new_blocks = allocate(request, num_new)
@@ -319,49 +326,37 @@ class Scheduler:
                     break  # preempted itself: it was the last running request
                 add_blocks([b.block_id for b in new_blocks] if new_blocks else no_blocks)
             if end < num_tokens:  # a partial prompt chunk: the rest is spoken for
-                self._pending_blocks += -(-num_tokens // block_size) - -(-end // block_size)
-            req_id = request.request_id
+                step.pending_blocks += -(-num_tokens // block_size) - -(-end // block_size)
             add_req(request)
             add_id(req_id)
             add_computed(num_computed)
             add_tokens(token_ids[num_computed:end])
             num_scheduled[req_id] = num_new
-            request.num_computed_tokens = end
-            request.ledger.scheduled(step, now, num_computed, num_new, request.num_prompt_tokens)
+            request.ledger.scheduled(
+                step_index, now, num_computed, num_new, request.num_prompt_tokens
+            )
             budget -= num_new
-        # Then the waiting queue (priority: what is left is less urgent than every running request).
-        while budget > 0 and admit and waiting:
-            head = waiting.peek()
-            num_new = self._try_admit(head, budget, num_scheduled, preempted, new_reqs, now)
-            if num_new:
-                add_req(head)
-                budget -= num_new
-            else:
-                admit = False
+        return budget
 
-        total = self.max_num_scheduled_tokens - budget
-        self._num_scheduled_tokens += total
-        finished, self.finished_req_ids = self.finished_req_ids, set()
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=total,
-            preempted_req_ids=preempted,
-            finished_req_ids=finished,
-        )
-        self._last_output, self._last_scheduled = output, scheduled
-        return output
+    def _admit_waiting(self, step: _Step, budget: int, before: tuple | None = None) -> int:
+        """Admits waiting requests in queue order while they fit; returns the budget left.
 
-    def _try_admit(
-        self,
-        request: Request,
-        budget: int,
-        num_scheduled: dict[str, int],
-        preempted: set[str],
-        new_reqs: list[NewRequestData],
-        now: float,
-    ) -> int:
+        With ``before`` (priority), stops at the first waiting request not more urgent than that
+        sort key. The first request that cannot be admitted blocks the queue for the step.
+        """
+        waiting = self.waiting
+        while step.admit and budget > 0 and waiting:
+            request = waiting.peek()
+            if before is not None and not request.sort_key < before:
+                break
+            num_new = self._try_admit(request, budget, step)
+            if not num_new:
+                step.admit = False
+                break
+            budget -= num_new
+        return budget
+
+    def _try_admit(self, request: Request, budget: int, step: _Step) -> int:
         """Admits the head of the waiting queue if it can run now; returns its tokens (0 = no).
 
         Admission control (against thrash): the request's whole remaining sequence, not just
@@ -371,7 +366,7 @@ class Scheduler:
         nothing is running, the watermark and claims are moot, so any admissible request fits
         eventually (add_request rejected what never can).
         """
-        if request.request_id in preempted:
+        if request.request_id in step.preempted:
             return 0  # preempted this very step: not handed its blocks straight back
         running = self.running
         kv = self.kv_cache_manager
@@ -393,7 +388,7 @@ class Scheduler:
         def available() -> int:
             if not running:
                 return kv.num_free_blocks - evictable_hits
-            return kv.num_free_blocks - evictable_hits - self._pending_blocks - kv.watermark_blocks
+            return kv.num_free_blocks - evictable_hits - step.pending_blocks - kv.watermark_blocks
 
         if need > available():
             # Under priority a more urgent request takes blocks from less urgent running ones,
@@ -401,17 +396,15 @@ class Scheduler:
             if not priority:
                 return 0
             key = request.sort_key
-            reclaimable = sum(
-                len(kv.req_to_blocks.get(r.request_id, ())) for r in running if r.sort_key > key
-            )
+            reclaimable = sum(kv.num_blocks_held(r.request_id) for r in running if r.sort_key > key)
             if need > available() + reclaimable:
                 return 0
             while need > available() and running and running[-1].sort_key > key:
-                self._preempt(running[-1], num_scheduled, preempted, now)
+                self._preempt(running[-1], step)
             if need > available():
                 return 0  # shared blocks freed less than counted
         if len(running) >= self.max_num_running_reqs:
-            self._preempt(running[-1], num_scheduled, preempted, now)
+            self._preempt(running[-1], step)
         new_blocks = kv.allocate_slots(
             request, num_new, num_hit, hit_blocks, new_request=bool(running)
         )
@@ -421,13 +414,13 @@ class Scheduler:
         req_id = request.request_id
         request.status = _RUNNING
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = now
+            request.first_scheduled_time = step.now
             request.num_cached_tokens = num_hit
         if priority:
             bisect.insort(running, request, key=_sort_key)
         else:
             running.append(request)
-        new_reqs.append(
+        step.new_reqs.append(
             NewRequestData(
                 req_id=req_id,
                 prompt_token_ids=request.prompt_token_ids,
@@ -438,34 +431,44 @@ class Scheduler:
                 num_computed_tokens=num_hit,
             )
         )
-        num_scheduled[req_id] = num_new
-        end = num_hit + num_new
-        request.num_computed_tokens = end
+        step.scheduled.append(request)
+        step.num_scheduled[req_id] = num_new
+        if num_hit:
+            step.prefix_hits.append((request, num_hit))
         ledger = request.ledger
-        ledger.admitted(self._step_index, now, num_hit)
-        ledger.scheduled(self._step_index, now, num_hit, num_new, request.num_prompt_tokens)
+        ledger.admitted(step.index, step.now, num_hit)
+        ledger.scheduled(step.index, step.now, num_hit, num_new, request.num_prompt_tokens)
+        end = num_hit + num_new
         if end < num_tokens:
-            self._pending_blocks += -(-num_tokens // block_size) - -(-end // block_size)
+            step.pending_blocks += -(-num_tokens // block_size) - -(-end // block_size)
         return num_new
 
-    def _preempt(
-        self, victim: Request, num_scheduled: dict[str, int], preempted: set[str], now: float
-    ) -> None:
+    def _preempt(self, victim: Request, step: _Step) -> None:
         """Preemption by recompute of running[-1]."""
         assert victim is self.running[-1]
-        assert victim.request_id not in num_scheduled, (
+        assert victim.request_id not in step.num_scheduled, (
             "a request scheduled this step cannot be preempted"
         )
         self.running.pop()
         self.kv_cache_manager.free(victim)
-        victim.ledger.preempted(self._step_index, now, victim.num_computed_tokens)
+        victim.ledger.preempted(step.index, step.now, victim.num_computed_tokens)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        victim.preempted_times.append(now)
+        victim.preempted_times.append(step.now)
         self.waiting.add_preempted(victim)
-        preempted.add(victim.request_id)
+        step.preempted.add(victim.request_id)
         self._num_preemptions += 1
+
+    @staticmethod
+    def _update_after_schedule(step: _Step) -> None:
+        """The one place ledgers advance: by the prefix-cache hit of each admitted request and by
+        the tokens scheduled (vLLM's ``_update_after_schedule``). The runner computes them in
+        this step; a request preempted later goes back to 0 in ``_preempt``."""
+        for request, num_hit in step.prefix_hits:
+            request.num_computed_tokens += num_hit
+        for request, num_new in zip(step.scheduled, step.num_scheduled.values()):
+            request.num_computed_tokens += num_new
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -481,24 +484,11 @@ class Scheduler:
         Returns:
           One EngineCoreOutput per request with new tokens, prompt logprobs, or a finish.
         """
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        sampled = runner_output.sampled_token_ids
+        scheduled, sampled = self._align_runner_output(scheduler_output, runner_output)
         logprobs = runner_output.logprobs
-        if scheduler_output is self._last_output:
-            scheduled = self._last_scheduled  # in num_scheduled order
-            aligned = runner_output.req_ids == list(num_scheduled)
-        else:  # an older step's output (or a caller-built one): look the requests up
-            get = self.requests.get
-            scheduled = [r for r in map(get, num_scheduled) if r is not None]
-            aligned = False
-        self._last_output, self._last_scheduled = None, []
-        if not aligned:  # put the runner's lists in the order of ``scheduled``
-            index = runner_output.req_id_to_index
-            order = [index.get(r.request_id) for r in scheduled]
-            sampled = [() if j is None else sampled[j] for j in order]
-            if logprobs is not None:
-                logprobs = [None if j is None else logprobs[j] for j in order]
         prompt_logprobs = runner_output.prompt_logprobs_dict or None
+        # Without any logprobs, one sampled token that ends nothing takes the lean update.
+        lean = logprobs is None and prompt_logprobs is None
         outputs: list[EngineCoreOutput] = []
         emit = outputs.append
         now = time.monotonic()
@@ -506,56 +496,43 @@ class Scheduler:
         update_one = self._update_request
         new_output = object.__new__
         running_status = _RUNNING
-        if logprobs is None and prompt_logprobs is None:
-            for request, tokens in zip(scheduled, sampled):
-                if request.status is not running_status:
-                    continue  # finished or aborted after it was scheduled
-                token_ids = request._all_token_ids
-                if request.num_computed_tokens < len(token_ids):
-                    continue  # a partial prompt chunk (samples nothing)
-                if len(tokens) == 1:
-                    # The common case, kept lean: one sampled token that neither stops the request
-                    # nor reaches max_tokens (so max_tokens == 0 takes the general path too).
-                    token = tokens[0]
-                    output_ids = request.output_token_ids
-                    if (
-                        len(output_ids) + 1 < request.max_tokens
-                        and token not in request.stop_token_set
-                    ):
-                        output_ids.append(token)
-                        token_ids.append(token)
-                        if request.first_token_time is None:
-                            request.first_token_time = now
-                        # EngineCoreOutput(req_id, tokens, None, None, None, None, num_cached_tokens)
-                        # without the dataclass __init__ call: ~35% fewer instructions (callgrind).
-                        out = new_output(EngineCoreOutput)
-                        out.req_id = request.request_id
-                        out.new_token_ids = tokens  # the runner's list: [token]
-                        out.finish_reason = out.stop_reason = out.new_logprobs = (
-                            out.new_prompt_logprobs
-                        ) = None
-                        out.num_cached_tokens = request.num_cached_tokens
-                        emit(out)
-                        continue
-                out = update_one(request, tokens, None, None, now)
-                if out is not None:
+        for request, tokens in zip(scheduled, sampled):
+            if request.status is not running_status:
+                continue  # finished or aborted after it was scheduled
+            if lean and len(tokens) == 1:
+                token = tokens[0]
+                if (
+                    request.num_computed_tokens == len(request.all_token_ids)
+                    and len(request.output_token_ids) + 1 < request.max_tokens
+                    and token not in request.stop_token_set
+                ):
+                    request.append_output_token(token)
+                    if request.first_token_time is None:
+                        request.first_token_time = now
+                    # EngineCoreOutput(req_id, tokens, None, None, None, None, num_cached_tokens)
+                    # without the dataclass __init__ call; test_scheduler_fast_paths.py compares
+                    # it with the general path's output, field by field.
+                    out = new_output(EngineCoreOutput)
+                    out.req_id = request.request_id
+                    out.new_token_ids = tokens  # the runner's list: [token]
+                    out.finish_reason = out.stop_reason = out.new_logprobs = (
+                        out.new_prompt_logprobs
+                    ) = None
+                    out.num_cached_tokens = request.num_cached_tokens
                     emit(out)
-                    if out.finish_reason is not None:
-                        finished.append(request)
-        else:
-            for k, request in enumerate(scheduled):
-                if request.status is not running_status:
                     continue
-                plp = (
-                    prompt_logprobs.get(request.request_id) if prompt_logprobs is not None else None
-                )
-                out = update_one(
-                    request, sampled[k], logprobs[k] if logprobs is not None else None, plp, now
-                )
-                if out is not None:
-                    emit(out)
-                    if out.finish_reason is not None:
-                        finished.append(request)
+            req_id = request.request_id
+            token_logprobs = plp = None
+            if logprobs is not None:
+                j = runner_output.req_id_to_index.get(req_id)
+                token_logprobs = None if j is None else logprobs[j]
+            if prompt_logprobs is not None:
+                plp = prompt_logprobs.get(req_id)
+            out = update_one(request, tokens, token_logprobs, plp, now)
+            if out is not None:
+                emit(out)
+                if out.finish_reason is not None:
+                    finished.append(request)
         if finished:  # take them out of running, keeping its order
             running = self.running
             if len(finished) <= 8:
@@ -564,6 +541,27 @@ class Scheduler:
             else:
                 running[:] = [r for r in running if r.status is running_status]
         return outputs
+
+    def _align_runner_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> tuple[list[Request], list]:
+        """The step's requests still known, with the runner's sampled tokens in the same order
+        (empty for a request the runner did not return)."""
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        sampled = runner_output.sampled_token_ids
+        if scheduler_output is self._last_output:
+            scheduled = self._last_scheduled  # in num_scheduled order
+            aligned = runner_output.req_ids == list(num_scheduled)
+        else:  # an older step's output (or a caller-built one): look the requests up
+            get = self.requests.get
+            scheduled = [r for r in map(get, num_scheduled) if r is not None]
+            aligned = False
+        self._last_output, self._last_scheduled = None, []
+        if not aligned:
+            index = runner_output.req_id_to_index
+            order = [index.get(r.request_id) for r in scheduled]
+            sampled = [() if j is None else sampled[j] for j in order]
+        return scheduled, sampled
 
     def _update_request(
         self,
@@ -576,8 +574,7 @@ class Scheduler:
         """update_from_output for one scheduled, running request (any case): appends ``tokens``
         up to a stop, frees the request if it finished, and returns its news (None if none)."""
         req_id = request.request_id
-        token_ids = request._all_token_ids
-        if request.num_computed_tokens < len(token_ids):  # a partial prompt chunk
+        if request.num_computed_tokens < request.num_tokens:  # a partial prompt chunk
             return (
                 EngineCoreOutput(req_id, [], None, None, None, plp, request.num_cached_tokens)
                 if plp
@@ -588,19 +585,18 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             new_tokens: list[int] = []
         else:
-            output_ids = request.output_token_ids
             stop_ids = request.stop_token_set
+            min_tokens = request.sampling_params.min_tokens
+            num_output = len(request.output_token_ids)
             count = 0
             for token in tokens:
-                output_ids.append(token)
-                token_ids.append(token)
                 count += 1
-                if token in stop_ids and len(output_ids) > request.sampling_params.min_tokens:
+                if token in stop_ids and num_output + count > min_tokens:
                     request.status = RequestStatus.FINISHED_STOPPED
                     if token != request.eos_token_id or request.sampling_params.ignore_eos:
                         request.stop_reason = token
                     break
-                if len(output_ids) >= request.max_tokens:
+                if num_output + count >= request.max_tokens:
                     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                     break
             if not count:
@@ -610,6 +606,7 @@ class Scheduler:
                     else None
                 )
             new_tokens = list(tokens[:count])
+            request.append_output_token_ids(new_tokens)
             if request.first_token_time is None:
                 request.first_token_time = now
             if logprobs:

@@ -3,15 +3,15 @@
 Two schedulers run the same random trace (arrivals with shared prefixes, EOS stops, min_tokens,
 aborts, a pool small enough to preempt), step by step:
 
-* "fast": as shipped, with the decode fast paths of ``schedule()`` (``Request.kv_noop_end``),
+* "fast": as shipped, with the decode fast paths of ``schedule()`` (the manager's no-op ends),
   ``allocate_slots`` and ``update_from_output``;
-* "general": the same code forced down the general paths: its KV-cache manager clears
-  ``kv_noop_end`` after every allocation (so neither ``schedule()`` nor ``allocate_slots`` can take
-  a shortcut), and its runner output carries (empty) logprobs, which sends
+* "general": the same code forced down the general paths: its KV-cache manager clears the
+  request's no-op end after every allocation (so neither ``schedule()`` nor ``allocate_slots`` can
+  take a shortcut), and its runner output carries (empty) logprobs, which sends
   ``update_from_output`` through the per-request general update.
 
-Every SchedulerOutput, every EngineCoreOutput and the final state must be equal, and
-``kv_noop_end`` must equal what the manager's state implies after every step.
+Every SchedulerOutput, every EngineCoreOutput and the final state must be equal, and the no-op
+ends must equal what the manager's state implies after every step.
 """
 
 import random
@@ -28,7 +28,8 @@ def force_general_paths(s):
 
     def allocate_without_shortcuts(request, *args, **kwargs):
         new_blocks = allocate(request, *args, **kwargs)
-        request.kv_noop_end = 0
+        if new_blocks is not None:
+            kv._noop_end[request.request_id] = 0
         return new_blocks
 
     kv.allocate_slots = allocate_without_shortcuts
@@ -36,19 +37,20 @@ def force_general_paths(s):
 
 
 def check_noop_end(s):
-    """kv_noop_end = table capacity, capped (with prefix caching) just before the first
-    unregistered block's end; 0 for requests holding no blocks."""
+    """no-op end = table capacity, capped (with prefix caching) just before the first
+    unregistered block's end; absent for requests holding no blocks."""
     kv = s.kv_cache_manager
+    noop_ends = kv.get_noop_ends()
     bs = s.block_size
     for r in s.running:
         blocks = kv.req_to_blocks[r.request_id]
         expected = len(blocks) * bs
         if kv.enable_caching:
             expected = min(expected, (kv.num_cached_block[r.request_id] + 1) * bs - 1)
-        assert r.kv_noop_end == expected, r
-        assert r.num_computed_tokens <= r.kv_noop_end or r.num_computed_tokens % bs == 0, r
+        assert noop_ends[r.request_id] == expected, r
+        assert r.num_computed_tokens <= expected or r.num_computed_tokens % bs == 0, r
     for r in s.waiting:
-        assert r.kv_noop_end == 0, r
+        assert r.request_id not in noop_ends, r
 
 
 def random_trace(seed, num_steps):
