@@ -1,4 +1,4 @@
-"""Scheduler output -> fixed-shape padded step inputs (numpy only, no jax).
+"""Scheduler output -> fixed-shape padded step inputs (numpy; StepInputs is a jax pytree).
 
 The runner keeps a persistent ``InputBatch``: one row per running request holding its token ids
 so far, its block-table row, its prompt length and its sampling params. Rows are updated, not
@@ -19,6 +19,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from jaxserve.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from jaxserve.core.sched_output import NewRequestData, SchedulerOutput
@@ -94,32 +96,6 @@ def pick_bucket(buckets: tuple[int, ...], num_tokens: int) -> int:
     i = bisect.bisect_left(buckets, num_tokens)
     assert i < len(buckets), f"{num_tokens} tokens exceed the largest bucket {buckets[-1]}"
     return buckets[i]
-
-
-@dataclasses.dataclass
-class StepInputs:
-    """The jitted step's array inputs, padded (numpy int32).
-
-    Attributes:
-      input_ids: ``[T]`` token ids (0 for padding).
-      positions: ``[T]`` position of each token in its sequence (0 for padding).
-      slot_mapping: ``[T]`` flat cache slot of each token; -1 for padding.
-      block_tables: ``[S, P]`` block ids per sequence, padded with the null block 0.
-      context_lens: ``[S]`` tokens in the cache after this step's writes; 0 for padding.
-      query_start_loc: ``[S + 1]`` cumulative query lengths (padding sequences are empty).
-      num_seqs: ``[]`` real sequences.
-      logits_indices: ``[S]`` index into the step's tokens of each sequence's last token (the
-        one whose logits are sampled); 0 for padding sequences.
-    """
-
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    block_tables: np.ndarray
-    context_lens: np.ndarray
-    query_start_loc: np.ndarray
-    num_seqs: np.ndarray
-    logits_indices: np.ndarray
 
 
 @dataclasses.dataclass

@@ -20,12 +20,10 @@ sampler variant costs one small compile per sequence bucket. The price is the ``
 logits round trip through device memory between the two (S x V x 4 bytes, ~128 MiB at S = 256
 and a 128k vocabulary: tens of microseconds on an H200).
 
-Compilation: ``warmup`` compiles the forward for every token bucket (largest first), the
-prompt-logprobs head for every token bucket, and the everyday sampler variants (greedy; plain
-sampling; top-k <= 128; full sort for top-p) for every sequence bucket, with a tqdm bar, using
-the persistent compilation cache (``RunnerConfig.compilation_cache_dir``). After warm-up a step
-in an unknown bucket is a bug (assertion); rarer sampler variants (penalties, logit bias,
-logprobs widths) compile on first use and are logged.
+Compilation (the jitted step functions, the persistent compilation cache, activation profiling
+for KV sizing, warm-up) lives in ``jaxserve.worker.compilation``. After warm-up a step in an
+unknown bucket is a bug (assertion); rarer sampler variants (penalties, logit bias, logprobs
+widths) compile on first use and are logged.
 
 Not done: overlapping the host work of step N+1 with the device work of step N (vLLM's async
 scheduling). The host waits for each step's tokens before scheduling the next.
@@ -44,48 +42,31 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
-from jaxserve.model.attention import PagedAttentionMetadata
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.worker import compilation
 from jaxserve.worker.batch_builder import (
     BatchBuilder,
     InputBatch,
     StepBatch,
-    StepInputs,
     resolve_token_buckets,
     seq_bucket,
 )
-from jaxserve.worker.kv_cache_alloc import (
-    KVCacheSpec,
-    allocate_kv_caches,
-    determine_kv_cache_spec,
-    device_memory,
-    kv_cache_shapes,
-    log_kv_cache_spec,
+from jaxserve.worker.compilation import (
+    WARMUP_SAMPLING,
+    StepGraph,
+    forward_step,
+    prompt_logprobs_step,
+    sample_step,
 )
-from jaxserve.worker.sampler import prompt_logprobs, sample
 from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
     from jaxserve.core.sched_output import SchedulerOutput
     from jaxserve.model.config import ModelArchConfig
+    from jaxserve.worker.kv_cache_alloc import KVCacheSpec
 
 logger = logging.getLogger(__name__)
-
-jax.tree_util.register_dataclass(
-    StepInputs, data_fields=[f.name for f in dataclasses.fields(StepInputs)], meta_fields=[]
-)
-
-PROMPT_LOGPROBS_CHUNK = 256
-"""Prompt positions whose full-vocabulary logits exist at once in the prompt-logprobs head."""
-
-# Everyday sampler variants compiled at warm-up, per sequence bucket (see SamplingMetadata).
-_WARMUP_SAMPLING = (
-    SamplingParams(temperature=0.0),
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=1.0, top_k=50),
-    SamplingParams(temperature=1.0, top_p=0.9),
-)
 
 
 def _uses_penalties(params: SamplingParams) -> bool:
@@ -108,16 +89,6 @@ def resolve_attention_backend(name: str, platform: str) -> str:
     if name not in ("pallas", "reference"):
         raise ValueError(f"attention_backend must be auto, pallas or reference, got {name!r}")
     return name
-
-
-def configure_compilation_cache(cache_dir: str) -> None:
-    """Turns on JAX's persistent compilation cache in ``cache_dir`` ("" leaves it off); every
-    compile is cached (``jax_persistent_cache_min_compile_time_secs = 0``)."""
-    if not cache_dir:
-        return
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @dataclasses.dataclass
@@ -159,7 +130,7 @@ class ModelRunner:
         arch: ModelArchConfig,
         config: EngineConfig,
         *,
-        warmup_sampling: tuple[SamplingParams, ...] = _WARMUP_SAMPLING,
+        warmup_sampling: tuple[SamplingParams, ...] = WARMUP_SAMPLING,
     ) -> None:
         self.config = config
         self.arch = arch
@@ -168,8 +139,9 @@ class ModelRunner:
         self.backend = resolve_attention_backend(
             config.runner.attention_backend, self.device.platform
         )
-        configure_compilation_cache(config.runner.compilation_cache_dir)
+        compilation.configure_compilation_cache(config.runner.compilation_cache_dir)
         self.graphdef, self.state = nnx.split(model)
+        self.graph = StepGraph(self.graphdef, self.backend)
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_num_seqs = sched.max_num_seqs
@@ -187,13 +159,10 @@ class ModelRunner:
         self.kv_caches: list | None = None
         self.timing = StepTiming()
         self.compile_seconds = 0.0
-        self._warm_buckets: set[int] = set()
+        self.warm_buckets: set[int] = set()  # token buckets compiled by warmup()
         self._seeds: dict[str, int] = {}
         self._md_cache: tuple | None = None  # ((req_ids, S), SamplingMetadata) of a steady batch
         self._rng = np.random.default_rng(config.model.seed)
-        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
-        self._sample = jax.jit(sample)
-        self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
         logger.info(
             "model runner: attention backend %s, token buckets %s, sequence buckets %s",
             self.backend,
@@ -201,190 +170,25 @@ class ModelRunner:
             self.seq_buckets,
         )
 
-    # ------------------------------------------------------------------ jitted functions
-
-    def _forward_impl(self, state: nnx.State, kv_caches: list, inputs: StepInputs):
-        """``(state, kv_caches, inputs) -> (logits [S, V] f32, hidden [T, E], kv_caches)``."""
-        model = nnx.merge(self.graphdef, state)
-        metadata = PagedAttentionMetadata(
-            slot_mapping=inputs.slot_mapping,
-            block_tables=inputs.block_tables,
-            context_lens=inputs.context_lens,
-            query_start_loc=inputs.query_start_loc,
-            num_seqs=inputs.num_seqs,
-            backend=self.backend,
-        )
-        hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, metadata)  # [T, E]
-        logits = model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
-        return logits, hidden, kv_caches
-
-    def _prompt_logprobs_impl(self, state: nnx.State, hidden: jax.Array, targets: jax.Array):
-        """Raw-model logprob, rank and top-``MAX_LOGPROBS`` of each target token.
-
-        ``hidden [T, E]`` (the forward's), ``targets [T]`` int32 (-1 = not scored; scored as
-        token 0 and ignored) -> LogprobsTensors over T rows, computed ``PROMPT_LOGPROBS_CHUNK``
-        rows at a time so only ``[chunk, V]`` logits exist at once.
-        """
-        model = nnx.merge(self.graphdef, state)
-        t = hidden.shape[0]
-        chunk = min(PROMPT_LOGPROBS_CHUNK, t & -t)
-
-        def one(args):
-            h, tgt = args
-            return prompt_logprobs(model.compute_logits(h), jnp.maximum(tgt, 0), MAX_LOGPROBS)
-
-        out = jax.lax.map(
-            one, (hidden.reshape(t // chunk, chunk, -1), targets.reshape(t // chunk, chunk))
-        )
-        return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), out)
-
     # ------------------------------------------------------------------ start-up
 
-    def _dummy_inputs(self, token_bucket: int) -> StepInputs:
-        """All-padding inputs of a bucket: one sequence of one token whose slot is -1."""
-        b = self.input_batch
-        s = seq_bucket(token_bucket, self.max_num_seqs)
-        qsl = np.ones(s + 1, np.int32)
-        qsl[0] = 0
-        ctx = np.zeros(s, np.int32)
-        ctx[0] = 1
-        return StepInputs(
-            input_ids=np.zeros(token_bucket, np.int32),
-            positions=np.zeros(token_bucket, np.int32),
-            slot_mapping=np.full(token_bucket, -1, np.int32),
-            block_tables=np.zeros((s, b.max_blocks_per_req), np.int32),
-            context_lens=ctx,
-            query_start_loc=qsl,
-            num_seqs=np.asarray(1, np.int32),
-            logits_indices=np.zeros(s, np.int32),
-        )
-
     def profile_peak_activation_bytes(self) -> int:
-        """Peak activation memory of the largest token bucket's step, bytes, from
-        ``memory_analysis()`` of its compiled parts. The forward's outputs that do not alias the
-        donated KV caches (logits, hidden) stay live while the sampler and the prompt-logprobs
-        head run after it, so the peak is those outputs plus the largest temporaries of the
-        three (forward; the sampler's costliest variant, top-p with 20 logprobs; the
-        prompt-logprobs head). The forward is lowered against a small stand-in pool: its
-        activations do not depend on the pool size.
-        """
-        t_max = self.token_buckets[-1]
-        s_max = seq_bucket(t_max, self.max_num_seqs)
-        probe = self._spec_with_blocks(2 * self.input_batch.max_blocks_per_req + 1)
-        fwd = self._forward.lower(
-            self.state, kv_cache_shapes(probe), self._dummy_inputs(t_max)
-        ).compile()
-        fwd_mem = fwd.memory_analysis()
-        outputs = int(fwd_mem.output_size_in_bytes) - int(fwd_mem.alias_size_in_bytes)
-        logits = jax.ShapeDtypeStruct((s_max, self.arch.vocab_size), jnp.float32)
-        worst = SamplingParams(temperature=1.0, top_p=0.9, logprobs=MAX_LOGPROBS)
-        md = SamplingMetadata.from_params([SamplingRow(worst, 0, 0, (), ())], pad_to=s_max)
-        sampler_temp = int(
-            self._sample.lower(logits, md).compile().memory_analysis().temp_size_in_bytes
-        )
-        hidden = jax.ShapeDtypeStruct((t_max, self.arch.hidden_size), self.dtype)
-        plp = self._prompt_logprobs.lower(self.state, hidden, np.zeros(t_max, np.int32)).compile()
-        plp_temp = int(plp.memory_analysis().temp_size_in_bytes)
-        peak = outputs + max(int(fwd_mem.temp_size_in_bytes), sampler_temp, plp_temp)
-        logger.info(
-            "profiled step activations (T=%d): peak %.1f MiB = outputs %.1f MiB + max(forward temp "
-            "%.1f, sampler temp %.1f, prompt-logprobs temp %.1f) MiB",
-            t_max,
-            peak / 2**20,
-            outputs / 2**20,
-            fwd_mem.temp_size_in_bytes / 2**20,
-            sampler_temp / 2**20,
-            plp_temp / 2**20,
-        )
-        return peak
-
-    def _spec_with_blocks(self, num_blocks: int) -> KVCacheSpec:
-        a = self.arch
-        return KVCacheSpec(
-            num_blocks=num_blocks,
-            block_size=self.block_size,
-            num_layers=a.num_layers,
-            num_kv_heads=a.num_kv_heads,
-            head_dim=a.head_dim,
-            dtype=self.dtype.name,
-            bytes_per_token=2 * a.num_layers * a.num_kv_heads * a.head_dim * self.dtype.itemsize,
-            source="probe",
-        )
+        """Peak activation memory of the largest bucket's step, bytes
+        (:func:`jaxserve.worker.compilation.profile_peak_activation_bytes`)."""
+        return compilation.profile_peak_activation_bytes(self)
 
     def initialize_kv_cache(self) -> KVCacheSpec:
-        """Sizes the KV pool (``kv_cache_alloc``), allocates it and logs it.
-
-        On a device with memory stats and without ``num_gpu_blocks_override``, first profiles
-        the largest bucket's activation memory (one extra compile).
+        """Sizes, allocates and logs the KV pool (:func:`jaxserve.worker.compilation.initialize_kv_cache`).
 
         Raises:
           ValueError: the memory left holds fewer than 2 blocks.
         """
-        cache = self.config.cache
-        peak = 0
-        if cache.num_gpu_blocks_override is None and device_memory(self.device) is not None:
-            t0 = time.perf_counter()
-            peak = self.profile_peak_activation_bytes()
-            self.compile_seconds += time.perf_counter() - t0
-        spec = determine_kv_cache_spec(
-            num_layers=self.arch.num_layers,
-            num_kv_heads=self.arch.num_kv_heads,
-            head_dim=self.arch.head_dim,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            gpu_memory_utilization=cache.gpu_memory_utilization,
-            num_gpu_blocks_override=cache.num_gpu_blocks_override,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len,
-            device=self.device,
-            peak_activation_bytes=peak,
-        )
-        log_kv_cache_spec(spec)
-        self.kv_spec = spec
-        self.kv_caches = allocate_kv_caches(spec, self.device)
-        return spec
+        return compilation.initialize_kv_cache(self)
 
     def warmup(self, *, progress: bool = True) -> float:
-        """Compiles (and runs once, on all-padding inputs that write nothing) the forward and the
-        prompt-logprobs head for every token bucket, largest first, and the warm-up sampler
-        variants for every sequence bucket. Returns the seconds spent; logs them.
-
-        Requires ``initialize_kv_cache`` first.
-        """
-        assert self.kv_caches is not None, "initialize_kv_cache() before warmup()"
-        from tqdm.auto import tqdm
-
-        t0 = time.perf_counter()
-        warm_seqs: set[int] = set()
-        bar = tqdm(
-            list(reversed(self.token_buckets)),
-            desc="compiling step buckets",
-            unit="bucket",
-            disable=not progress,
-        )
-        for size in bar:
-            bar.set_postfix_str(f"T={size}")
-            inputs = self._dummy_inputs(size)
-            logits, hidden, self.kv_caches = self._forward(self.state, self.kv_caches, inputs)
-            targets = np.full(size, -1, np.int32)
-            jax.block_until_ready(self._prompt_logprobs(self.state, hidden, targets))
-            s = seq_bucket(size, self.max_num_seqs)
-            if s not in warm_seqs:
-                warm_seqs.add(s)
-                for params in self.warmup_sampling:
-                    md = SamplingMetadata.from_params([SamplingRow(params, 0, 0, (), ())], pad_to=s)
-                    jax.block_until_ready(self._sample(logits, md))
-            self._warm_buckets.add(size)
-        bar.close()
-        seconds = time.perf_counter() - t0
-        self.compile_seconds += seconds
-        logger.info(
-            "warm-up: compiled %d token buckets and %d sequence buckets in %.1f s",
-            len(self.token_buckets),
-            len(self.seq_buckets),
-            seconds,
-        )
-        return seconds
+        """Compiles every bucket before serving; returns the seconds spent
+        (:func:`jaxserve.worker.compilation.warmup`). Requires ``initialize_kv_cache`` first."""
+        return compilation.warmup(self, progress=progress)
 
     def reset_requests(self) -> None:
         """Forgets every request's row (e.g. before serving a new scheduler after the previous
@@ -395,12 +199,10 @@ class ModelRunner:
         self._md_cache = None
 
     def compile_counts(self) -> dict[str, int]:
-        """Executables cached per jitted function (a test checks serving adds none)."""
-        return {
-            "forward": self._forward._cache_size(),
-            "sampler": self._sample._cache_size(),
-            "prompt_logprobs": self._prompt_logprobs._cache_size(),
-        }
+        """Executables this runner has traced per step function (a test checks serving adds
+        none); profiling's probe compiles are not counted."""
+        traces = self.graph.traces
+        return {name: traces[name] for name in ("forward", "sampler", "prompt_logprobs")}
 
     # ------------------------------------------------------------------ one step
 
@@ -420,17 +222,20 @@ class ModelRunner:
         if sched.is_empty:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.builder.build(sched)
-        if self._warm_buckets:
-            assert batch.token_bucket in self._warm_buckets, (
+        if self.warm_buckets:
+            assert batch.token_bucket in self.warm_buckets, (
                 f"bucket {batch.token_bucket} was not compiled"
             )
         md = self._sampling_metadata(batch)
         t1 = time.perf_counter()
 
-        logits, hidden, self.kv_caches = self._forward(self.state, self.kv_caches, batch.inputs)
-        num_variants = self._sample._cache_size()
-        sampled = self._sample(logits, md)
-        if self._sample._cache_size() != num_variants:
+        graph = self.graph
+        logits, hidden, self.kv_caches = forward_step(
+            graph, self.state, self.kv_caches, batch.inputs
+        )
+        num_variants = graph.traces["sampler"]
+        sampled = sample_step(graph, logits, md)
+        if graph.traces["sampler"] != num_variants:
             logger.info(
                 "compiled a sampler variant on first use: S=%d greedy=%s penalties=%s logit_bias=%s "
                 "logprobs=%s filters=%s full_sort=%s",
@@ -444,7 +249,7 @@ class ModelRunner:
             )
         plp = None
         if batch.prompt_logprob_targets is not None:
-            plp = self._prompt_logprobs(self.state, hidden, batch.prompt_logprob_targets)
+            plp = prompt_logprobs_step(graph, self.state, hidden, batch.prompt_logprob_targets)
         sampled, plp = jax.device_get((sampled, plp))
         t2 = time.perf_counter()
 

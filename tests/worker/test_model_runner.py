@@ -20,6 +20,7 @@ from jaxserve.model.config import ModelArchConfig
 from jaxserve.model.loader import abstract_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import kv_cache_alloc
+from jaxserve.worker.compilation import forward_step, padding_inputs
 from jaxserve.worker.model_runner import ModelRunner, resolve_attention_backend
 
 HF = {
@@ -98,8 +99,8 @@ def test_kv_caches_are_donated_not_copied(runner):
     ``memory_analysis()`` and the HLO; and the donated input buffers are consumed."""
     spec = runner.kv_spec
     layer_bytes = spec.total_bytes // spec.num_layers // 2
-    compiled = runner._forward.lower(
-        runner.state, runner.kv_caches, runner._dummy_inputs(16)
+    compiled = forward_step.lower(
+        runner.graph, runner.state, runner.kv_caches, padding_inputs(runner, 16)
     ).compile()
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes == spec.total_bytes
@@ -113,7 +114,9 @@ def test_kv_caches_are_donated_not_copied(runner):
     ]
     assert copies == []
     kv_in = runner.kv_caches
-    _, _, runner.kv_caches = runner._forward(runner.state, kv_in, runner._dummy_inputs(16))
+    _, _, runner.kv_caches = forward_step(
+        runner.graph, runner.state, kv_in, padding_inputs(runner, 16)
+    )
     assert all(k.is_deleted() and v.is_deleted() for k, v in kv_in)
     assert not runner.kv_caches[0][0].is_deleted()
 
@@ -137,9 +140,7 @@ def test_kv_pool_sized_from_device_memory_minus_profiled_activations(monkeypatch
     per_block = 16 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     limit, in_use = 2000 * per_block, 100 * per_block
     monkeypatch.setattr(kv_cache_alloc, "device_memory", lambda device: (limit, in_use))
-    monkeypatch.setattr(
-        "jaxserve.worker.model_runner.device_memory", lambda device: (limit, in_use)
-    )
+    monkeypatch.setattr("jaxserve.worker.compilation.device_memory", lambda device: (limit, in_use))
     spec = r.initialize_kv_cache()
     assert spec.source == "memory"
     assert spec.num_blocks == (int(0.5 * limit) - in_use - peak) // per_block

@@ -1,0 +1,273 @@
+"""Compiling the runner's step: the jitted step functions, the persistent compilation cache,
+activation profiling for KV-pool sizing, and warm-up.
+
+The step functions are module-level jits. Their static half is a ``StepGraph`` (the model's
+graphdef and the attention backend), hashed by identity so a call hashes no model graph; each
+runner holds one, so each runner has its own executables. Each function counts its traces on
+the ``StepGraph`` (a trace is a new executable, compiled or loaded from the persistent cache),
+which is how a runner knows which variants it has compiled.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.model.attention import PagedAttentionMetadata
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.worker.batch_builder import seq_bucket
+from jaxserve.worker.kv_cache_alloc import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    determine_kv_cache_spec,
+    device_memory,
+    kv_cache_shapes,
+    log_kv_cache_spec,
+)
+from jaxserve.worker.sampler import prompt_logprobs, sample
+from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
+from jaxserve.worker.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from jaxserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PROMPT_LOGPROBS_CHUNK = 256
+"""Prompt positions whose full-vocabulary logits exist at once in the prompt-logprobs head."""
+
+# Everyday sampler variants compiled at warm-up, per sequence bucket (see SamplingMetadata).
+WARMUP_SAMPLING = (
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=1.0, top_k=50),
+    SamplingParams(temperature=1.0, top_p=0.9),
+)
+
+
+@dataclasses.dataclass(eq=False)
+class StepGraph:
+    """The static argument of the step functions (hashed and compared by identity).
+
+    Attributes:
+      graphdef: the model's nnx graphdef (its state is passed to each call).
+      backend: the attention backend, "pallas" or "reference".
+      traces: traces per step function ("forward", "sampler", "prompt_logprobs").
+    """
+
+    graphdef: nnx.GraphDef
+    backend: str
+    traces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+@functools.partial(jax.jit, static_argnames="graph", donate_argnames="kv_caches")
+def forward_step(graph: StepGraph, state: nnx.State, kv_caches: list, inputs: StepInputs):
+    """``(state, kv_caches, inputs) -> (logits [S, V] f32, hidden [T, E], kv_caches)``; the KV
+    caches are donated and updated in place."""
+    graph.traces["forward"] += 1
+    model = nnx.merge(graph.graphdef, state)
+    metadata = PagedAttentionMetadata(
+        slot_mapping=inputs.slot_mapping,
+        block_tables=inputs.block_tables,
+        context_lens=inputs.context_lens,
+        query_start_loc=inputs.query_start_loc,
+        num_seqs=inputs.num_seqs,
+        backend=graph.backend,
+    )
+    hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, metadata)  # [T, E]
+    logits = model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
+    return logits, hidden, kv_caches
+
+
+@functools.partial(jax.jit, static_argnames="graph")
+def sample_step(graph: StepGraph, logits: jax.Array, md: SamplingMetadata):
+    """:func:`jaxserve.worker.sampler.sample`, one executable per sampler variant."""
+    graph.traces["sampler"] += 1
+    return sample(logits, md)
+
+
+@functools.partial(jax.jit, static_argnames="graph")
+def prompt_logprobs_step(graph: StepGraph, state: nnx.State, hidden: jax.Array, targets: jax.Array):
+    """Raw-model logprob, rank and top-``MAX_LOGPROBS`` of each target token.
+
+    ``hidden [T, E]`` (the forward's), ``targets [T]`` int32 (-1 = not scored; scored as token
+    0 and ignored) -> LogprobsTensors over T rows, computed ``PROMPT_LOGPROBS_CHUNK`` rows at a
+    time so only ``[chunk, V]`` logits exist at once.
+    """
+    graph.traces["prompt_logprobs"] += 1
+    model = nnx.merge(graph.graphdef, state)
+    t = hidden.shape[0]
+    chunk = min(PROMPT_LOGPROBS_CHUNK, t & -t)
+
+    def one(args):
+        h, tgt = args
+        return prompt_logprobs(model.compute_logits(h), jnp.maximum(tgt, 0), MAX_LOGPROBS)
+
+    out = jax.lax.map(
+        one, (hidden.reshape(t // chunk, chunk, -1), targets.reshape(t // chunk, chunk))
+    )
+    return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), out)
+
+
+def configure_compilation_cache(cache_dir: str) -> None:
+    """Turns on JAX's persistent compilation cache in ``cache_dir`` ("" leaves it off); every
+    compile is cached (``jax_persistent_cache_min_compile_time_secs = 0``)."""
+    if not cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def padding_inputs(runner: ModelRunner, token_bucket: int) -> StepInputs:
+    """All-padding inputs of a token bucket and its sequence bucket (they write nothing)."""
+    return StepInputs.padding(
+        token_bucket,
+        seq_bucket(token_bucket, runner.max_num_seqs),
+        runner.input_batch.max_blocks_per_req,
+    )
+
+
+def _probe_spec(runner: ModelRunner, num_blocks: int) -> KVCacheSpec:
+    arch, dtype = runner.arch, runner.dtype
+    return KVCacheSpec(
+        num_blocks=num_blocks,
+        block_size=runner.block_size,
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        dtype=dtype.name,
+        bytes_per_token=2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype.itemsize,
+        source="probe",
+    )
+
+
+def profile_peak_activation_bytes(runner: ModelRunner) -> int:
+    """Peak activation memory of the largest token bucket's step, bytes, from
+    ``memory_analysis()`` of its compiled parts.
+
+    The forward's outputs that do not alias the donated KV caches (logits, hidden) stay live
+    while the sampler and the prompt-logprobs head run after it, so the peak is those outputs
+    plus the largest temporaries of the three (forward; the sampler's costliest variant, top-p
+    with 20 logprobs; the prompt-logprobs head). The forward is lowered against a small
+    stand-in pool (its activations do not depend on the pool size), with a throwaway
+    ``StepGraph`` so these traces do not count as the runner's executables.
+    """
+    graph = dataclasses.replace(runner.graph, traces=collections.Counter())
+    t_max = runner.token_buckets[-1]
+    s_max = seq_bucket(t_max, runner.max_num_seqs)
+    probe = _probe_spec(runner, 2 * runner.input_batch.max_blocks_per_req + 1)
+    fwd = forward_step.lower(
+        graph, runner.state, kv_cache_shapes(probe), padding_inputs(runner, t_max)
+    ).compile()
+    fwd_mem = fwd.memory_analysis()
+    outputs = int(fwd_mem.output_size_in_bytes) - int(fwd_mem.alias_size_in_bytes)
+    logits = jax.ShapeDtypeStruct((s_max, runner.arch.vocab_size), jnp.float32)
+    worst = SamplingParams(temperature=1.0, top_p=0.9, logprobs=MAX_LOGPROBS)
+    md = SamplingMetadata.from_params([SamplingRow(worst, 0, 0, (), ())], pad_to=s_max)
+    sampler = sample_step.lower(graph, logits, md).compile()
+    sampler_temp = int(sampler.memory_analysis().temp_size_in_bytes)
+    hidden = jax.ShapeDtypeStruct((t_max, runner.arch.hidden_size), runner.dtype)
+    targets = np.zeros(t_max, np.int32)
+    plp = prompt_logprobs_step.lower(graph, runner.state, hidden, targets).compile()
+    plp_temp = int(plp.memory_analysis().temp_size_in_bytes)
+    peak = outputs + max(int(fwd_mem.temp_size_in_bytes), sampler_temp, plp_temp)
+    logger.info(
+        "profiled step activations (T=%d): peak %.1f MiB = outputs %.1f MiB + max(forward temp "
+        "%.1f, sampler temp %.1f, prompt-logprobs temp %.1f) MiB",
+        t_max,
+        peak / 2**20,
+        outputs / 2**20,
+        fwd_mem.temp_size_in_bytes / 2**20,
+        sampler_temp / 2**20,
+        plp_temp / 2**20,
+    )
+    return peak
+
+
+def initialize_kv_cache(runner: ModelRunner) -> KVCacheSpec:
+    """Sizes the runner's KV pool (``kv_cache_alloc``), allocates it into ``runner.kv_caches``
+    and logs it. On a device with memory stats and without ``num_gpu_blocks_override``, first
+    profiles the largest bucket's activation memory (one extra compile).
+
+    Raises:
+      ValueError: the memory left holds fewer than 2 blocks.
+    """
+    cache = runner.config.cache
+    arch = runner.arch
+    peak = 0
+    if cache.num_gpu_blocks_override is None and device_memory(runner.device) is not None:
+        t0 = time.perf_counter()
+        peak = profile_peak_activation_bytes(runner)
+        runner.compile_seconds += time.perf_counter() - t0
+    spec = determine_kv_cache_spec(
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        dtype=runner.dtype,
+        block_size=runner.block_size,
+        gpu_memory_utilization=cache.gpu_memory_utilization,
+        num_gpu_blocks_override=cache.num_gpu_blocks_override,
+        max_num_seqs=runner.max_num_seqs,
+        max_model_len=runner.max_model_len,
+        device=runner.device,
+        peak_activation_bytes=peak,
+    )
+    log_kv_cache_spec(spec)
+    runner.kv_spec = spec
+    runner.kv_caches = allocate_kv_caches(spec, runner.device)
+    return spec
+
+
+def warmup(runner: ModelRunner, *, progress: bool = True) -> float:
+    """Compiles (and runs once, on all-padding inputs that write nothing) the forward and the
+    prompt-logprobs head for every token bucket, largest first, and the runner's warm-up
+    sampler variants for every sequence bucket. Returns the seconds spent; logs them.
+
+    Requires ``initialize_kv_cache`` first.
+    """
+    assert runner.kv_caches is not None, "initialize_kv_cache() before warmup()"
+    from tqdm.auto import tqdm
+
+    graph, state = runner.graph, runner.state
+    t0 = time.perf_counter()
+    warm_seqs: set[int] = set()
+    bar = tqdm(
+        list(reversed(runner.token_buckets)),
+        desc="compiling step buckets",
+        unit="bucket",
+        disable=not progress,
+    )
+    for size in bar:
+        bar.set_postfix_str(f"T={size}")
+        logits, hidden, runner.kv_caches = forward_step(
+            graph, state, runner.kv_caches, padding_inputs(runner, size)
+        )
+        targets = np.full(size, -1, np.int32)
+        jax.block_until_ready(prompt_logprobs_step(graph, state, hidden, targets))
+        s = seq_bucket(size, runner.max_num_seqs)
+        if s not in warm_seqs:
+            warm_seqs.add(s)
+            for params in runner.warmup_sampling:
+                md = SamplingMetadata.from_params([SamplingRow(params, 0, 0, (), ())], pad_to=s)
+                jax.block_until_ready(sample_step(graph, logits, md))
+        runner.warm_buckets.add(size)
+    bar.close()
+    seconds = time.perf_counter() - t0
+    runner.compile_seconds += seconds
+    logger.info(
+        "warm-up: compiled %d token buckets and %d sequence buckets in %.1f s",
+        len(runner.token_buckets),
+        len(runner.seq_buckets),
+        seconds,
+    )
+    return seconds
