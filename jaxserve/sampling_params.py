@@ -25,6 +25,31 @@ MAX_LOGPROBS = 20
 """Largest ``logprobs`` / ``prompt_logprobs`` (top-n alternatives) a request may ask for."""
 
 
+MAX_STOP_STRINGS = 64
+"""Most stop strings one request may send (OpenAI allows 4; vLLM sets no count cap)."""
+
+MAX_STOP_STRING_CHARS = 256
+"""Longest stop string, characters. With the count cap this bounds the engine thread's stop work
+per sample and step (``jaxserve.tokenizer.stop_strings``): it reads only the last
+``new + MAX_STOP_STRING_CHARS`` characters, never the whole output."""
+
+
+def check_stop_caps(stop: Any) -> None:
+    """Checks the stop list against ``MAX_STOP_STRINGS`` and ``MAX_STOP_STRING_CHARS``.
+
+    Raises:
+      ValueError: too many or too long stop strings (message starts with ``stop``).
+    """
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise ValueError(
+            f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long, got one of {longest}"
+        )
+
+
 def _check_float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {type(value).__name__}")
@@ -65,7 +90,8 @@ class SamplingParams:
         by it when positive and multiplied by it when negative (CTRL paper, HF/vLLM behaviour).
       seed: per-request sampling seed; samples do not depend on which other requests share
         the step. None draws from the engine's generator.
-      stop: stop strings; generation ends when the output text contains one, and the returned
+      stop: stop strings (at most ``MAX_STOP_STRINGS`` of at most ``MAX_STOP_STRING_CHARS``
+        characters); generation ends when the output text contains one, and the returned
         text stops before it (after it with ``include_stop_str_in_output``).
       stop_token_ids: token ids that end generation (kept in ``output_token_ids``).
       ignore_eos: keep generating past EOS.
@@ -130,6 +156,7 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("stop must not contain empty strings")
         self.stop = list(self.stop)
+        check_stop_caps(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError("stop_token_ids must be a list of integers")
         self.stop_token_ids = [_check_int("stop_token_ids", t, 0) for t in self.stop_token_ids]

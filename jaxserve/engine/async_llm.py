@@ -24,6 +24,10 @@ If ``step()`` (or anything else in the engine thread) raises, the engine is dead
 request's stream raises :class:`EngineDeadError`, later calls raise it at once, ``errored``
 turns true (the server's ``/health`` answers 503) and the ``on_dead`` callbacks run, which the
 server uses to exit non-zero instead of hanging.
+
+Watchdog: a step that never returns (a hung device) raises nothing, so a second thread watches
+the step in flight; one that has run longer than ``step_timeout_s`` kills the engine the same
+way (:class:`StepTimeoutError`). The engine thread, if it ever comes back, delivers nothing more.
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an exception; no request can be served any more."""
+
+
+class StepTimeoutError(RuntimeError):
+    """A step ran longer than ``step_timeout_s`` (the watchdog's verdict: the device hung)."""
+
+
+DEFAULT_STEP_TIMEOUT_S = 300.0
+"""Generous on purpose: a first-use compile of a sampler variant can take tens of seconds."""
 
 
 class RequestStream:
@@ -133,11 +145,19 @@ class AsyncLLM:
         ``engine_config``). From now on only the engine thread touches it.
       metrics: where the engine thread records metrics; default a new
         :class:`~jaxserve.metrics.EngineMetrics` for the served model name.
+      step_timeout_s: a step running longer than this, seconds, marks the engine dead (see the
+        module docstring); 0 turns the watchdog off.
 
     The thread starts in the constructor; ``shutdown()`` stops it.
     """
 
-    def __init__(self, engine: Any, *, metrics: EngineMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        metrics: EngineMetrics | None = None,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.engine_config: EngineConfig = engine.engine_config
@@ -158,15 +178,21 @@ class AsyncLLM:
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
         self._num_waiting = 0
         self._num_running = 0
+        self.step_timeout_s = step_timeout_s
+        self._step_started: float | None = None  # monotonic start of the step in flight
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
+        if step_timeout_s > 0:
+            threading.Thread(target=self._watch, name="jaxserve-watchdog", daemon=True).start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+    def from_engine_args(
+        cls, engine_args: EngineArgs, *, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    ) -> AsyncLLM:
         """Builds the LLMEngine (loads weights, sizes the KV pool, compiles) and starts the thread."""
         from jaxserve.engine.llm_engine import LLMEngine  # local: keeps importing this module cheap
 
-        return cls(LLMEngine.from_engine_args(engine_args))
+        return cls(LLMEngine.from_engine_args(engine_args), step_timeout_s=step_timeout_s)
 
     # Public API (event loop side) ----------------------------------------------------------
 
@@ -186,6 +212,12 @@ class AsyncLLM:
     def num_running_requests(self) -> int:
         """Requests in the running batch after the last step."""
         return self._num_running
+
+    @property
+    def num_pending_requests(self) -> int:
+        """Requests added and not yet finished or aborted (what a drain waits for)."""
+        with self._cond:
+            return len(self._pending_ids)
 
     def add_dead_callback(self, callback: Callable[[BaseException], None]) -> None:
         """Runs ``callback(error)`` from the engine thread when it dies (at once if it is dead)."""
@@ -274,6 +306,12 @@ class AsyncLLM:
             self._inbox.append(("abort", request_id))
             self._cond.notify()
 
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive (it may be hung in a step the watchdog gave
+        up on)."""
+        return self._thread.is_alive()
+
     def check_health(self) -> None:
         """Raises EngineDeadError if the engine thread died."""
         if self.dead_error is not None:
@@ -302,7 +340,13 @@ class AsyncLLM:
                 self._process_inbox(inbox)
                 outputs: list[RequestOutput] = []
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
+                    self._step_started = time.monotonic()
+                    try:
+                        outputs = self.engine.step()
+                    finally:
+                        self._step_started = None
+                    if self.dead_error is not None:  # the watchdog gave up on this step
+                        return
                 wanted = [
                     o for o in outputs if o.request_id in self._streams
                 ]  # not aborted meanwhile
@@ -318,6 +362,21 @@ class AsyncLLM:
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
             logger.exception("engine loop died")
             self._die(exc)
+
+    def _watch(self) -> None:
+        """The watchdog thread: kills the engine when one step outlives ``step_timeout_s``."""
+        period = min(1.0, self.step_timeout_s / 4)
+        while self.dead_error is None and self._thread.is_alive():
+            time.sleep(period)
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.step_timeout_s:
+                error = StepTimeoutError(
+                    f"a step has run for more than step_timeout_s={self.step_timeout_s:g} s "
+                    f"(the device did not return)"
+                )
+                logger.error("engine watchdog: %s; marking the engine dead", error)
+                self._die(error)
+                return
 
     def _process_inbox(self, inbox: list[tuple[str, Any]]) -> None:
         num_adds = 0
@@ -397,6 +456,8 @@ class AsyncLLM:
         error = EngineDeadError(f"engine loop died: {exc!r}")
         error.__cause__ = exc
         with self._cond:
+            if self.dead_error is not None:  # the watchdog and the engine thread both saw it
+                return
             self.dead_error = exc
             callbacks, self._dead_callbacks = self._dead_callbacks, []
         for callback in callbacks:  # first, so a client that sees the error also sees their effect

@@ -66,10 +66,19 @@ class StopChecker:
 
     def holdback(self, text: str) -> int:
         """Number of trailing characters of ``text`` that are a proper prefix of a stop
-        string (the longest such run), i.e. that must not be streamed yet."""
-        n = len(text)
-        for k in range(min(self.max_len - 1, n), 0, -1):
-            tail = text[n - k :]
-            if any(len(s) > k and s.startswith(tail) for s in self.stop):
-                return k
-        return 0
+        string (the longest such run), i.e. that must not be streamed yet.
+
+        Cost: per stop string ``s``, a scan of the last ``len(s) - 1`` characters for ``s[0]``
+        and one ``startswith`` per hit; never more than the tail, whatever the output length.
+        """
+        best = 0
+        for s in self.stop:
+            tail = text[len(text) - min(len(s) - 1, len(text)) :]
+            i = tail.find(s[0])
+            # The first hit from the left that starts a prefix of s is the longest one.
+            while i != -1 and len(tail) - i > best:
+                if s.startswith(tail[i:]):
+                    best = len(tail) - i
+                    break
+                i = tail.find(s[0], i + 1)
+        return best

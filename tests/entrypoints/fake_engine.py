@@ -60,6 +60,8 @@ class FakeEngine:
       max_num_seqs: samples running at once; the rest wait.
       step_s: seconds each step sleeps (stands in for compute).
       fail_at_step: ``step()`` raises RuntimeError on this step number (1-based), or never.
+      hang_at_step: ``step()`` blocks on this step number until ``release_hang`` is set (a
+        device that never returns), or never.
 
     Attributes:
       num_steps: steps run so far (tests check the idle engine does not spin).
@@ -75,6 +77,7 @@ class FakeEngine:
         max_num_seqs: int = 8,
         step_s: float = 0.002,
         fail_at_step: int | None = None,
+        hang_at_step: int | None = None,
         served_model_name: str = "fake-model",
         max_waiting_requests: int = 0,
         max_num_batched_tokens: int = 8192,
@@ -100,6 +103,8 @@ class FakeEngine:
         self.max_num_seqs = max_num_seqs
         self.step_s = step_s
         self.fail_at_step = fail_at_step
+        self.hang_at_step = hang_at_step
+        self.release_hang = threading.Event()
         self.num_steps = 0
         self._reqs: dict[str, _Req] = {}
         self._owner: threading.Thread | None = None
@@ -165,6 +170,8 @@ class FakeEngine:
         self.num_steps += 1
         if self.fail_at_step is not None and self.num_steps >= self.fail_at_step:
             raise RuntimeError(f"injected failure at step {self.num_steps}")
+        if self.num_steps == self.hang_at_step:
+            self.release_hang.wait()
         time.sleep(self.step_s)
         now = time.monotonic()
         running = sum(1 for r in self._reqs.values() if r.running)

@@ -32,9 +32,10 @@ class LiveServer:
         api_key: str | None = None,
         dead_grace_s: float = 0.3,
         start_timeout_s: float = 30.0,
+        app: Any = None,
     ) -> None:
         self.llm = llm
-        self.app = build_app(llm, api_key=api_key)
+        self.app = app if app is not None else build_app(llm, api_key=api_key)
         self.exit_code: int | None = None
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None

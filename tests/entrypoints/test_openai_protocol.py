@@ -74,7 +74,10 @@ def test_completion_type_errors_name_the_field(body, param):
         ({"messages": "hi"}, "messages"),
         ({}, "messages"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "user"}], "logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": False, "top_logprobs": 2},
+            "top_logprobs",
+        ),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
         (
@@ -296,8 +299,11 @@ def test_prompt_checks_name_lengths():
 def test_resolve_max_tokens():
     assert resolve_max_tokens(None, 30, INFO) == 70
     assert resolve_max_tokens(70, 30, INFO) == 70
-    assert resolve_max_tokens(71, 30, INFO) == 70  # clamped: the engine's length policy
-    assert resolve_max_tokens(10**30, 30, INFO) == 70
+    for over in (71, 10**30):  # a 400 naming the field and the numbers (OpenAI, vLLM)
+        with pytest.raises(APIError) as error:
+            resolve_max_tokens(over, 30, INFO, field="max_completion_tokens")
+        assert error.value.param == "max_completion_tokens"
+        assert "100" in error.value.message and "30" in error.value.message
     assert resolve_max_tokens(0, 100, INFO) == 0
     assert resolve_max_tokens(-1, 30, INFO) == -1  # left to SamplingParams (a 400 there)
     for requested in (None, 1):

@@ -56,11 +56,14 @@ from typing import Any
 
 import pydantic
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
-from jaxserve.engine.async_llm import EngineDeadError, RequestStream
+from jaxserve.engine.async_llm import DEFAULT_STEP_TIMEOUT_S, EngineDeadError, RequestStream
 from jaxserve.entrypoints.openai.common import (
     ServingInfo,
     check_priority,
+    check_prompt_bytes,
     check_prompt_ids,
     check_queue,
 )
@@ -93,12 +96,30 @@ from jaxserve.entrypoints.openai.serving_completion import (
 
 logger = logging.getLogger(__name__)
 
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Per-connection time limits, seconds (slow or stalled clients must not hold connections).
+
+    Attributes:
+      header_s: from connecting (or the end of the previous response) to a complete request
+        head; past it the connection is closed (aiohttp's keep-alive timer).
+      body_s: to read a request body once its head arrived; past it a 408.
+    """
+
+    header_s: float = 30.0
+    body_s: float = 60.0
+
+
 LLM_KEY = web.AppKey("llm", object)
+TIMEOUTS_KEY = web.AppKey("timeouts", Timeouts)
+DRAINING = web.AppKey("draining", asyncio.Event)
 INFO_KEY = web.AppKey("info", ServingInfo)
 API_KEY = web.AppKey("api_key", object)
 INTERNAL_ERRORS = web.AppKey("internal_errors", list)
 
 MAX_BODY_BYTES = 16 * 2**20
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
@@ -241,7 +262,19 @@ async def serve_request(
 
 
 async def _read_json(request: web.Request) -> dict[str, Any]:
-    return parse_json_body(await request.read())
+    """The parsed body; a client that takes longer than the body timeout to send it gets a 408
+    and its connection closed (a byte-per-second body must not hold a connection forever)."""
+    timeout = request.app[TIMEOUTS_KEY].body_s
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        raise APIError(
+            f"the request body did not arrive within {timeout:g} s",
+            status=408,
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+    return parse_json_body(raw)
 
 
 async def _write_sse(
@@ -264,10 +297,22 @@ async def _write_sse(
     return response
 
 
+def _check_not_draining(request: web.Request) -> None:
+    if request.app[DRAINING].is_set():
+        raise APIError(
+            "the server is shutting down and takes no new requests",
+            status=503,
+            type="server_error",
+            code="shutting_down",
+            headers={"Connection": "close"},
+        )
+
+
 def _generation_handler(url: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handler(request: web.Request) -> web.StreamResponse:
         llm = request.app[LLM_KEY]
         info = request.app[INFO_KEY]
+        _check_not_draining(request)
         body = await _read_json(request)
         # Tokenizing and rendering templates of long prompts takes a while: off the event loop.
         parsed, job = await asyncio.to_thread(prepare, llm, info, url, body)
@@ -330,6 +375,7 @@ async def _ledger(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     llm = request.app[LLM_KEY]
+    _check_not_draining(request)  # a load balancer stops sending here while we drain
     if llm.errored:
         return json_response(
             error_body(
@@ -353,20 +399,26 @@ async def _version(request: web.Request) -> web.Response:
     return json_response({"version": version})
 
 
+def _tokenize_body(tokenizer: Any, info: ServingInfo, body: TokenizeRequest) -> list[int]:
+    """``/tokenize``'s work (in a worker thread): the byte-length check, then the tokenizer."""
+    try:
+        if body.messages is not None:
+            messages = messages_as_dicts(body.messages)
+            check_prompt_bytes([m["content"] for m in messages], info, field="messages")
+            return tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+        check_prompt_bytes([body.prompt], info)
+        return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+
+
 async def _tokenize(request: web.Request) -> web.Response:
     llm = request.app[LLM_KEY]
     info = request.app[INFO_KEY]
     body = _validate(TokenizeRequest, await _read_json(request))
     info.check_model(body.model)
-    try:
-        if body.messages is not None:
-            tokens = llm.tokenizer.encode_chat(
-                messages_as_dicts(body.messages), add_generation_prompt=body.add_generation_prompt
-            )
-        else:
-            tokens = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    except ValueError as exc:
-        raise from_value_error(exc) from None
+    # Off the event loop: a long prompt must not stall /health and every other client.
+    tokens = await asyncio.to_thread(_tokenize_body, llm.tokenizer, info, body)
     return json_response(
         {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
     )
@@ -418,6 +470,33 @@ async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamRe
         )
 
 
+class _JSONErrorHandler(RequestHandler):
+    """aiohttp's connection handler, answering errors found before any handler runs (a
+    malformed request line, an oversized header) with our JSON error body, not plain text."""
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)  # logs; raises if sent
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        code = {408: "request_timeout", 413: "request_too_large"}.get(status)
+        text = message or (str(exc) if exc else "") or f"{status} {plain.reason}"
+        response = json_response(error_body(text, kind, code=code), status=status)
+        response.force_close()
+        return response
+
+
+class _JSONErrorServer(web.Server):
+    """aiohttp's server, building :class:`_JSONErrorHandler` connections."""
+
+    def __call__(self) -> RequestHandler:
+        return _JSONErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
 def _auth_middleware(api_key: str) -> Any:
     expected = api_key.encode()
 
@@ -425,10 +504,11 @@ def _auth_middleware(api_key: str) -> Any:
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path.startswith(_PROTECTED_PREFIXES):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                given.strip().encode(), expected
-            ):
+            # The scheme is case-insensitive (RFC 7235); the key is compared in constant time, as
+            # bytes: aiohttp keeps bytes that are not UTF-8 as surrogate escapes, and turning
+            # them back into those bytes (not re-encoding them) can never raise.
+            given_bytes = given.strip().encode("utf-8", "surrogateescape")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, expected):
                 raise APIError(
                     "invalid or missing API key (send 'Authorization: Bearer <key>')",
                     status=401,
@@ -441,7 +521,12 @@ def _auth_middleware(api_key: str) -> Any:
 
 
 def build_app(
-    llm: Any, *, api_key: str | None = None, info: ServingInfo | None = None
+    llm: Any,
+    *,
+    api_key: str | None = None,
+    info: ServingInfo | None = None,
+    header_timeout_s: float = Timeouts.header_s,
+    body_timeout_s: float = Timeouts.body_s,
 ) -> web.Application:
     """The aiohttp application serving ``llm`` (an AsyncLLM).
 
@@ -449,6 +534,7 @@ def build_app(
       llm: the running AsyncLLM.
       api_key: require ``Authorization: Bearer <api_key>`` on the API routes; None: open.
       info: the served model's facts (default: read from ``llm``).
+      header_timeout_s, body_timeout_s: see :class:`Timeouts`.
     """
     middlewares = [_errors_middleware]
     if api_key:
@@ -458,6 +544,8 @@ def build_app(
     app[INFO_KEY] = info or ServingInfo.from_engine(llm)
     app[API_KEY] = api_key
     app[INTERNAL_ERRORS] = []
+    app[TIMEOUTS_KEY] = Timeouts(header_timeout_s, body_timeout_s)
+    app[DRAINING] = asyncio.Event()
     app.router.add_post("/v1/completions", _generation_handler("/v1/completions"))
     app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
     app.router.add_get("/v1/models", _models)
@@ -481,8 +569,14 @@ async def run_server(
     stop: asyncio.Event | None = None,
     dead_grace_s: float = 1.0,
     app: web.Application | None = None,
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> int:
     """Serves ``llm`` over HTTP until ``stop`` is set or the engine dies.
+
+    Shutdown (``stop`` set, e.g. by SIGTERM) drains: the listening socket closes, new requests
+    on open connections and ``/health`` get a 503 ``shutting_down``, and in-flight requests run
+    to their end for up to ``shutdown_timeout_s``; those still running then are cancelled (their
+    engine requests aborted, their KV blocks freed).
 
     Args:
       llm: the running AsyncLLM.
@@ -493,13 +587,22 @@ async def run_server(
       dead_grace_s: after the engine dies, keep answering (503 on /health, errors to pending
         requests) this long before closing.
       app: a prebuilt ``build_app(llm, ...)`` (then ``api_key`` is ignored); default: built here.
+      shutdown_timeout_s: how long a drain waits for in-flight requests, seconds.
 
     Returns:
       The process exit code: 0 after ``stop``, 1 if the engine died.
     """
     app = app if app is not None else build_app(llm, api_key=api_key)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=shutdown_timeout_s,
+        keepalive_timeout=app[TIMEOUTS_KEY].header_s,
+    )
     await runner.setup()
+    assert runner.server is not None
+    runner.server.__class__ = _JSONErrorServer
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -515,7 +618,14 @@ async def run_server(
             ready(host, bound)
         await stop.wait()
     finally:
-        await runner.cleanup()
+        app[DRAINING].set()
+        if not llm.errored:
+            logger.info(
+                "shutting down: draining %d in-flight requests (at most %g s)",
+                llm.num_pending_requests,
+                shutdown_timeout_s,
+            )
+        await runner.cleanup()  # stop listening, wait for handlers, cancel the rest
     return 1 if llm.errored else 0
 
 
@@ -542,15 +652,56 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer <key>' on the API routes "
         "(default: $JAXSERVE_API_KEY, else open)",
     )
+    parser.add_argument(
+        "--request-header-timeout-s",
+        type=float,
+        default=Timeouts.header_s,
+        help="close a connection whose request head has not fully arrived this many seconds "
+        "after connecting or after the previous response (slow clients)",
+    )
+    parser.add_argument(
+        "--request-body-timeout-s",
+        type=float,
+        default=Timeouts.body_s,
+        help="answer 408 when a request body takes longer than this to arrive",
+    )
+    parser.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=DEFAULT_STEP_TIMEOUT_S,
+        help="watchdog: a model step running longer than this marks the engine dead (/health "
+        "503, pending requests get an error, exit 1); 0 disables it",
+    )
+    parser.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM/SIGINT stop accepting and let in-flight requests finish for up to "
+        "this long, then abort them and exit 0",
+    )
     parser.set_defaults(func=run_serve)
     return parser
 
 
-def _startup_report(llm: Any, startup_s: float) -> str:
+_SERVER_FLAGS = (
+    "host",
+    "port",
+    "request_header_timeout_s",
+    "request_body_timeout_s",
+    "step_timeout_s",
+    "shutdown_timeout_s",
+)
+
+
+def _startup_report(llm: Any, startup_s: float, args: argparse.Namespace | None = None) -> str:
     cfg = llm.engine_config
     lines = ["resolved config:"]
     for part in dataclasses.fields(cfg):
         lines.append(f"  {part.name}: {dataclasses.asdict(getattr(cfg, part.name))}")
+    if args is not None:
+        server = {name: getattr(args, name) for name in _SERVER_FLAGS if hasattr(args, name)}
+        server["api_key"] = "set" if getattr(args, "api_key", None) else None
+        lines.append(f"  server: {server}")
     runner = getattr(llm.engine, "runner", None)
     if runner is not None and hasattr(runner, "token_buckets"):
         lines.append(
@@ -573,7 +724,8 @@ def _startup_report(llm: Any, startup_s: float) -> str:
 def run_serve(args: argparse.Namespace) -> None:
     """The ``serve`` command: builds the engine, prints the config, serves until SIGINT/SIGTERM.
 
-    Exits 0 on a signal, 1 if the engine died.
+    Exits 0 after a signal (in-flight requests drained), 1 if the engine died (an error, or the
+    step watchdog).
     """
     from jaxserve.config import EngineArgs
     from jaxserve.engine.async_llm import AsyncLLM
@@ -583,23 +735,44 @@ def run_serve(args: argparse.Namespace) -> None:
     )
     engine_args = EngineArgs.from_cli_args(args)
     start = time.perf_counter()
-    llm = AsyncLLM.from_engine_args(engine_args)
-    print(_startup_report(llm, time.perf_counter() - start), flush=True)
+    llm = AsyncLLM.from_engine_args(engine_args, step_timeout_s=args.step_timeout_s)
+    print(_startup_report(llm, time.perf_counter() - start, args), flush=True)
+    sys.exit(serve_until_signal(llm, args))
+
+
+def serve_until_signal(llm: Any, args: argparse.Namespace) -> int:
+    """Serves ``llm`` with the ``serve`` flags in ``args`` until SIGINT/SIGTERM or engine death,
+    then stops the engine.
+
+    Returns:
+      The exit code: 0 after a signal, 1 if the engine died or its thread did not stop (a step
+      hung through the drain).
+    """
 
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        app = build_app(
+            llm,
+            api_key=args.api_key,
+            header_timeout_s=args.request_header_timeout_s,
+            body_timeout_s=args.request_body_timeout_s,
+        )
         return await run_server(
             llm,
             host=args.host,
             port=args.port,
-            api_key=args.api_key,
+            app=app,
             stop=stop,
+            shutdown_timeout_s=args.shutdown_timeout_s,
             ready=lambda h, p: print(f"serving {llm.model_name} on http://{h}:{p}", flush=True),
         )
 
     code = asyncio.run(main())
-    llm.shutdown()
-    sys.exit(code)
+    llm.shutdown(timeout=1.0 if llm.errored else 5.0)  # a dead engine's thread may be hung
+    if llm.is_running:
+        logger.error("the engine thread did not stop (a step is hung); exiting anyway")
+        code = code or 1
+    return code

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, check_stop_caps
 
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -100,6 +100,20 @@ class _SamplingRequest(BaseModel):
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
         raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_caps(cls, value: str | list[str] | None) -> str | list[str] | None:
+        check_stop_caps(value)
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        # vLLM's rule: an empty salt would silently share the unsalted prefix cache.
+        if value is not None and not value:
+            raise ValueError("cache_salt must be a non-empty string if given")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -234,14 +248,26 @@ class ChatMessage(BaseModel):
         if value is None or isinstance(value, str):
             return value
         if isinstance(value, list) and all(isinstance(p, dict) for p in value):
-            kinds = {p.get("type") for p in value}
-            if kinds - {"text"}:
-                raise ValueError(
-                    f"content parts of type {sorted(map(str, kinds - {'text'}))} are not supported "
-                    f"(only text)"
-                )
+            # Any JSON value can arrive as "type"; only its string form is compared (a dict or a
+            # list there is the client's mistake, not a reason to fail hashing it).
+            kinds = [p.get("type") for p in value]
+            if not all(isinstance(kind, str) for kind in kinds):
+                raise ValueError('content parts need a string "type" (only "text" is supported)')
+            other = sorted(set(kinds) - {"text"})
+            if other:
+                raise ValueError(f"content parts of type {other} are not supported (only text)")
             return value
         raise ValueError("content must be a string, a list of text parts, or null")
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        """Only an assistant turn may have null content (OpenAI: one that made tool calls); the
+        chat template's normalisation refuses it for every other role."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(
+                f"content: a {self.role} message needs content (null is only for assistant)"
+            )
+        return self
 
     def text(self) -> str:
         """The content as one string (text parts joined with newlines, null as "")."""

@@ -13,7 +13,7 @@ the OpenAI API reference ("Chat Completions"): ``{"id": "chatcmpl-...", "object"
 "chat.completion", "created", "model", "choices": [{"index", "message": {"role": "assistant",
 "content"}, "logprobs", "finish_reason"}], "usage"}``. Streamed chunks (``"object":
 "chat.completion.chunk"``) start with one ``{"role": "assistant", "content": ""}`` delta per
-choice, then content deltas; a choice's last chunk carries its ``finish_reason``.
+choice, sent with the engine's first output (as vLLM does), then content deltas; a choice's last chunk carries its ``finish_reason``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from jaxserve.core.ledger import response_ledger
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
 from jaxserve.entrypoints.openai.common import (
     ServingInfo,
+    check_prompt_bytes,
     check_prompt_ids,
+    check_sampler_memory,
     random_id,
     resolve_max_tokens,
     usage,
@@ -56,6 +58,7 @@ class ChatJob:
       model: the model name to report.
       prompt_ids: the rendered conversation's token ids.
       params: its SamplingParams.
+      system_fingerprint: OpenAI's ``system_fingerprint`` of the serving configuration.
     """
 
     request: ChatCompletionRequest
@@ -64,6 +67,7 @@ class ChatJob:
     model: str
     prompt_ids: list[int]
     params: SamplingParams
+    system_fingerprint: str = ""
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -99,9 +103,11 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
         prompt is empty or too long, or a parameter is out of range (naming the field).
     """
     info.check_model(request.model)
+    messages = messages_as_dicts(request.messages)
+    check_prompt_bytes([m["content"] for m in messages], info, field="messages")
     try:
         prompt_ids = tokenizer.encode_chat(
-            messages_as_dicts(request.messages), add_generation_prompt=request.add_generation_prompt
+            messages, add_generation_prompt=request.add_generation_prompt
         )
     except ValueError as exc:  # malformed messages, or the chat template refused them
         error = from_value_error(exc)
@@ -117,6 +123,7 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
         params.check_vocab(info.vocab_size)
     except ValueError as exc:
         raise _chat_field_error(exc, field) from exc
+    check_sampler_memory(params, info)
     return ChatJob(
         request=request,
         request_id=random_id("chatcmpl"),
@@ -124,11 +131,18 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
         model=request.model or info.model_name,
         prompt_ids=prompt_ids,
         params=params,
+        system_fingerprint=info.system_fingerprint,
     )
 
 
 def _header(job: ChatJob, obj: str) -> dict[str, Any]:
-    return {"id": job.request_id, "object": obj, "created": job.created, "model": job.model}
+    return {
+        "id": job.request_id,
+        "object": obj,
+        "created": job.created,
+        "model": job.model,
+        "system_fingerprint": job.system_fingerprint,
+    }
 
 
 def build_chat_response(job: ChatJob, output: RequestOutput, tokenizer: Any) -> dict[str, Any]:
@@ -144,7 +158,7 @@ def build_chat_response(job: ChatJob, output: RequestOutput, tokenizer: Any) -> 
         choices.append(
             {
                 "index": completion.index,
-                "message": {"role": "assistant", "content": completion.text},
+                "message": {"role": "assistant", "content": completion.text, "refusal": None},
                 "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason,
@@ -230,14 +244,17 @@ async def _chunks(
             ],
         }
 
-    for index in range(request.n):
-        yield chunk(index, {"role": "assistant", "content": ""})
     finished: set[int] = set()
     prompt_tokens = cached = 0
     completion_tokens: dict[int, int] = {}
     ledgers: list[tuple[str, list]] = []
+    first = True
     try:
         async for _, output in merge_streams(streams):
+            if first:  # with the engine's first output, as vLLM: time-to-first-token means it
+                first = False
+                for index in range(request.n):
+                    yield chunk(index, {"role": "assistant", "content": ""})
             if output.finished:
                 ledgers = [(output.request_id, output.ledgers or [])]
             prompt_tokens = len(output.prompt_token_ids)

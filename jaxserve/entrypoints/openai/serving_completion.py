@@ -26,7 +26,9 @@ from jaxserve.core.ledger import response_ledger
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
 from jaxserve.entrypoints.openai.common import (
     ServingInfo,
+    check_prompt_bytes,
     check_prompt_ids,
+    check_sampler_memory,
     random_id,
     resolve_max_tokens,
     usage,
@@ -57,6 +59,7 @@ class CompletionJob:
       prompt_texts: per prompt, the text echoed with ``echo`` (the string given, or the decode
         of the ids given).
       params: per prompt, its SamplingParams (``max_tokens`` resolved against its length).
+      system_fingerprint: OpenAI's ``system_fingerprint`` of the serving configuration.
     """
 
     request: CompletionRequest
@@ -66,17 +69,21 @@ class CompletionJob:
     prompt_ids: list[list[int]]
     prompt_texts: list[str]
     params: list[SamplingParams]
+    system_fingerprint: str = ""
 
 
 def _prompts(
-    request: CompletionRequest, tokenizer: Any
+    request: CompletionRequest, tokenizer: Any, info: ServingInfo
 ) -> tuple[list[list[int]], list[str | None]]:
     prompt = request.prompt
     if isinstance(prompt, str):
+        check_prompt_bytes([prompt], info)
         return [tokenizer.encode(prompt)], [prompt]
     if not prompt:
         raise bad_request("prompt must not be empty (it has 0 tokens)", param="prompt")
     if all(isinstance(p, str) for p in prompt):
+        for p in prompt:  # all of them before tokenizing any
+            check_prompt_bytes([p], info)
         return [tokenizer.encode(p) for p in prompt], list(prompt)
     if all(isinstance(t, int) for t in prompt):
         return [list(prompt)], [None]
@@ -93,7 +100,7 @@ def prepare_completion(
         prompt, or an out-of-range parameter (naming the field and, for lengths, the numbers).
     """
     info.check_model(request.model)
-    prompt_ids, given_texts = _prompts(request, tokenizer)
+    prompt_ids, given_texts = _prompts(request, tokenizer, info)
     params: list[SamplingParams] = []
     for ids in prompt_ids:
         check_prompt_ids(ids, info)
@@ -103,6 +110,7 @@ def prepare_completion(
             sp.check_vocab(info.vocab_size)
         except ValueError as exc:
             raise from_value_error(exc) from exc
+        check_sampler_memory(sp, info)
         params.append(sp)
     texts = (
         [
@@ -120,6 +128,7 @@ def prepare_completion(
         prompt_ids=prompt_ids,
         prompt_texts=texts,
         params=params,
+        system_fingerprint=info.system_fingerprint,
     )
 
 
@@ -129,6 +138,7 @@ def _header(job: CompletionJob) -> dict[str, Any]:
         "object": "text_completion",
         "created": job.created,
         "model": job.model,
+        "system_fingerprint": job.system_fingerprint,
     }
 
 
