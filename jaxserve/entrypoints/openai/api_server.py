@@ -10,6 +10,7 @@ Endpoints (OpenAI API reference; vLLM's extras):
     POST /tokenize              {"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}
     POST /detokenize            {"tokens"} -> {"prompt"}
     GET  /version               {"version"}
+    GET  /openapi.json          the OpenAPI 3.1 document, request schemas from ``protocol``
 
 ``stream: true`` answers with server-sent events: one ``data: {chunk}`` per event, then
 ``data: [DONE]``. A client that disconnects has its request aborted (the handler is cancelled,
@@ -76,6 +77,7 @@ from jaxserve.entrypoints.openai.errors import (
     from_value_error,
     model_not_found,
 )
+from jaxserve.entrypoints.openai.openapi import openapi_document
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -391,6 +393,11 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
 
 
+async def _openapi(request: web.Request) -> web.Response:
+    """``GET /openapi.json``: the API's OpenAPI document (``openapi.openapi_document``)."""
+    return json_response(openapi_document(request.app[INFO_KEY].model_name))
+
+
 async def _version(request: web.Request) -> web.Response:
     try:
         version = importlib.metadata.version("jaxserve")
@@ -554,6 +561,7 @@ def build_app(
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/version", _version)
+    app.router.add_get("/openapi.json", _openapi)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     return app
@@ -697,7 +705,9 @@ def _startup_report(llm: Any, startup_s: float, args: argparse.Namespace | None 
     cfg = llm.engine_config
     lines = ["resolved config:"]
     for part in dataclasses.fields(cfg):
-        lines.append(f"  {part.name}: {dataclasses.asdict(getattr(cfg, part.name))}")
+        value = getattr(cfg, part.name)  # a config section, or a plain knob (ledger_history)
+        shown = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        lines.append(f"  {part.name}: {shown}")
     if args is not None:
         server = {name: getattr(args, name) for name in _SERVER_FLAGS if hasattr(args, name)}
         server["api_key"] = "set" if getattr(args, "api_key", None) else None
