@@ -24,6 +24,64 @@ from typing import Any
 MAX_LOGPROBS = 20
 """Largest ``logprobs`` / ``prompt_logprobs`` (top-n alternatives) a request may ask for."""
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+"""The constraint kinds of :class:`StructuredOutputsParams`, exactly one of which is set."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``); exactly one field set.
+
+    Attributes:
+      json: a JSON schema (dict, or its JSON text) the output must validate against.
+      regex: a regular expression (Rust ``regex`` syntax) the whole output must match.
+      choice: the output is exactly one of these strings.
+      grammar: a Lark grammar (llguidance dialect) or a GBNF grammar.
+      json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+
+    Whether the constraint compiles is checked by ``jaxserve.structured`` (it needs the
+    tokenizer); here only the types.
+
+    Raises:
+      ValueError: no field or several set, or a field of the wrong type (message starts with
+        ``structured_outputs``).
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        set_fields = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_fields) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {set_fields or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema (object or string)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) for c in self.choice)
+            ):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: one of :data:`STRUCTURED_KINDS`."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
 
 MAX_STOP_STRINGS = 64
 """Most stop strings one request may send (OpenAI allows 4; vLLM sets no count cap)."""
@@ -104,6 +162,13 @@ class SamplingParams:
       logit_bias: token id -> bias in [-100, 100] added to its logit.
       include_stop_str_in_output: keep the matched stop string in the text.
       skip_special_tokens: drop special tokens when detokenizing.
+      structured_outputs: a constraint the output must match (JSON schema, regex, choice,
+        grammar; see :class:`StructuredOutputsParams`), enforced by masking the logits; None
+        for free text.
+      allowed_token_ids: only these token ids may be sampled (vLLM); None for all.
+      bad_words: words that must not be generated (vLLM): each is tokenized with and without
+        a leading space, and the last token of a word is banned whenever the output ends with
+        the rest of it.
 
     Raises:
       ValueError: a field is out of range or of the wrong type; the message starts with its
@@ -129,6 +194,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1, 128)
@@ -191,6 +259,33 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            self.allowed_token_ids = [
+                _check_int("allowed_token_ids", t, 0) for t in self.allowed_token_ids
+            ]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if not isinstance(self.bad_words, (list, tuple)) or not all(
+            isinstance(w, str) and w for w in self.bad_words
+        ):
+            raise ValueError("bad_words must be a list of non-empty strings")
+        self.bad_words = list(self.bad_words)
+
+    @property
+    def needs_token_mask(self) -> bool:
+        """True when the sampler must mask this request's logits on the host's say-so
+        (structured outputs, allowed_token_ids, bad_words)."""
+        return (
+            self.structured_outputs is not None
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
 
     @property
     def greedy(self) -> bool:
@@ -212,6 +307,12 @@ class SamplingParams:
             if token >= vocab_size:
                 raise ValueError(
                     f"stop_token_ids token id {token} is out of the vocabulary (size {vocab_size})"
+                )
+        for token in self.allowed_token_ids or ():
+            if token >= vocab_size:
+                raise ValueError(
+                    f"allowed_token_ids token id {token} is out of the vocabulary "
+                    f"(size {vocab_size})"
                 )
 
     def clone(self, **changes: Any) -> SamplingParams:

@@ -18,6 +18,12 @@ The life of one request:
    parent that progressed yields a ``RequestOutput`` (cumulative text/tokens plus this step's
    deltas), ``finished`` once all its samples are.
 
+Token masks (structured outputs, ``allowed_token_ids``, ``bad_words``): ``add_request`` starts a
+request's mask state in ``TokenMaskManager`` (a constraint that does not compile is refused
+there); each step, right after scheduling, one ``step_mask`` call advances the matchers over
+the tokens sampled since and computes the next masks, which the runner applies in the jitted
+sampler (``jaxserve.structured``).
+
 Length policy (documented choice): ``prompt + max_tokens`` beyond ``max_model_len`` is not an
 error; ``max_tokens`` is clamped to what max_model_len leaves and the sample ends with "length"
 (the scheduler's rule; vLLM's engine behaves the same). A prompt longer than max_model_len, or
@@ -46,6 +52,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured import TokenMaskManager
 
 if TYPE_CHECKING:
     from jaxserve.model.config import ModelArchConfig
@@ -151,6 +158,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, config.cache.num_gpu_blocks)
         self.output_processor = OutputProcessor(tokenizer)
         self.ledger_history = LedgerHistory(config.ledger_history)
+        self.token_masks = TokenMaskManager(tokenizer)
         self.eos_token_id, self.extra_eos_token_ids = _eos_ids(tokenizer, generation_config, arch)
         self._stats = EngineStats()
         self.kv_event_publisher = self._start_kv_events(config)
@@ -252,7 +260,8 @@ class LLMEngine:
             tokenizable (no tokenizer), longer than max_model_len, or with token ids outside
             the vocabulary; params not a SamplingParams, or naming token ids outside the
             vocabulary; stop strings without a tokenizer; prompt + max_tokens larger than the
-            KV pool. Nothing is queued when it raises.
+            KV pool; a ``structured_outputs`` constraint that does not compile (named).
+            Nothing is queued when it raises.
         """
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
@@ -287,9 +296,12 @@ class LLMEngine:
         added = []
         try:
             for child in children:
+                self.token_masks.add_request(child.request_id, child.sampling_params)
+            for child in children:
                 self.scheduler.add_request(child)
                 added.append(child.request_id)
         except ValueError:
+            self.token_masks.drop(child_ids)
             self.scheduler.abort_requests(added)
             raise
         self.output_processor.add_request(
@@ -359,6 +371,7 @@ class LLMEngine:
                 self.scheduler.abort_requests(children)
                 if ledgers:
                     self.ledger_history.add(rid, ledgers)
+                self.token_masks.drop(children)
 
     def has_unfinished_requests(self) -> bool:
         """True while any parent request (n > 1 counts once) has not produced its final output."""
@@ -376,9 +389,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
+        token_mask = self.token_masks.step_mask(sched_out, self.scheduler.requests)
         timing = self.runner.timing
         host0, dev0 = timing.host_s, timing.device_s
-        runner_out = self.runner.execute_model(sched_out)
+        runner_out = self.runner.execute_model(sched_out, token_mask)
         t2 = time.perf_counter()
         tokens_time = time.monotonic()  # the step's tokens are on the host
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
@@ -388,6 +402,8 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self.ledger_history.add(out.request_id, out.ledgers)
+        if len(self.token_masks):  # finished this step: their matchers go now, not next step
+            self.token_masks.drop(self.scheduler.finished_req_ids)
         t3 = time.perf_counter()
         if self.kv_event_publisher is not None:
             events = self._block_pool.take_kv_events()

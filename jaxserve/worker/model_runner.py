@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
     from jaxserve.core.sched_output import SchedulerOutput
     from jaxserve.model.config import ModelArchConfig
+    from jaxserve.structured import StepTokenMask
     from jaxserve.worker.kv_cache_alloc import KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -206,8 +207,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, sched: SchedulerOutput, token_mask: StepTokenMask | None = None
+    ) -> ModelRunnerOutput:
         """Runs one scheduled step and returns the sampled tokens (see the module docstring).
+
+        ``token_mask``: the step's token masks of constrained requests (structured outputs,
+        allowed_token_ids, bad_words), from ``TokenMaskManager.step_mask``; the sampler only
+        samples allowed tokens on those rows.
 
         Raises:
           AssertionError: the step needs a token bucket that was not warmed up (only when
@@ -226,7 +233,7 @@ class ModelRunner:
             assert batch.token_bucket in self.warm_buckets, (
                 f"bucket {batch.token_bucket} was not compiled"
             )
-        md = self._sampling_metadata(batch)
+        md = self._sampling_metadata(batch, token_mask)
         t1 = time.perf_counter()
 
         graph = self.graph
@@ -238,7 +245,7 @@ class ModelRunner:
         if graph.traces["sampler"] != num_variants:
             logger.info(
                 "compiled a sampler variant on first use: S=%d greedy=%s penalties=%s logit_bias=%s "
-                "logprobs=%s filters=%s full_sort=%s",
+                "logprobs=%s filters=%s full_sort=%s token_mask=%s",
                 batch.seq_bucket,
                 md.all_greedy,
                 md.any_penalties,
@@ -246,6 +253,7 @@ class ModelRunner:
                 md.max_logprobs,
                 md.any_top_k_top_p_min_p,
                 md.needs_full_sort,
+                md.any_token_mask,
             )
         plp = None
         if batch.prompt_logprob_targets is not None:
@@ -270,20 +278,45 @@ class ModelRunner:
             seed = self._seeds[req_id] = int(self._rng.integers(0, 2**63))
         return seed
 
-    def _sampling_metadata(self, batch: StepBatch) -> SamplingMetadata:
+    def _token_bitmask(self, batch: StepBatch, mask: StepTokenMask | None) -> np.ndarray | None:
+        """int32 [S, ceil(V / 32)] in batch order (all ones on unmasked rows), or None."""
+        if mask is None:
+            return None
+        words = (self.arch.vocab_size + 31) // 32
+        out = np.full((batch.seq_bucket, words), -1, np.int32)
+        index = {r: i for i, r in enumerate(batch.req_ids)}
+        rows = [index[r] for r in mask.req_ids]
+        w = min(words, mask.bitmask.shape[1])
+        out[rows, :w] = mask.bitmask[:, :w]
+        out[rows, w:] = 0  # ids the tokenizer does not know are never allowed on masked rows
+        return out
+
+    def _sampling_metadata(
+        self, batch: StepBatch, token_mask: StepTokenMask | None = None
+    ) -> SamplingMetadata:
         """The step's SamplingMetadata (``SamplingMetadata.from_params`` over the rows).
 
         Steady decode reuses the previous step's metadata: when the same requests run in the
         same order and bucket, and none uses penalties or is still under ``min_tokens`` (the
-        only row fields that follow the output), only ``step_index`` changes.
+        only row fields that follow the output), only ``step_index`` and the token masks
+        change.
         """
         ib = self.input_batch
         n = batch.num_reqs
         step_index = np.zeros(batch.seq_bucket, np.int32)
         step_index[:n] = ib.num_tokens[batch.rows] - ib.num_prompt_tokens[batch.rows]
+        bitmask = self._token_bitmask(batch, token_mask)
         key = (tuple(batch.req_ids), batch.seq_bucket)
         if self._md_cache is not None and self._md_cache[0] == key:
-            return dataclasses.replace(self._md_cache[1], step_index=step_index)
+            md = self._md_cache[1]
+            return dataclasses.replace(
+                md,
+                step_index=step_index,
+                token_bitmask=bitmask
+                if bitmask is not None
+                else np.full((md.num_rows, 1), -1, np.int32),
+                any_token_mask=bitmask is not None,
+            )
         rows = []
         eos = None
         stable = True
@@ -301,7 +334,9 @@ class ModelRunner:
             )
             eos = ib.eos_token_ids[row] if eos is None else eos
             stable = stable and index >= params.min_tokens and not _uses_penalties(params)
-        md = SamplingMetadata.from_params(rows, pad_to=batch.seq_bucket, eos_token_id=eos)
+        md = SamplingMetadata.from_params(
+            rows, pad_to=batch.seq_bucket, eos_token_id=eos, token_bitmask=bitmask
+        )
         self._md_cache = (key, md) if stable else None
         return md
 

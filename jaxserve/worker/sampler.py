@@ -16,6 +16,8 @@ argument of that step: its arrays are traced, its flags are static). ``n`` is st
 Order of the knobs (the contract in :mod:`jaxserve.sampling_params`; vLLM V1's sampler order):
 
 1. ``logit_bias`` is added (including -inf bans from ``min_tokens``).
+   Tokens the row's token bitmask disallows (structured outputs, ``allowed_token_ids``,
+   ``bad_words``) get -inf, so greedy and sampled rows alike only ever pick allowed tokens.
 2. Repetition penalty over tokens seen in prompt or output: positive logits are divided by it,
    the others multiplied (CTRL, arXiv:1909.05858; HF/vLLM). Then the frequency penalty
    subtracts ``penalty * count`` and the presence penalty subtracts ``penalty`` once for each
@@ -145,21 +147,36 @@ def _row_scatter_index(ids: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.
     return rows, jnp.where(ids < 0, vocab_size, ids)
 
 
+def allowed_tokens(token_bitmask: jax.Array, vocab_size: int) -> jax.Array:
+    """bool[S, V] from a packed mask i32[S, W]: token t is bit t % 32 of word t // 32
+    (tokens past 32 * W are not allowed)."""
+    s, w = token_bitmask.shape
+    shifts = lax.broadcasted_iota(jnp.int32, (1, 1, 32), 2)
+    bits = (token_bitmask[:, :, None] >> shifts) & 1  # [S, W, 32]; arithmetic shift, then bit 0
+    bits = bits.reshape(s, w * 32).astype(jnp.bool_)
+    if w * 32 >= vocab_size:
+        return bits[:, :vocab_size]
+    return jnp.pad(bits, ((0, 0), (0, vocab_size - w * 32)))
+
+
 def penalized_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """Logits after logit_bias and the repetition/frequency/presence penalties.
+    """Logits after logit_bias, the token bitmask and the repetition/frequency/presence
+    penalties.
 
     Args:
       logits: f32[S, V].
       md: the step's metadata.
 
     Returns:
-      f32[S, V]; ``logits`` itself when no row uses bias or penalties.
+      f32[S, V]; ``logits`` itself when no row uses bias, a mask or penalties.
     """
     x = logits.astype(jnp.float32)
     s, v = x.shape
     if md.any_logit_bias:
         rows, cols = _row_scatter_index(md.logit_bias_ids, v)
         x = x.at[rows, cols].add(md.logit_bias_values, mode="drop")
+    if md.any_token_mask:
+        x = jnp.where(allowed_tokens(md.token_bitmask, v), x, -jnp.inf)
     if md.any_penalties:
         rows, cols = _row_scatter_index(md.output_token_ids, v)
         counts = jnp.zeros((s, v), jnp.int32).at[rows, cols].add(1, mode="drop")

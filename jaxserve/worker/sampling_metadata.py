@@ -27,7 +27,14 @@ Static fields (part of the jit compile key, so a step with a new combination com
 ``needs_full_sort``        some filtering row needs the full rank order over the vocabulary
                            (top_p < 1 without top_k, or top_k > ``PARTIAL_SORT_WIDTH``);
                            otherwise the rank order comes from ``lax.top_k(., 128)``
+``any_token_mask``         some row has a token bitmask (structured outputs,
+                           allowed_token_ids, bad_words; see ``jaxserve.structured``)
 =========================  ==================================================================
+
+The token bitmask is ``int32[S, ceil(V / 32)]`` when ``any_token_mask`` (all bits set on rows
+without a mask) and an ``int32[S, 1]`` placeholder otherwise, so unconstrained steps pay
+nothing and a constrained step is one more compiled variant per sequence bucket (the mask's
+width is fixed by the vocabulary, so the mask never causes a recompile step to step).
 
 Array widths are bucketed too: logit-bias entries ``B`` in ``LOGIT_BIAS_BUCKETS`` (then powers of
 two) and penalty histories ``L`` (one width shared by prompt and output ids) in powers of two from
@@ -119,9 +126,12 @@ class SamplingMetadata:
       logit_bias_values: f32[S, B]; bias added to the logit (-inf bans the token).
       output_token_ids: i32[S, L]; generated tokens, -1 padded (penalty rows only).
       prompt_token_ids: i32[S, L]; prompt tokens, -1 padded (repetition-penalty rows only).
+      token_bitmask: i32[S, ceil(V / 32)]; bit t % 32 of word t // 32 set = token t allowed
+        (i32[S, 1] placeholder when no row is masked).
 
     Static fields: ``all_greedy``, ``any_penalties``, ``any_logit_bias``, ``max_logprobs``,
-    ``any_top_k_top_p_min_p``, ``needs_full_sort`` (see the module docstring).
+    ``any_top_k_top_p_min_p``, ``needs_full_sort``, ``any_token_mask`` (see the module
+    docstring).
     """
 
     temperature: np.ndarray | jax.Array
@@ -137,12 +147,14 @@ class SamplingMetadata:
     logit_bias_values: np.ndarray | jax.Array
     output_token_ids: np.ndarray | jax.Array
     prompt_token_ids: np.ndarray | jax.Array
+    token_bitmask: np.ndarray | jax.Array
     all_greedy: bool = True
     any_penalties: bool = False
     any_logit_bias: bool = False
     max_logprobs: int | None = None
     any_top_k_top_p_min_p: bool = False
     needs_full_sort: bool = False
+    any_token_mask: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -156,6 +168,7 @@ class SamplingMetadata:
         pad_to: int,
         *,
         eos_token_id: int | None = None,
+        token_bitmask: np.ndarray | None = None,
     ) -> SamplingMetadata:
         """Builds the step's metadata on the host with numpy.
 
@@ -166,6 +179,8 @@ class SamplingMetadata:
           eos_token_id: EOS of the tokenizer; with ``stop_token_ids`` it is banned (logit -inf,
             vLLM's min-tokens logits processor) while a row has fewer than ``min_tokens``
             outputs, unless the request sets ``ignore_eos``.
+          token_bitmask: int32 [pad_to, ceil(V / 32)] token masks in batch order (all bits set
+            on unmasked rows), or None when no row is masked.
 
         Work per row is O(1) unless the row uses a feature: penalties copy its token history,
         logit bias copies its map.
@@ -264,6 +279,13 @@ class SamplingMetadata:
         else:
             output_arr, prompt_arr = np.full((s, 1), -1, np.int32), np.full((s, 1), -1, np.int32)
 
+        if token_bitmask is None:
+            token_bitmask = np.full((s, 1), -1, np.int32)
+        elif token_bitmask.shape[0] != s or token_bitmask.dtype != np.int32:
+            raise ValueError(
+                f"token_bitmask must be int32 [{s}, W], got {token_bitmask.dtype} "
+                f"{list(token_bitmask.shape)}"
+            )
         return cls(
             temperature=temperature,
             top_k=top_k,
@@ -278,12 +300,14 @@ class SamplingMetadata:
             logit_bias_values=bias_values,
             output_token_ids=output_arr,
             prompt_token_ids=prompt_arr,
+            token_bitmask=token_bitmask,
             all_greedy=bool(np.all(temperature == 0.0)),
             any_penalties=bool(penalty_rows),
             any_logit_bias=bool(bias_rows),
             max_logprobs=None if max_logprobs is None else _bucket(max_logprobs, LOGPROBS_BUCKETS),
             any_top_k_top_p_min_p=any_filter,
             needs_full_sort=needs_full_sort,
+            any_token_mask=token_bitmask.shape[1] > 1,
         )
 
 
@@ -294,6 +318,7 @@ _STATIC_FIELDS = (
     "max_logprobs",
     "any_top_k_top_p_min_p",
     "needs_full_sort",
+    "any_token_mask",
 )
 jax.tree_util.register_dataclass(
     SamplingMetadata,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
@@ -14,6 +15,42 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.entrypoints.openai.api_server import INTERNAL_ERRORS, build_app, run_server
 
 MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "tiny-llama")
+
+
+def small_engine_args(**overrides: Any) -> Any:
+    """CPU-sized EngineArgs on the bundled model: float32, reference attention, token buckets
+    16 and 64, 64-token budget, 8 sequences, 256-token context; ``overrides`` win."""
+    from jaxserve.config import EngineArgs
+
+    args = dict(
+        model=MODEL_DIR,
+        dtype="float32",
+        served_model_name="tiny-llama",
+        max_model_len=256,
+        num_gpu_blocks_override=64,
+        block_size=16,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        attention_backend="reference",
+        token_buckets="16,64",
+    )
+    return EngineArgs(**{**args, **overrides})
+
+
+@contextlib.contextmanager
+def running_server(args: Any):
+    """Starts an AsyncLLM from ``args`` behind a LiveServer; yields the server, then stops both
+    and asserts the server logged no internal error."""
+    from jaxserve.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(args)
+    srv = LiveServer(llm)
+    try:
+        yield srv
+    finally:
+        srv.close()
+        llm.shutdown()
+    assert not srv.internal_errors
 
 
 class LiveServer:

@@ -16,10 +16,15 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
-from server_harness import MODEL_DIR, LiveServer, assert_error, metric_values, sse, wait_idle
-
-from jaxserve.config import EngineArgs
-from jaxserve.engine.async_llm import AsyncLLM
+from server_harness import (
+    MODEL_DIR,
+    assert_error,
+    metric_values,
+    running_server,
+    small_engine_args,
+    sse,
+    wait_idle,
+)
 
 MAX_MODEL_LEN = 256
 NUM_BLOCKS = 64
@@ -39,26 +44,14 @@ def _has_weights(path: str) -> bool:
 def server():
     if not os.path.isfile(os.path.join(MODEL_DIR, "config.json")):
         pytest.skip("the bundled model config is missing")
-    args = EngineArgs(
-        model=MODEL_DIR,
+    args = small_engine_args(
         load_format="auto" if _has_weights(MODEL_DIR) else "dummy",
-        dtype="float32",
-        served_model_name="tiny-llama",
         max_model_len=MAX_MODEL_LEN,
         num_gpu_blocks_override=NUM_BLOCKS,
-        block_size=16,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
         long_prefill_token_threshold=0,
-        attention_backend="reference",
-        token_buckets="16,64",
     )
-    llm = AsyncLLM.from_engine_args(args)
-    srv = LiveServer(llm)
-    yield srv
-    srv.close()
-    llm.shutdown()
-    assert not srv.internal_errors
+    with running_server(args) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ step by step on one row; the device code works on a padded batch with a rank ord
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -541,3 +543,43 @@ def test_property_sampling_probs_match_reference(batch):
         np.testing.assert_allclose(got[r], exp, atol=1e-6)
         np.testing.assert_array_equal(got[r] > 0, exp > 0)
         assert exp[tokens[r]] > 0  # never draws a filtered token
+
+
+def _pack(allowed: np.ndarray) -> np.ndarray:
+    """bool [S, V] -> int32 [S, ceil(V / 32)] (bit t % 32 of word t // 32)."""
+    s, v = allowed.shape
+    padded = np.zeros((s, -(-v // 32) * 32), np.bool_)
+    padded[:, :v] = allowed
+    return np.packbits(padded, axis=1, bitorder="little").view(np.int32)
+
+
+def test_token_bitmask_only_allowed_tokens_are_drawn_and_unmasked_rows_untouched():
+    from jaxserve.worker.sampler import allowed_tokens
+
+    rng = np.random.default_rng(0)
+    v, s = 100, 4
+    allowed = rng.random((s, v)) < 0.1
+    allowed[:, 99] = True  # the last, partial word's top bit
+    allowed[3] = True  # an unmasked row
+    bitmask = _pack(allowed)
+    np.testing.assert_array_equal(np.asarray(allowed_tokens(jnp.asarray(bitmask), v)), allowed)
+    logits = jnp.asarray(rng.normal(size=(s, v)) * 3, jnp.float32)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ()),
+        SamplingRow(SamplingParams(temperature=1.0), 1, 0, (), ()),
+        SamplingRow(SamplingParams(temperature=1.0, top_k=5, top_p=0.9), 2, 0, (), ()),
+        SamplingRow(SamplingParams(temperature=0.0), 3, 0, (), ()),
+    ]
+    md = SamplingMetadata.from_params(rows, pad_to=s, token_bitmask=bitmask)
+    assert md.any_token_mask
+    probs = np.asarray(sampling_probs(logits, md))
+    assert np.all(probs[:3][~allowed[:3]] == 0)
+    masked = np.where(allowed[0], np.asarray(logits[0]), -np.inf)
+    for step in range(20):
+        out = sample(logits, dataclasses.replace(md, step_index=np.full(s, step, np.int32)))
+        tokens = np.asarray(out.token_ids)
+        assert all(allowed[i, tokens[i]] for i in range(3))
+        assert tokens[0] == int(np.argmax(masked))
+        assert tokens[3] == int(np.argmax(np.asarray(logits[3])))
+    plain = SamplingMetadata.from_params(rows, pad_to=s)
+    assert not plain.any_token_mask and plain.token_bitmask.shape == (s, 1)

@@ -228,6 +228,24 @@ def check_priority(priority: int, info: ServingInfo) -> None:
         )
 
 
+def check_output_constraint(request: Any, params: Any, tokenizer: Any) -> None:
+    """Compiles the request's output constraint (``response_format`` / ``structured_outputs``)
+    against the tokenizer now, so a schema the engine cannot use is a 400 before anything runs.
+
+    Raises:
+      APIError: 400 naming the field the client used.
+    """
+    spec = params.structured_outputs
+    if spec is None:
+        return
+    from jaxserve.structured import check_structured_outputs
+
+    try:
+        check_structured_outputs(spec, tokenizer, request.constraint_field)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=request.constraint_field) from exc
+
+
 def random_id(prefix: str) -> str:
     """An OpenAI-style id: ``cmpl-<32 hex>``, ``chatcmpl-<32 hex>``."""
     return f"{prefix}-{uuid.uuid4().hex}"

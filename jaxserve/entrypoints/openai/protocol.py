@@ -23,7 +23,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxserve.sampling_params import SamplingParams, check_stop_caps
+from jaxserve.sampling_params import (
+    STRUCTURED_KINDS,
+    SamplingParams,
+    StructuredOutputsParams,
+    check_stop_caps,
+)
 
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -40,6 +45,33 @@ class StreamOptions(BaseModel):
 
     model_config = _STRICT
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: a named JSON schema (``strict`` is accepted; the
+    grammar always enforces the schema)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.json_schema is None
+        ):
+            raise ValueError("json_schema.schema is required when type is json_schema")
+        return self
 
 
 class _SamplingRequest(BaseModel):
@@ -70,6 +102,10 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     include_ledger: bool = False  # jaxserve: the request's ledger in the response ("ledger")
+    structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -124,6 +160,42 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
 
+    @field_validator("response_format")
+    @classmethod
+    def _one_constraint(cls, value: ResponseFormat | None, info: Any) -> ResponseFormat | None:
+        if value is not None and value.type != "text" and info.data.get("structured_outputs"):
+            raise ValueError(
+                "response_format: give response_format or structured_outputs, not both"
+            )
+        return value
+
+    @property
+    def constraint_field(self) -> str:
+        """The request field that carries the output constraint (for error messages)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint of ``response_format`` or vLLM's ``structured_outputs``.
+
+        Raises:
+          ValueError: ``structured_outputs`` names an unknown kind or a bad value (message
+            starts with ``structured_outputs``).
+        """
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt is not None and fmt.type == "json_schema":
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        if self.structured_outputs is None:
+            return None
+        known = {k: v for k, v in self.structured_outputs.items() if v is not None}
+        unknown = sorted(set(known) - set(STRUCTURED_KINDS))
+        if unknown:
+            raise ValueError(
+                f"structured_outputs: unknown keys {unknown}; expected one of {list(STRUCTURED_KINDS)}"
+            )
+        return StructuredOutputsParams(**known)
+
     def _sampling_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "n": self.n,
@@ -135,6 +207,9 @@ class _SamplingRequest(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
             "seed": self.seed,
+            "structured_outputs": self.structured_outputs_params(),
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": list(self.bad_words or []),
         }
         for name in (
             "temperature",

@@ -27,6 +27,7 @@ from jaxserve.core.ledger import response_ledger
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
 from jaxserve.entrypoints.openai.common import (
     ServingInfo,
+    check_output_constraint,
     check_prompt_bytes,
     check_prompt_ids,
     check_sampler_memory,
@@ -124,6 +125,7 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
     except ValueError as exc:
         raise _chat_field_error(exc, field) from exc
     check_sampler_memory(params, info)
+    check_output_constraint(request, params, tokenizer)
     return ChatJob(
         request=request,
         request_id=random_id("chatcmpl"),

@@ -26,6 +26,7 @@ from jaxserve.core.ledger import response_ledger
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
 from jaxserve.entrypoints.openai.common import (
     ServingInfo,
+    check_output_constraint,
     check_prompt_bytes,
     check_prompt_ids,
     check_sampler_memory,
@@ -111,6 +112,7 @@ def prepare_completion(
         except ValueError as exc:
             raise from_value_error(exc) from exc
         check_sampler_memory(sp, info)
+        check_output_constraint(request, sp, tokenizer)
         params.append(sp)
     texts = (
         [

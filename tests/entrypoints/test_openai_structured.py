@@ -1,0 +1,200 @@
+"""Structured outputs end to end on the bundled model (which knows no JSON): the grammar alone
+makes its outputs valid. One server for the module; small max_tokens; requests run concurrently.
+
+Every output that finishes with ``stop`` must parse and validate with ``jsonschema`` (the
+"100%" of the issue); the tests also require most outputs to finish, so they cannot pass
+vacuously.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+from server_harness import MODEL_DIR, assert_error, running_server, small_engine_args, wait_idle
+from structured_schemas import SCHEMAS
+
+pytest.importorskip("llguidance")
+
+COMPL = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def server():
+    if not os.path.isdir(os.path.join(MODEL_DIR, "params")):
+        pytest.skip("the bundled weights are missing")
+    args = small_engine_args(num_gpu_blocks_override=96, max_num_seqs=16)
+    with running_server(args) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _chat_schema(oai, i: int, schema: dict):
+    return oai.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Answer in JSON."}],
+        max_tokens=64,
+        n=2,
+        temperature=1.0,
+        seed=i,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": f"s{i}", "schema": schema, "strict": True},
+        },
+    )
+
+
+def test_twenty_schemas_every_stopped_output_validates(oai):
+    with ThreadPoolExecutor(len(SCHEMAS)) as pool:
+        results = list(pool.map(lambda a: _chat_schema(oai, *a), enumerate(SCHEMAS)))
+    stopped = 0
+    for schema, done in zip(SCHEMAS, results):
+        assert len(done.choices) == 2
+        for choice in done.choices:
+            assert choice.finish_reason in ("stop", "length")
+            if choice.finish_reason == "stop":
+                stopped += 1
+                jsonschema.validate(json.loads(choice.message.content), schema)
+    assert stopped >= 30, f"only {stopped} of 40 outputs finished"
+
+
+def test_completions_stream_joins_to_the_same_text_with_logprobs(client):
+    schema = SCHEMAS[3]
+    body = {
+        "prompt": "Data:",
+        "max_tokens": 64,
+        "temperature": 1.0,
+        "seed": 7,
+        "logprobs": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
+    }
+    whole = client.post(COMPL, json=body).json()["choices"][0]
+    chunks = []
+    with client.stream("POST", COMPL, json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert streamed == whole["text"]
+    assert whole["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(whole["text"]), schema)
+    assert len(whole["logprobs"]["tokens"]) == len(whole["logprobs"]["top_logprobs"]) > 0
+    assert all(len(top) <= 3 for top in whole["logprobs"]["top_logprobs"])  # top 2 + the chosen one
+
+
+class Weather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=10)
+    celsius: int = pydantic.Field(ge=-40, le=50)
+    sky: str = pydantic.Field(json_schema_extra={"enum": ["sunny", "cloudy", "rain"]})
+
+
+def test_openai_client_parse_returns_the_model(oai):
+    done = oai.chat.completions.parse(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Weather?"}],
+        response_format=Weather,
+        max_tokens=64,
+        temperature=0.8,
+        seed=3,
+    )
+    message = done.choices[0].message
+    assert done.choices[0].finish_reason == "stop"
+    assert isinstance(message.parsed, Weather)
+    assert message.parsed.sky in ("sunny", "cloudy", "rain") and -40 <= message.parsed.celsius <= 50
+
+
+@pytest.mark.parametrize(
+    "constraint,check",
+    [
+        ({"regex": "[0-9]{3}-[a-z]{2}"}, lambda t: len(t) == 6 and t[3] == "-"),
+        ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
+        ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+        (
+            {"grammar": 'start: "ab" ("c" | "d")+'},
+            lambda t: t.startswith("ab") and set(t[2:]) <= {"c", "d"},
+        ),
+    ],
+)
+def test_structured_outputs_extras_on_completions(client, constraint, check):
+    body = {
+        "prompt": "Go:",
+        "max_tokens": 48,
+        "temperature": 1.0,
+        "seed": 1,
+        "n": 2,
+        "structured_outputs": constraint,
+    }
+    r = client.post(COMPL, json=body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        if choice["finish_reason"] == "stop":
+            assert check(choice["text"]), choice["text"]
+
+
+def test_json_object_on_chat_streams(oai):
+    stream = oai.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "JSON please"}],
+        response_format={"type": "json_object"},
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text.startswith("{")
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "objectx"}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs"),
+        ({"structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"xml": "a"}}, "structured_outputs"),
+        (
+            {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+    ],
+)
+def test_bad_constraints_are_400s_and_the_server_keeps_serving(server, client, extra, param):
+    for url, body in (
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+        (COMPL, {"prompt": "hi", "max_tokens": 4}),
+    ):
+        assert_error(client.post(url, json={**body, **extra}), 400, param=param)
+    ok = client.post(COMPL, json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+    _, idle = wait_idle(client, server.llm)
+    assert idle
