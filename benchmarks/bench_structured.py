@@ -107,10 +107,10 @@ def bench_engine(num_reqs: int, steps: int, rounds: int) -> dict:
                 structured_outputs=specs[i] if constrained else None,
             )
             engine.add_request(f"{tag}-{i}", p, params)
-        while engine.scheduler.get_request_counts()[1] or engine.runner.input_batch.num_reqs == 0:
-            engine.step()  # prefill
-        for _ in range(3):
-            engine.step()  # first decode steps (a sampler variant may compile)
+        while engine.scheduler.get_request_counts()[1]:
+            engine.step()  # admission and prefill
+        for _ in range(4):
+            engine.step()  # the last prefill chunk, first decode steps (a variant may compile)
         mask0 = engine.token_masks.mask_seconds
         times = []
         for _ in range(steps):
