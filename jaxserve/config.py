@@ -13,7 +13,10 @@ import dataclasses
 import os
 from typing import Any, Literal
 
-AttentionBackend = Literal["auto", "pallas", "reference"]
+AttentionBackend = Literal["auto", "pallas", "pallas-gpu", "pallas-tpu", "reference"]
+ATTENTION_BACKEND_CHOICES = ("auto", "pallas", "pallas-gpu", "pallas-tpu", "reference")
+"""What ``--attention-backend`` accepts (resolved per platform by
+``jaxserve.model.attention.resolve_attention_backend``); "pallas" is the platform's kernel."""
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
@@ -160,8 +163,11 @@ class RunnerConfig:
     """The model runner: attention backend, shape buckets, compilation cache.
 
     Attributes:
-      attention_backend: "auto" (Pallas kernel on GPU/TPU, jnp reference on CPU), "pallas" or
-        "reference".
+      attention_backend: one of ``ATTENTION_BACKEND_CHOICES``: "auto" (pallas-tpu on TPU,
+        pallas-gpu on GPU, reference on CPU), "pallas" (the platform's kernel), "pallas-gpu",
+        "pallas-tpu" or "reference".
+      pallas_interpret: run the chosen Pallas kernel in Pallas interpret mode (any platform;
+        on CPU the TPU kernel goes through Pallas' TPU interpreter). Slow; for tests.
       token_buckets: padded step sizes in tokens (ascending); empty = derived from the budget.
       compilation_cache_dir: persistent JAX compilation cache ("" disables it).
       warmup: compile every bucket before serving.
@@ -172,14 +178,16 @@ class RunnerConfig:
     """
 
     attention_backend: str = "auto"
+    pallas_interpret: bool = False
     token_buckets: tuple[int, ...] = ()
     compilation_cache_dir: str = dataclasses.field(default_factory=_default_compilation_cache_dir)
     warmup: bool = True
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "pallas", "reference"):
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
             raise ValueError(
-                f"attention_backend must be auto, pallas or reference, got {self.attention_backend!r}"
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
+                f"got {self.attention_backend!r}"
             )
         if list(self.token_buckets) != sorted(set(self.token_buckets)) or any(
             b < 1 for b in self.token_buckets
@@ -316,7 +324,15 @@ class EngineArgs:
     )
     attention_backend: str = dataclasses.field(
         default="auto",
-        metadata=_meta("attention implementation", choices=["auto", "pallas", "reference"]),
+        metadata=_meta(
+            "attention implementation; auto: pallas-tpu on TPU, pallas-gpu on GPU, reference on "
+            "CPU; pallas: the platform's kernel",
+            choices=list(ATTENTION_BACKEND_CHOICES),
+        ),
+    )
+    pallas_interpret: bool = dataclasses.field(
+        default=False,
+        metadata=_meta("run the chosen Pallas kernel in Pallas interpret mode (CPU tests; slow)"),
     )
     compilation_cache_dir: str | None = dataclasses.field(
         default=None,
@@ -466,6 +482,7 @@ class EngineArgs:
             ),
             runner=RunnerConfig(
                 attention_backend=self.attention_backend,
+                pallas_interpret=self.pallas_interpret,
                 token_buckets=buckets,
                 compilation_cache_dir=cache_dir,
                 warmup=self.warmup,

@@ -194,10 +194,19 @@ class LLMEngine:
           ValueError (ModelLoadError included): bad engine args or model directory, or a KV
             pool of fewer than 2 blocks.
         """
+        import jax
+
+        from jaxserve.model.attention import resolve_attention_backend
         from jaxserve.model.loader import load_model
         from jaxserve.worker.model_runner import ModelRunner
 
         t0 = time.perf_counter()
+        # A Pallas kernel on the wrong platform fails here, before any weights are loaded.
+        resolve_attention_backend(
+            engine_args.attention_backend,
+            jax.local_devices()[0].platform,
+            interpret=engine_args.pallas_interpret,
+        )
         path = engine_args.resolved_model_path()
         model, arch, generation_config = load_model(
             path, engine_args.dtype, engine_args.load_format, seed=engine_args.seed

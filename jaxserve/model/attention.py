@@ -5,6 +5,15 @@ then attends every query token to its sequence's cached tokens through the block
 (vLLM's PagedAttention, Kwon et al. 2023, in its ragged form: prefill chunks and decodes mixed in
 one flat token batch). The metadata describing the batch is an explicit pytree passed into the
 jitted step (see docs/ARCHITECTURE.md, "Attention metadata").
+
+Backends (``--attention-backend``): "reference" (pure jnp, any platform), "pallas-gpu" (our
+Pallas Triton kernel, ``pallas_kernels/ragged_paged_attention.py``), "pallas-tpu" (our Pallas
+Mosaic-TPU kernel, ``pallas_kernels/ragged_paged_attention_tpu.py``). ``resolve_attention_backend``
+maps "auto" and the "pallas" alias to the platform's kernel and refuses a Pallas kernel on the
+wrong platform at start-up, unless it is to run in Pallas interpret mode (``--pallas-interpret``),
+which works anywhere. The TPU kernel's shape rules reach the rest of the engine through
+``cache_head_dim`` (KV pool sized with the head dim padded to 128) and
+``token_bucket_multiple`` (token buckets in whole query tiles).
 """
 
 from __future__ import annotations
@@ -14,13 +23,76 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config import ATTENTION_BACKEND_CHOICES
 from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.ragged_paged_attention_tpu import (
+    TPU_BLOCK_Q,
+    ragged_paged_attention_tpu,
+    tpu_head_dim,
+)
 
-ATTENTION_BACKENDS = ("reference", "pallas")
+ATTENTION_BACKENDS = ("reference", "pallas-gpu", "pallas-tpu")
+"""Resolved backends (what ``PagedAttentionMetadata.backend`` holds)."""
+_KERNEL_PLATFORM = {"pallas-gpu": "gpu", "pallas-tpu": "tpu"}
+
+
+def resolve_attention_backend(name: str, platform: str, *, interpret: bool = False) -> str:
+    """The backend to run, one of ``ATTENTION_BACKENDS``.
+
+    "auto" is "pallas-tpu" on TPU, "pallas-gpu" on GPU and "reference" elsewhere (CPU); with
+    ``interpret`` it stays "reference" on CPU (name a kernel to interpret it). "pallas" is the
+    platform's kernel.
+
+    Args:
+      name: one of ``ATTENTION_BACKEND_CHOICES``.
+      platform: ``jax.Device.platform`` of the device that runs the model ("cpu", "gpu", "tpu").
+      interpret: the kernel will run in Pallas interpret mode (any platform).
+
+    Raises:
+      ValueError: an unknown name (naming ``attention_backend``); a Pallas kernel on a platform
+        it cannot compile for, without ``interpret`` (naming both platforms), e.g.
+        "pallas-gpu" on a TPU, or "pallas" on CPU.
+    """
+    if name not in ATTENTION_BACKEND_CHOICES:
+        raise ValueError(
+            f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, got {name!r}"
+        )
+    by_platform = {"tpu": "pallas-tpu", "gpu": "pallas-gpu"}
+    if name == "auto":
+        return by_platform.get(platform, "reference")
+    if name == "pallas":
+        if platform not in by_platform:
+            raise ValueError(
+                f"attention_backend 'pallas' has no kernel for platform {platform!r}; on CPU name "
+                "one, pallas-gpu or pallas-tpu, with --pallas-interpret (slow; for tests), or use "
+                "reference"
+            )
+        return by_platform[platform]
+    want = _KERNEL_PLATFORM.get(name)
+    if want is not None and platform != want and not interpret:
+        raise ValueError(
+            f"attention_backend {name!r} compiles only for platform {want!r}, but this process "
+            f"runs on {platform!r}; use --attention-backend auto (picks "
+            f"{by_platform.get(platform, 'reference')!r} here), or --pallas-interpret to "
+            "interpret the kernel (slow; for tests)"
+        )
+    return name
+
+
+def cache_head_dim(backend: str, head_dim: int) -> int:
+    """Head dim of the KV cache for ``backend``: the model's, except the TPU kernel's
+    lane-aligned one (a multiple of 128; ``paged_attention`` zero-pads q, k and v to it)."""
+    return tpu_head_dim(head_dim) if backend == "pallas-tpu" else head_dim
+
+
+def token_bucket_multiple(backend: str) -> int:
+    """Every token bucket of ``backend`` must be a multiple of this (the TPU kernel's query
+    tile; 1 otherwise)."""
+    return TPU_BLOCK_Q if backend == "pallas-tpu" else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +112,9 @@ class PagedAttentionMetadata:
       query_start_loc: int32 ``[S + 1]``, cumulative query lengths; sequence i's tokens are
         ``q[query_start_loc[i]:query_start_loc[i + 1]]``, the last tokens of the sequence.
       num_seqs: int32 ``[]``, real sequences (the rest of S is padding).
-      backend: static; "reference" (pure jnp) or "pallas" (the kernel; interpreted on CPU).
+      backend: static; one of ``ATTENTION_BACKENDS`` ("reference", "pallas-gpu", "pallas-tpu").
+      interpret: static; run the Pallas kernel in Pallas interpret mode (the TPU kernel in TPU
+        interpret mode); ignored by "reference".
     """
 
     slot_mapping: jax.Array
@@ -49,6 +123,7 @@ class PagedAttentionMetadata:
     query_start_loc: jax.Array
     num_seqs: jax.Array
     backend: str = "reference"
+    interpret: bool = False
 
     def __post_init__(self):
         if self.backend not in ATTENTION_BACKENDS:
@@ -58,7 +133,7 @@ class PagedAttentionMetadata:
 jax.tree_util.register_dataclass(
     PagedAttentionMetadata,
     data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc", "num_seqs"],
-    meta_fields=["backend"],
+    meta_fields=["backend", "interpret"],
 )
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
@@ -80,7 +155,9 @@ def paged_attention(
     Args:
       q: ``[T, Hq, D]`` queries (RoPE applied).
       k, v: ``[T, Hkv, D]`` new keys (RoPE applied) and values, cache dtype.
-      kv_cache: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, D]``; donate them.
+      kv_cache: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, Dc]``; donate them.
+        ``Dc >= D`` (``cache_head_dim``): q, k and v are zero-padded to ``Dc``, which changes
+        no score, and the output is cut back to ``D``.
       metadata: the step's ``PagedAttentionMetadata``.
       sm_scale: softmax scale, usually ``head_dim ** -0.5``.
       soft_cap: attention-logit soft cap (``cap * tanh(s / cap)``), or None.
@@ -90,11 +167,19 @@ def paged_attention(
       ``(out [T, Hq, D] in q's dtype, (k_cache, v_cache))``; rows for padding tokens are
       unspecified (finite).
     """
+    head_dim = q.shape[-1]
+    pad = kv_cache[0].shape[-1] - head_dim
+    if pad:
+        widths = ((0, 0), (0, 0), (0, pad))
+        q, k, v = jnp.pad(q, widths), jnp.pad(k, widths), jnp.pad(v, widths)
     k_cache, v_cache = write_kv_cache(kv_cache[0], kv_cache[1], k, v, metadata.slot_mapping)
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    if metadata.backend == "pallas":
+    if metadata.backend == "pallas-gpu":
         attend = ragged_paged_attention
-        kwargs["interpret"] = jax.default_backend() == "cpu"
+        kwargs["interpret"] = metadata.interpret
+    elif metadata.backend == "pallas-tpu":
+        attend = ragged_paged_attention_tpu
+        kwargs["interpret"] = metadata.interpret
     else:
         attend = ragged_paged_attention_reference
     out = attend(
@@ -107,7 +192,7 @@ def paged_attention(
         metadata.num_seqs,
         **kwargs,
     )
-    return out.astype(q.dtype), (k_cache, v_cache)
+    return out[..., :head_dim].astype(q.dtype), (k_cache, v_cache)
 
 
 def dense_causal_attention(

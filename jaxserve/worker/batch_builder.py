@@ -56,16 +56,28 @@ def default_token_buckets(
 
 
 def resolve_token_buckets(
-    configured: tuple[int, ...], max_num_batched_tokens: int
+    configured: tuple[int, ...], max_num_batched_tokens: int, *, multiple: int = 1
 ) -> tuple[int, ...]:
     """The configured buckets (``RunnerConfig.token_buckets``) or the default ones.
 
+    ``multiple``: every bucket must be a multiple of it (the attention backend's rule,
+    ``jaxserve.model.attention.token_bucket_multiple``: 8 for the TPU kernel); the default
+    buckets round the budget's own bucket up to one.
+
     Raises:
       ValueError: the largest configured bucket is below max_num_batched_tokens (a full step
-        would fit no bucket), or more than ``MAX_TOKEN_BUCKETS`` are given.
+        would fit no bucket), more than ``MAX_TOKEN_BUCKETS`` are given, or one is not a
+        multiple of ``multiple``.
     """
     if not configured:
-        return default_token_buckets(max_num_batched_tokens)
+        buckets = default_token_buckets(max_num_batched_tokens)
+        return tuple(sorted({-(-b // multiple) * multiple for b in buckets}))
+    odd = [b for b in configured if b % multiple]
+    if odd:
+        raise ValueError(
+            f"token_buckets must be multiples of {multiple} for this attention backend (the "
+            f"TPU kernel's query tile), got {tuple(configured)}"
+        )
     if max(configured) < max_num_batched_tokens:
         raise ValueError(
             f"token_buckets must reach max_num_batched_tokens ({max_num_batched_tokens}), "

@@ -60,12 +60,14 @@ class StepGraph:
 
     Attributes:
       graphdef: the model's nnx graphdef (its state is passed to each call).
-      backend: the attention backend, "pallas" or "reference".
+      backend: the attention backend (``jaxserve.model.attention.ATTENTION_BACKENDS``).
+      interpret: run the Pallas kernel in Pallas interpret mode (``--pallas-interpret``).
       traces: traces per step function ("forward", "sampler", "prompt_logprobs").
     """
 
     graphdef: nnx.GraphDef
     backend: str
+    interpret: bool = False
     traces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -82,6 +84,7 @@ def forward_step(graph: StepGraph, state: nnx.State, kv_caches: list, inputs: St
         query_start_loc=inputs.query_start_loc,
         num_seqs=inputs.num_seqs,
         backend=graph.backend,
+        interpret=graph.interpret,
     )
     hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, metadata)  # [T, E]
     logits = model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
@@ -144,9 +147,13 @@ def _probe_spec(runner: ModelRunner, num_blocks: int) -> KVCacheSpec:
         block_size=runner.block_size,
         num_layers=arch.num_layers,
         num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
+        head_dim=runner.kv_head_dim,
         dtype=dtype.name,
-        bytes_per_token=2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype.itemsize,
+        bytes_per_token=2
+        * arch.num_layers
+        * arch.num_kv_heads
+        * runner.kv_head_dim
+        * dtype.itemsize,
         source="probe",
     )
 
@@ -212,7 +219,7 @@ def initialize_kv_cache(runner: ModelRunner) -> KVCacheSpec:
     spec = determine_kv_cache_spec(
         num_layers=arch.num_layers,
         num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
+        head_dim=runner.kv_head_dim,
         dtype=runner.dtype,
         block_size=runner.block_size,
         gpu_memory_utilization=cache.gpu_memory_utilization,

@@ -42,6 +42,11 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
+from jaxserve.model.attention import (
+    cache_head_dim,
+    resolve_attention_backend,
+    token_bucket_multiple,
+)
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import compilation
 from jaxserve.worker.batch_builder import (
@@ -76,20 +81,6 @@ def _uses_penalties(params: SamplingParams) -> bool:
         or params.frequency_penalty != 0.0
         or params.repetition_penalty != 1.0
     )
-
-
-def resolve_attention_backend(name: str, platform: str) -> str:
-    """The attention backend to run: "auto" -> "pallas" on GPU/TPU, "reference" on CPU
-    (``platform == "cpu"``); "pallas" / "reference" as named.
-
-    Raises:
-      ValueError: for any other name (naming ``attention_backend``).
-    """
-    if name == "auto":
-        return "reference" if platform == "cpu" else "pallas"
-    if name not in ("pallas", "reference"):
-        raise ValueError(f"attention_backend must be auto, pallas or reference, got {name!r}")
-    return name
 
 
 @dataclasses.dataclass
@@ -138,17 +129,23 @@ class ModelRunner:
         self.dtype = jnp.dtype(getattr(model, "dtype", jnp.float32))
         self.device = jax.local_devices()[0]
         self.backend = resolve_attention_backend(
-            config.runner.attention_backend, self.device.platform
+            config.runner.attention_backend,
+            self.device.platform,
+            interpret=config.runner.pallas_interpret,
         )
+        self.interpret = config.runner.pallas_interpret
+        self.kv_head_dim = cache_head_dim(self.backend, arch.head_dim)
         compilation.configure_compilation_cache(config.runner.compilation_cache_dir)
         self.graphdef, self.state = nnx.split(model)
-        self.graph = StepGraph(self.graphdef, self.backend)
+        self.graph = StepGraph(self.graphdef, self.backend, self.interpret)
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_num_seqs = sched.max_num_seqs
         self.max_model_len = sched.max_model_len
         self.token_buckets = resolve_token_buckets(
-            config.runner.token_buckets, sched.max_num_batched_tokens
+            config.runner.token_buckets,
+            sched.max_num_batched_tokens,
+            multiple=token_bucket_multiple(self.backend),
         )
         self.seq_buckets = tuple(
             sorted({seq_bucket(t, self.max_num_seqs) for t in self.token_buckets})
@@ -165,8 +162,11 @@ class ModelRunner:
         self._md_cache: tuple | None = None  # ((req_ids, S), SamplingMetadata) of a steady batch
         self._rng = np.random.default_rng(config.model.seed)
         logger.info(
-            "model runner: attention backend %s, token buckets %s, sequence buckets %s",
+            "model runner: attention backend %s%s, KV head dim %d, token buckets %s, "
+            "sequence buckets %s",
             self.backend,
+            " (Pallas interpret mode)" if self.interpret else "",
+            self.kv_head_dim,
             self.token_buckets,
             self.seq_buckets,
         )

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.attention import PagedAttentionMetadata
+from jaxserve.model.attention import PagedAttentionMetadata, cache_head_dim
 from jaxserve.model.config import ModelArchConfig
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
@@ -85,6 +85,7 @@ class PagedRunner:
         t_bucket=16,
         s_bucket=4,
         backend="reference",
+        interpret=False,
         seed=0,
     ):
         cfg = model.config
@@ -92,14 +93,14 @@ class PagedRunner:
         self.seqs = sequences
         self.block_size, self.t_bucket, self.s_bucket = block_size, t_bucket, s_bucket
         self.max_blocks = max_blocks_per_seq
-        self.backend = backend
+        self.backend, self.interpret = backend, interpret
         ids = np.random.default_rng(seed).permutation(np.arange(1, num_blocks))
         self.block_tables = {
             name: ids[i * max_blocks_per_seq : (i + 1) * max_blocks_per_seq]
             for i, name in enumerate(sequences)
         }
         assert len(sequences) * max_blocks_per_seq < num_blocks
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cache_head_dim(backend, cfg.head_dim))
         self.kv_caches = [
             (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
             for _ in range(cfg.num_layers)
@@ -139,6 +140,7 @@ class PagedRunner:
             query_start_loc=jnp.asarray(query_start_loc),
             num_seqs=jnp.asarray(len(schedule), jnp.int32),
             backend=self.backend,
+            interpret=self.interpret,
         )
         logits, self.kv_caches = _paged_step(
             self.graphdef,

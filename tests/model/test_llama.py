@@ -27,10 +27,12 @@ SCHEDULE = (
 )
 
 
-def _run_paged(model, backend, block_size=4, schedule=SCHEDULE):
+def _run_paged(model, backend, block_size=4, schedule=SCHEDULE, interpret=False):
     """Two sequences in one ragged batch: A prefilled in 2 chunks (7 + 5) while B prefills (6)
     and then decodes; then both decode. Returns per sequence the logits of every position."""
-    runner = PagedRunner(model, {"a": SEQ_A, "b": SEQ_B}, backend=backend, block_size=block_size)
+    runner = PagedRunner(
+        model, {"a": SEQ_A, "b": SEQ_B}, backend=backend, block_size=block_size, interpret=interpret
+    )
     out = {"a": [], "b": []}
     for step in schedule:
         for name, logits in runner.step(step).items():
@@ -58,12 +60,14 @@ def test_paged_matches_dense_reference_backend(overrides):
         np.testing.assert_allclose(paged[name], dense, atol=1e-4, rtol=0)
 
 
-def test_paged_matches_dense_pallas_backend():
-    """The Pallas kernel (interpreted on CPU) behind the same model call; block_size 16 so the
-    kernel's 16-token KV tiles are whole blocks."""
+@pytest.mark.parametrize("backend", ["pallas-gpu", "pallas-tpu"])
+def test_paged_matches_dense_pallas_backend(backend):
+    """Each Pallas kernel (interpret mode on CPU) behind the same model call; block_size 16 so
+    the GPU kernel's 16-token KV tiles are whole blocks. For pallas-tpu the cache has the
+    kernel's padded head dim (128 for the model's 32): the padding must change nothing."""
     cfg = tiny_config(architectures=["MistralForCausalLM"], sliding_window=6, num_hidden_layers=1)
     model = LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
-    paged = _run_paged(model, "pallas", block_size=16, schedule=SCHEDULE[:3])
+    paged = _run_paged(model, backend, block_size=16, schedule=SCHEDULE[:3], interpret=True)
     for name, seq in (("a", SEQ_A), ("b", SEQ_B)):
         dense = dense_logits(model, seq)[: len(paged[name])]
         np.testing.assert_allclose(paged[name], dense, atol=1e-4, rtol=0)

@@ -82,8 +82,8 @@ def runner():
 
 def test_attention_backend_resolution():
     assert resolve_attention_backend("auto", "cpu") == "reference"
-    assert resolve_attention_backend("auto", "gpu") == "pallas"
-    assert resolve_attention_backend("auto", "tpu") == "pallas"
+    assert resolve_attention_backend("auto", "gpu") == "pallas-gpu"
+    assert resolve_attention_backend("auto", "tpu") == "pallas-tpu"
     assert resolve_attention_backend("reference", "gpu") == "reference"
     with pytest.raises(ValueError, match="attention_backend"):
         resolve_attention_backend("flash", "gpu")
