@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": (
         "jaxserve.model.checkpoint",
         "add_convert_parser",
-        "convert a Hugging Face model directory to our orbax checkpoint layout",
+        "convert a Hugging Face model directory or a .gguf file to our orbax layout",
     ),
 }
 
@@ -56,6 +56,19 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging() -> None:
+    """Our own INFO lines (KV pool, warm-up, engine ready) on stderr; other libraries (jax's
+    backend probing, orbax's absl INFO chatter) only from WARNING up."""
+    import logging
+
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("jaxserve").setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parses ``argv`` (default: the process arguments) and runs the chosen subcommand.
 
@@ -66,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         code = args.func(args)  # a command returns its exit code (None: 0)
     except ValueError as e:

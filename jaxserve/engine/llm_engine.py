@@ -197,6 +197,7 @@ class LLMEngine:
         import jax
 
         from jaxserve.model.attention import resolve_attention_backend
+        from jaxserve.model.gguf_loader import is_gguf_path
         from jaxserve.model.loader import load_model
         from jaxserve.worker.model_runner import ModelRunner
 
@@ -212,9 +213,9 @@ class LLMEngine:
             path, engine_args.dtype, engine_args.load_format, seed=engine_args.seed
         )
         config = engine_args.create_engine_config(arch.max_position_embeddings)
-        logger.info("engine config: %s", config)
+        logger.debug("engine config: %s", config)  # `serve` prints it once, resolved
         tokenizer = None
-        if os.path.isdir(path):
+        if os.path.isdir(path) or is_gguf_path(path):
             from jaxserve.tokenizer import get_tokenizer
 
             try:

@@ -294,16 +294,11 @@ def run_batch_main(args: argparse.Namespace, llm: Any = None) -> int:
     Returns:
       The exit code (see the module docstring): 0, 1, 2 or 3.
     """
+    from jaxserve.cli import configure_logging
     from jaxserve.config import EngineArgs
     from jaxserve.engine.async_llm import AsyncLLM
 
-    # Our own INFO lines (engine config, KV pool, warm-up) on stderr; other libraries' warnings only.
-    logging.basicConfig(
-        level=logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("jaxserve").setLevel(logging.INFO)
+    configure_logging()  # a no-op after `jaxserve`'s main did it; tests call run() directly
     if (
         "-" not in (args.input_file, args.output_file)
         and os.path.exists(args.output_file)

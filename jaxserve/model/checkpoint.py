@@ -57,26 +57,54 @@ def restore_params(model_dir: str, cfg: ModelArchConfig, dtype) -> LlamaForCausa
 
 
 def convert(hf_dir: str, out_dir: str, dtype: str = "auto") -> None:
-    """HF directory (safetensors) -> our orbax layout in ``out_dir`` (created; must not exist).
+    """HF directory (safetensors) or ``.gguf`` file -> our orbax layout in ``out_dir`` (created;
+    must not exist). From a GGUF, the tokenizer is written as tokenizer.json +
+    tokenizer_config.json (chat template included) and the EOS ids as generation_config.json.
 
     Raises:
       ModelLoadError: as ``load_model``; also when ``out_dir`` already exists.
     """
+    from jaxserve.model.gguf_loader import is_gguf_path
+
     if os.path.exists(out_dir):
         raise ModelLoadError(f"output directory already exists: {out_dir}")
-    model, cfg, _ = load_model(hf_dir, dtype=dtype, load_format="safetensors")
+    gguf = is_gguf_path(hf_dir)
+    model, cfg, generation_config = load_model(
+        hf_dir, dtype=dtype, load_format="gguf" if gguf else "safetensors"
+    )
+    if gguf:
+        from jaxserve.model.gguf_loader import gguf_hf_config, open_gguf
+        from jaxserve.tokenizer.gguf_tokenizer import build_gguf_tokenizer
+
+        reader = open_gguf(hf_dir)
+        hf_config = gguf_hf_config(reader, hf_dir)
+        tok, tok_config = build_gguf_tokenizer(reader, hf_dir)
+    else:
+        hf_config = read_hf_config(hf_dir)
     os.makedirs(out_dir)
-    hf_config = read_hf_config(hf_dir)
     saved_dtype = jax.tree.leaves(nnx.state(model))[0].dtype.name
     hf_config["torch_dtype"] = saved_dtype
     if "dtype" in hf_config:
         hf_config["dtype"] = saved_dtype
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    for name in sorted(os.listdir(hf_dir)):
-        src = os.path.join(hf_dir, name)
-        if os.path.isfile(src) and name not in _SKIP_FILES and not name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(src, os.path.join(out_dir, name))
+    if gguf:
+        tok.save(os.path.join(out_dir, "tokenizer.json"))
+        for name, content in (
+            ("tokenizer_config.json", tok_config),
+            ("generation_config.json", generation_config),
+        ):
+            with open(os.path.join(out_dir, name), "w") as f:
+                json.dump(content, f, indent=2)
+    else:
+        for name in sorted(os.listdir(hf_dir)):
+            src = os.path.join(hf_dir, name)
+            if (
+                os.path.isfile(src)
+                and name not in _SKIP_FILES
+                and not name.endswith(_WEIGHT_SUFFIXES)
+            ):
+                shutil.copy2(src, os.path.join(out_dir, name))
     save_params(model, out_dir)
 
 
@@ -84,11 +112,11 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     """``jaxserve convert HF_DIR OUT_DIR [--dtype]``; sets ``func`` to ``run_convert``."""
     p = subparsers.add_parser(
         "convert",
-        help="convert a Hugging Face model directory to our orbax checkpoint layout",
-        description="Reads HF_DIR (config.json + *.safetensors) and writes OUT_DIR/config.json, "
-        "OUT_DIR/params/ (orbax) and the tokenizer / generation_config files.",
+        help="convert a Hugging Face model directory or a .gguf file to our orbax layout",
+        description="Reads HF_DIR (config.json + *.safetensors, or a .gguf file) and writes "
+        "OUT_DIR/config.json, OUT_DIR/params/ (orbax) and the tokenizer / generation_config files.",
     )
-    p.add_argument("hf_dir", help="Hugging Face model directory")
+    p.add_argument("hf_dir", help="Hugging Face model directory or .gguf file")
     p.add_argument("out_dir", help="output directory (must not exist)")
     p.add_argument(
         "--dtype",

@@ -30,7 +30,7 @@ from jaxserve.model.config import ModelArchConfig, ModelLoadError, read_hf_confi
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.presets import PRESET_HF_CONFIGS
 
-LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "orbax", "gguf", "dummy")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PARAMS_DIR = "params"  # our orbax layout: OUT_DIR/config.json + OUT_DIR/params/
 
@@ -148,15 +148,24 @@ def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> LlamaForCau
             if index[name] not in files:
                 files[index[name]] = stack.enter_context(safe_open(index[name], framework="numpy"))
             tensor = files[index[name]].get_tensor(name)
-            want = hf_shape(var.shape, kind)
-            if tuple(tensor.shape) != want:
-                raise ModelLoadError(
-                    f"shape mismatch for tensor {name}: expected {list(want)}, got {list(tensor.shape)}"
-                )
-            x = jnp.asarray(tensor)
-            x = x.reshape(var.shape) if kind == 0 else x.T.reshape(var.shape) if kind else x
-            flat.append((path, var.replace(x.astype(dtype))))
+            flat.append((path, var.replace(to_our_layout(tensor, name, var.shape, kind, dtype))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def to_our_layout(tensor, name: str, shape: tuple[int, ...], kind: int | None, dtype):
+    """A torch-layout tensor (numpy) -> our parameter of ``shape`` in ``dtype`` (a jax array).
+
+    ``kind`` is ``hf_tensor_name``'s second item. Raises ModelLoadError naming ``name``, the
+    expected and the found shapes when the tensor does not have the torch shape of ``shape``.
+    """
+    want = hf_shape(shape, kind)
+    if tuple(tensor.shape) != want:
+        raise ModelLoadError(
+            f"shape mismatch for tensor {name}: expected {list(want)}, got {list(tensor.shape)}"
+        )
+    x = jnp.asarray(tensor)
+    x = x.reshape(shape) if kind == 0 else x.T.reshape(shape) if kind else x
+    return x.astype(dtype)
 
 
 def read_generation_config(model_dir: str) -> dict[str, Any]:
@@ -187,12 +196,13 @@ def load_model(
     """Loads a model for serving.
 
     Args:
-      model_path: a HF model directory, our orbax layout (``config.json`` + ``params/``), or for
+      model_path: a HF model directory, our orbax layout (``config.json`` + ``params/``), a
+        ``.gguf`` file (``jaxserve.model.gguf_loader``), or for
         ``load_format="dummy"`` also a HF config dict or a preset name from
         ``PRESET_HF_CONFIGS`` (e.g. "llama-3.1-8b").
       dtype: "auto" (config's torch_dtype), "float32" or "bfloat16".
-      load_format: "auto" (orbax if ``params/`` exists, else safetensors), "safetensors",
-        "orbax" or "dummy" (random weights, no weight files needed).
+      load_format: "auto" (gguf for a ``.gguf`` file, orbax if ``params/`` exists, else
+        safetensors), "safetensors", "orbax", "gguf" or "dummy" (random weights, no weight files).
       seed: initialiser seed for "dummy".
 
     Returns:
@@ -217,6 +227,10 @@ def load_model(
             )
         cfg = ModelArchConfig.from_hf_config(hf)
         return dummy_model(cfg, resolve_dtype(dtype, cfg), seed), cfg, {}
+    from jaxserve.model.gguf_loader import is_gguf_path, load_gguf
+
+    if load_format == "gguf" or (load_format == "auto" and is_gguf_path(model_path)):
+        return load_gguf(os.fspath(model_path), dtype)
     model_dir = os.fspath(model_path)
     cfg = ModelArchConfig.from_hf_config(read_hf_config(model_dir))
     jdtype = resolve_dtype(dtype, cfg)

@@ -28,9 +28,14 @@ class HFTokenizer(Tokenizer):
     def __init__(self, json_file: str, model_dir: str, config: dict[str, Any]):
         super().__init__(model_dir, config, default_add_bos=False)
         try:
-            self.tok = tokenizers.Tokenizer.from_file(json_file)
+            tok = tokenizers.Tokenizer.from_file(json_file)
         except Exception as e:  # tokenizers raises its own Exception subclass
             raise ValueError(f"{json_file}: not a tokenizers JSON file ({e})") from e
+        self._set_backend(tok, json_file, config)
+
+    def _set_backend(self, tok: tokenizers.Tokenizer, json_file: str, config: dict[str, Any]):
+        """Takes ``tok`` as the backend (also used by the GGUF tokenizer, which builds it)."""
+        self.tok = tok
         self.json_file = json_file
         self._config_adds_specials = "add_bos_token" in config or "add_eos_token" in config
         added = self.tok.get_added_tokens_decoder()

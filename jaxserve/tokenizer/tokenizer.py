@@ -64,7 +64,15 @@ class Tokenizer(abc.ABC):
       chat_template: the tokenizer's chat template (str, or list of named templates), or None.
     """
 
-    def __init__(self, model_dir: str, config: dict[str, Any], default_add_bos: bool):
+    def __init__(
+        self,
+        model_dir: str,
+        config: dict[str, Any],
+        default_add_bos: bool,
+        extra_eos_ids: Sequence[int] | None = None,
+    ):
+        """``extra_eos_ids`` given (a GGUF file carries its own): generation_config.json,
+        config.json and chat_template.jinja are not read from ``model_dir``."""
         self.model_dir = model_dir
         self.config = config
         self.bos_token = _token_content(config.get("bos_token"))
@@ -74,6 +82,10 @@ class Tokenizer(abc.ABC):
         self.add_bos_token = bool(config.get("add_bos_token", default_add_bos))
         self.add_eos_token = bool(config.get("add_eos_token", False))
         self.chat_template = config.get("chat_template")
+        if extra_eos_ids is not None:
+            self._extra_eos = [int(i) for i in extra_eos_ids]
+            self._bos_fallback = None
+            return
         jinja_path = os.path.join(model_dir, "chat_template.jinja")
         if self.chat_template is None and os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
@@ -236,7 +248,8 @@ class Tokenizer(abc.ABC):
 
 def get_tokenizer(model_path: str, backend: str = "auto") -> Tokenizer:
     """Loads the tokenizer of a model directory (or of a ``tokenizer.model`` /
-    ``tokenizer.json`` file path, whose directory then holds the configs).
+    ``tokenizer.json`` file path, whose directory then holds the configs), or the one built
+    into a ``.gguf`` file (``jaxserve.tokenizer.gguf_tokenizer``).
 
     Args:
       model_path: model directory or tokenizer file.
@@ -252,6 +265,10 @@ def get_tokenizer(model_path: str, backend: str = "auto") -> Tokenizer:
 
     if backend not in ("auto", "hf", "sentencepiece"):
         raise ValueError(f"backend must be 'auto', 'hf' or 'sentencepiece', got {backend!r}")
+    if str(model_path).lower().endswith(".gguf"):
+        from jaxserve.tokenizer.gguf_tokenizer import GGUFTokenizer
+
+        return GGUFTokenizer(str(model_path))
     if os.path.isfile(model_path):
         model_dir = os.path.dirname(model_path) or "."
         if model_path.endswith(".json"):

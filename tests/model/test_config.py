@@ -133,7 +133,8 @@ def test_llama3_inverse_frequencies():
     np.testing.assert_allclose(linear, base / 4, rtol=1e-6)
 
 
-def test_default_model_path_points_into_the_repo():
+def test_default_model_path_points_into_the_package():
     path = default_model_path()
-    assert path.endswith("checkpoints/tiny-llama")
-    assert os.path.isfile(os.path.join(path, "..", "..", "pyproject.toml"))
+    assert path.endswith(os.path.join("jaxserve", "checkpoints", "tiny-llama"))
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    assert os.path.isfile(os.path.join(path, "..", "..", "__init__.py"))

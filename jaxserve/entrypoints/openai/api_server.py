@@ -743,9 +743,6 @@ def run_serve(args: argparse.Namespace) -> None:
     from jaxserve.config import EngineArgs
     from jaxserve.engine.async_llm import AsyncLLM
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     engine_args = EngineArgs.from_cli_args(args)
     start = time.perf_counter()
     llm = AsyncLLM.from_engine_args(engine_args, step_timeout_s=args.step_timeout_s)

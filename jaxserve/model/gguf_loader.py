@@ -1,0 +1,288 @@
+"""GGUF checkpoints (llama.cpp's one-file format) of the Llama family, read with the ``gguf`` package.
+
+A ``.gguf`` file carries the config (metadata keys ``{arch}.block_count``, ...), the weights
+(possibly quantised) and the tokenizer (vocabulary, merges, special ids, chat template). We map
+the metadata onto a Hugging Face style ``config.json`` dict, so ``ModelArchConfig.from_hf_config``
+stays the one parser of model shapes, and each GGUF tensor onto the HF tensor name our loader
+already knows:
+
+    token_embd.weight            model.embed_tokens.weight
+    output.weight                lm_head.weight (absent: tied embeddings)
+    output_norm.weight           model.norm.weight
+    blk.N.attn_{q,k,v}.{weight,bias}, blk.N.attn_output.weight   self_attn.{q,k,v,o}_proj
+    blk.N.attn_{q,k}_norm.weight self_attn.{q,k}_norm.weight (Qwen3)
+    blk.N.ffn_{gate,up,down}.weight   mlp.{gate,up,down}_proj.weight
+    blk.N.attn_norm / ffn_norm   input_layernorm / post_attention_layernorm
+
+Quantised tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...) are dequantised with
+``gguf.quants.dequantize`` to float32 on the host and cast to the requested dtype. llama.cpp's
+converter permutes the rows of the q and k projections of ``llama`` models (HF's rotate-half
+RoPE layout -> interleaved pairs); we undo it, since our RoPE is HF's. Importing this module is
+jax-free (the CLI checks paths with it before loading anything heavy).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from jaxserve.model.config import ModelArchConfig, ModelLoadError
+
+GGUF_SUFFIX = ".gguf"
+# general.architecture -> HF architecture. Mistral GGUFs say "llama".
+_ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Architectures whose q/k rows llama.cpp's converter permutes.
+_PERMUTED_QK = ("llama", "mistral")
+_QK_SUFFIXES = (".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")
+
+# HF tensor name (after "model.layers.N.") -> GGUF tensor name (after "blk.N.").
+_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "lm_head.weight": "output.weight",
+    "model.norm.weight": "output_norm.weight",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def is_gguf_path(path: Any) -> bool:
+    """True when ``path`` is a string naming a ``.gguf`` file (existing or not)."""
+    return isinstance(path, (str, os.PathLike)) and os.fspath(path).lower().endswith(GGUF_SUFFIX)
+
+
+def gguf_module():
+    """The ``gguf`` package; ModelLoadError saying how to install it when it is missing."""
+    try:
+        import gguf
+    except ImportError:
+        raise ModelLoadError(
+            "loading a .gguf file needs the gguf package: pip install 'jaxserve[gguf]'"
+        ) from None
+    return gguf
+
+
+def open_gguf(path: str):
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped), parsed once per process and file
+    version: the model loader and the tokenizer share it (parsing a 50k-token vocabulary
+    takes the gguf package seconds).
+
+    Raises:
+      ModelLoadError: the file is missing, the gguf package is missing, or the file is not GGUF.
+    """
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    st = os.stat(path)
+    return _open_gguf(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int, size: int):
+    gguf = gguf_module()
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def field(reader, key: str, default: Any = None) -> Any:
+    """The value of metadata ``key`` (str, number, bool or list), or ``default`` when absent."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_hf_config(reader, path: str = "") -> dict[str, Any]:
+    """The GGUF metadata as a Hugging Face ``config.json`` dict.
+
+    ``torch_dtype`` (what ``--dtype auto`` picks) is "bfloat16" for F16/BF16 files and
+    "float32" otherwise: quantised weights dequantise to float32 exactly.
+
+    Raises:
+      ModelLoadError: an architecture outside the Llama family, per-layer head counts, or RoPE
+        scaling we do not implement (naming the key).
+    """
+    arch = field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ModelLoadError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}"
+        )
+
+    def req(key: str) -> Any:
+        value = field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        if isinstance(value, list):
+            raise ModelLoadError(f"{path}: per-layer {arch}.{key} is not supported")
+        return value
+
+    hidden = int(req("embedding_length"))
+    heads = int(req("attention.head_count"))
+    kv_heads = field(reader, f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):
+        raise ModelLoadError(f"{path}: per-layer {arch}.attention.head_count_kv is not supported")
+    tokens = field(reader, "tokenizer.ggml.tokens") or []
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelLoadError(
+            f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 scaling) are not "
+            "supported for GGUF; load the Hugging Face safetensors checkpoint instead"
+        )
+    hf: dict[str, Any] = {
+        "architectures": [_ARCHS[arch]],
+        "model_type": arch,
+        "hidden_act": "silu",
+        "vocab_size": int(field(reader, f"{arch}.vocab_size", len(tokens)) or len(tokens)),
+        "hidden_size": hidden,
+        "intermediate_size": int(req("feed_forward_length")),
+        "num_hidden_layers": int(req("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(req("context_length")),
+        "rms_norm_eps": _f32(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": arch in _PERMUTED_QK and "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    scaling = field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ModelLoadError(f"{path}: unsupported {arch}.rope.scaling.type {scaling!r}")
+        hf["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": _f32(req("rope.scaling.factor")),
+        }
+    window = field(reader, f"{arch}.attention.sliding_window")
+    if window:
+        hf["sliding_window"] = int(window)
+        hf["use_sliding_window"] = True
+    kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
+    hf["torch_dtype"] = "bfloat16" if kinds and kinds <= {"F16", "BF16"} else "float32"
+    return hf
+
+
+def _f32(x: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99999974e-06)."""
+    return float(f"{float(x):.7g}")
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """The GGUF tensor name of a HF tensor name (see the module docstring)."""
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    m = _LAYER_RE.fullmatch(hf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ModelLoadError(f"no GGUF tensor name for {hf_name}")
+    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def dequantize(tensor) -> np.ndarray:
+    """A ``gguf.ReaderTensor`` as float32 numpy in torch layout (``[out, in]`` for matrices).
+
+    Raises:
+      ModelLoadError: a quantisation type the gguf package cannot dequantise (naming it).
+    """
+    gguf = gguf_module()
+    try:
+        x = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(
+            f"tensor {tensor.name}: cannot dequantise {tensor.tensor_type.name} ({e})"
+        ) from e
+    # GGUF lists dimensions innermost first; the numpy array is outermost first.
+    return np.asarray(x, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+def unpermute_qk(x: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation (``[n_head * d, ...]`` rows, or a bias).
+
+    llama.cpp writes row ``h*d + 2*i + j`` from HF row ``h*d + j*d/2 + i`` (j in {0, 1}).
+    """
+    rows = x.shape[0]
+    return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def permute_qk(x: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (the inverse of ``unpermute_qk``), for writing GGUFs."""
+    rows = x.shape[0]
+    return x.reshape(n_head, 2, rows // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def gguf_generation_config(reader) -> dict[str, Any]:
+    """``generation_config.json``'s ids from the GGUF tokenizer metadata (EOS and end-of-turn)."""
+    eos = [
+        int(v)
+        for v in (
+            field(reader, "tokenizer.ggml.eos_token_id"),
+            field(reader, "tokenizer.ggml.eot_token_id"),
+        )
+        if v is not None
+    ]
+    out: dict[str, Any] = {}
+    if eos:
+        out["eos_token_id"] = list(dict.fromkeys(eos))
+    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    if bos is not None:
+        out["bos_token_id"] = int(bos)
+    return out
+
+
+def load_gguf(path: str, dtype: str = "auto"):
+    """Builds the model from a GGUF file.
+
+    Args:
+      path: the ``.gguf`` file.
+      dtype: "auto" (see ``gguf_hf_config``), "float32" or "bfloat16".
+
+    Returns:
+      ``(model, ModelArchConfig, generation_config dict)`` as ``load_model``.
+
+    Raises:
+      ModelLoadError: missing file or gguf package, unsupported architecture / metadata /
+        quantisation, a missing tensor or a shape mismatch (naming the tensor).
+    """
+    from flax import nnx
+
+    from jaxserve.model.loader import abstract_model, hf_tensor_name, resolve_dtype, to_our_layout
+
+    reader = open_gguf(path)
+    hf = gguf_hf_config(reader, path)
+    cfg = ModelArchConfig.from_hf_config(hf)
+    jdtype = resolve_dtype(dtype, cfg)
+    arch = hf["model_type"]
+    tensors = {t.name: t for t in reader.tensors}
+    graphdef, abs_state = nnx.split(abstract_model(cfg, jdtype))
+    flat = []
+    for p, var in nnx.to_flat_state(abs_state):
+        name, kind = hf_tensor_name(p)
+        gname = gguf_tensor_name(name)
+        if gname not in tensors:
+            raise ModelLoadError(f"tensor {gname} ({name}) not found in {path}")
+        x = dequantize(tensors[gname])
+        if arch in _PERMUTED_QK and gname.endswith(_QK_SUFFIXES):
+            x = unpermute_qk(x, cfg.num_heads if ".attn_q." in gname else cfg.num_kv_heads)
+        flat.append((p, var.replace(to_our_layout(x, gname, var.shape, kind, jdtype))))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return model, cfg, gguf_generation_config(reader)
