@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # name -> (module, parser-adding function, one-line help)
@@ -69,22 +71,40 @@ def configure_logging() -> None:
     logging.getLogger("jaxserve").setLevel(logging.INFO)
 
 
+def _exit_on_ctrl_c(command: str) -> None:
+    """Ctrl-C (SIGINT) exits at once with one line and code 130. A KeyboardInterrupt would
+    not do: raised inside a garbage-collector callback of jax it is printed and swallowed, and
+    loading or warm-up goes on. ``serve`` installs its own handler once it serves."""
+
+    def interrupted(signum, frame) -> None:
+        print(f"jaxserve {command}: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, interrupted)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parses ``argv`` (default: the process arguments) and runs the chosen subcommand.
 
     Bad user input that a command reports as ``ValueError`` (a missing model directory, an
     out-of-range flag; the message names the field) becomes a one-line message on standard
-    error and exit code 2, argparse's code for usage errors, instead of a traceback.
+    error and exit code 2, argparse's code for usage errors, instead of a traceback; Ctrl-C
+    before serving (loading, warm-up) exits 130 with one line.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     configure_logging()
+    if args.command != "run-batch":  # run-batch unwinds (KeyboardInterrupt): its output closes
+        _exit_on_ctrl_c(args.command)
     try:
         code = args.func(args)  # a command returns its exit code (None: 0)
     except ValueError as e:
         print(f"jaxserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # run-batch's Ctrl-C
+        print(f"jaxserve {args.command}: interrupted", file=sys.stderr)
+        sys.exit(130)
     sys.exit(code)
 
 

@@ -443,6 +443,18 @@ class EngineArgs:
             return self.model
         return str(default_model_path())
 
+    def check(self, need_tokenizer: bool = True) -> EngineConfig:
+        """Checks the model path and every flag value before anything heavy is loaded
+        (``jaxserve.model.preflight``); returns the engine config they resolve to.
+
+        Raises:
+          ValueError (ModelLoadError included): names the path or flag and what to do.
+        """
+        from jaxserve.model.preflight import check_model_path  # local: jax-free, but not tiny
+
+        max_len = check_model_path(self.resolved_model_path(), self.load_format, need_tokenizer)
+        return self.create_engine_config(max_len)
+
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         """Resolves the per-component configs once the model's own max length is known.
 

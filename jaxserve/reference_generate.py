@@ -88,7 +88,8 @@ def generate_dense(
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
-    """``jaxserve generate PROMPT [--max-tokens N] [--model PATH] [--dtype ...]``."""
+    """``jaxserve generate PROMPT [MODEL] [--max-tokens N] [--dtype ...]`` (``--model`` is an
+    alias of MODEL)."""
     p = subparsers.add_parser(
         "generate",
         help="greedy text continuation with the dense reference generator",
@@ -100,11 +101,12 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)"
     )
-    p.add_argument(
-        "--model",
-        default=None,
-        help="model directory (HF or our orbax layout); default: the bundled checkpoint",
+    model_help = (
+        "model directory (HF or our orbax layout), .gguf file, or 'smollm2' (the demo-model "
+        "extra); default: the bundled checkpoint"
     )
+    p.add_argument("model", nargs="?", default=None, help=model_help)
+    p.add_argument("--model", dest="model_option", default=None, help="same as MODEL")
     p.add_argument(
         "--dtype",
         default="auto",
@@ -114,7 +116,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--load-format",
         default="auto",
-        choices=["auto", "safetensors", "orbax", "dummy"],
+        choices=["auto", "safetensors", "orbax", "gguf", "dummy"],
         help="weights format (default: detected)",
     )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
@@ -129,11 +131,15 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Runs ``generate`` from parsed CLI args: loads model + tokenizer, prints the continuation."""
-    from jaxserve.model import default_model_path
+    from jaxserve.config import EngineArgs
     from jaxserve.model.loader import eos_token_ids, load_model
+    from jaxserve.model.preflight import check_model_path
     from jaxserve.tokenizer import get_tokenizer
 
-    model_path = args.model or default_model_path()
+    if args.max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {args.max_tokens}")
+    model_path = EngineArgs(model=args.model_option or args.model).resolved_model_path()
+    check_model_path(model_path, args.load_format, need_tokenizer=True)
     model, cfg, gen_config = load_model(model_path, dtype=args.dtype, load_format=args.load_format)
     tokenizer = get_tokenizer(model_path)
     prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)

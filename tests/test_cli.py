@@ -4,6 +4,9 @@ bundled model's greedy continuation (the issue's first runnable command)."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 
@@ -59,11 +62,84 @@ def test_generate_prints_the_dense_greedy_continuation():
     assert out.stdout.strip() == expected.strip()
 
 
-def test_generate_names_a_missing_model_directory(tmp_path):
+@pytest.mark.parametrize("how", ["positional", "--model"])
+def test_generate_names_a_missing_model_directory(tmp_path, how):
     missing = tmp_path / "no-such-model"
-    out = _run("generate", "hi", "--max-tokens", "2", "--model", str(missing))
+    model = [str(missing)] if how == "positional" else ["--model", str(missing)]
+    out = _run("generate", "hi", *model, "--max-tokens", "2")
     assert out.returncode == 2
     assert out.stderr.strip() == f"jaxserve generate: error: model directory not found: {missing}"
+
+
+def _one_line_error(out: subprocess.CompletedProcess, command: str, *needles: str) -> None:
+    """A user error: exit 2, one line on stderr naming the problem, no traceback."""
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"jaxserve {command}: error: "), out.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture
+def model_without_tokenizer(tmp_path):
+    from jaxserve.model import default_model_path
+
+    d = tmp_path / "hf-no-tokenizer"
+    d.mkdir()
+    shutil.copy(os.path.join(default_model_path(), "config.json"), d)
+    (d / "model.safetensors").write_bytes(b"")  # never read: the check comes first
+    return d
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_model_directory_without_tokenizer_fails_before_loading(model_without_tokenizer, command):
+    args = (
+        ["hello", str(model_without_tokenizer)]
+        if command == "generate"
+        else [str(model_without_tokenizer)]
+    )
+    out = _run(command, *args)
+    # The empty model.safetensors would fail differently: the check ran before loading.
+    _one_line_error(out, command, "no tokenizer found", "tokenizer.json or tokenizer.model")
+
+
+def test_serve_names_a_busy_port_before_loading():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = _run("serve", "--port", str(port))
+    _one_line_error(out, "serve", f"127.0.0.1:{port}", "--port")
+
+
+def test_bench_serve_without_a_server_is_one_line():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = _run("bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--vocab-size", "50")
+    _one_line_error(out, "bench serve", "no server answers", "jaxserve serve")
+
+
+def test_bench_serve_help_has_no_docstring_markup():
+    out = _run("bench", "serve", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "``" not in out.stdout and "\\\\" not in out.stdout
+
+
+def test_ctrl_c_during_warmup_exits_without_traceback():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:  # the runner's first log line comes before the warm-up
+        seen.append(line)
+        if "model runner:" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=120)[1]
+    err = "".join(seen) + rest
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "jaxserve serve: interrupted" in err, err
 
 
 def test_serve_rejects_a_bad_flag_value_by_name():

@@ -29,6 +29,18 @@ from jaxserve.benchmarks.workloads import (
     make_requests,
 )
 
+# `bench serve --help`: plain text (the module docstring is reST).
+SERVE_DESCRIPTION = """\
+Load-test a running OpenAI-compatible server (ours or vLLM) with streamed completions and
+report vLLM bench serve's figures, plus the server's /metrics. Start a server first
+(jaxserve serve). Examples:
+
+  jaxserve bench serve --base-url http://127.0.0.1:8000 --workload random --input-len 128 \\
+      --output-len 128 --num-prompts 200 --request-rate 8 --result-file run.json
+  jaxserve bench serve --preset qa
+
+Workload and load flags left out take the preset's value, else their defaults."""
+
 DEFAULTS: dict[str, Any] = {
     "workload": "random",
     "num_prompts": 100,
@@ -56,7 +68,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="load-test an OpenAI-compatible server with streamed completions",
-        description=__doc__,
+        description=SERVE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
@@ -105,6 +117,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--timeout", type=float, default=6 * 3600, help="per-request timeout, seconds"
     )
     serve.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
+    serve.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="phases and a progress bar of finished requests on stderr",
+    )
     _add_workload_args(serve)
     serve.set_defaults(func=run_bench_serve)
 
@@ -268,6 +286,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             timeout_s=args.timeout,
             seed=args.seed,
+            progress=args.progress,
         )
         source = _token_source(args)
         requests = make_requests(spec, source)
@@ -276,9 +295,22 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             source,
         )
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"jaxserve bench serve: error: {e}", file=sys.stderr)
         return 2
-    result = run_serve_benchmark(config, requests, warmup)
+    import aiohttp
+
+    try:
+        result = run_serve_benchmark(config, requests, warmup)
+    except aiohttp.ClientConnectionError as e:
+        print(
+            f"jaxserve bench serve: error: no server answers at {args.base_url} ({e}); "
+            "start one (jaxserve serve) or pass --base-url",
+            file=sys.stderr,
+        )
+        return 2
+    except (RuntimeError, aiohttp.ClientError) as e:  # a refused model, a failed warm-up
+        print(f"jaxserve bench serve: error: {e}", file=sys.stderr)
+        return 1
     print(format_table(result))
     _write(args.result_file, result, spec)
     return 1 if result["failed"] else 0

@@ -23,11 +23,13 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
+from tqdm import tqdm
 
 from jaxserve.benchmarks.client import completion_payload, send_completion
 from jaxserve.benchmarks.metrics_scrape import MetricsPoller, fetch_snapshot, run_figures
@@ -55,6 +57,7 @@ class ServeBenchConfig:
       timeout_s: per-request total timeout.
       seed: seed of the arrival times.
       extra_body: more fields for every request body.
+      progress: report the phases and a progress bar of finished requests on stderr.
 
     Raises:
       ValueError: a field out of range (names it).
@@ -75,6 +78,7 @@ class ServeBenchConfig:
     timeout_s: float = 6 * 3600
     seed: int = 0
     extra_body: dict[str, Any] | None = None
+    progress: bool = False
 
     def __post_init__(self) -> None:
         if not self.request_rate > 0:
@@ -157,8 +161,10 @@ async def benchmark_serve(
             async with semaphore:
                 return await one(req, start)
 
+        say = _stderr if config.progress else (lambda text: None)
         if config.num_warmup and warmup_requests:
             warm = [warmup_requests[i % len(warmup_requests)] for i in range(config.num_warmup)]
+            say(f"bench serve: {model} at {base}: {len(warm)} warm-up request(s)")
             for res in await asyncio.gather(*(limited(r) for r in warm)):
                 if not res.success:
                     raise RuntimeError(f"a warm-up request failed: {res.error}")
@@ -175,15 +181,25 @@ async def benchmark_serve(
         if poller is not None:
             poller.start()
 
+        say(f"bench serve: {len(requests)} measured requests")
+        bar = tqdm(
+            total=len(requests), desc="requests", unit="req", file=sys.stderr,
+            disable=not config.progress,
+        )  # fmt: skip
+
         async def scheduled(req: BenchRequest, at: float) -> RequestResult:
             delay = at - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            return await limited(req, time.perf_counter() - t0)
+            try:
+                return await limited(req, time.perf_counter() - t0)
+            finally:
+                bar.update(1)
 
         try:
             results = await asyncio.gather(*(scheduled(r, a) for r, a in zip(requests, arrivals)))
         finally:
+            bar.close()
             if poller is not None:
                 await poller.stop()
         duration = time.perf_counter() - t0
@@ -228,6 +244,10 @@ def run_serve_benchmark(
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 # ---- the table ---------------------------------------------------------------------------------

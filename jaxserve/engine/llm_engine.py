@@ -208,6 +208,7 @@ class LLMEngine:
             jax.local_devices()[0].platform,
             interpret=engine_args.pallas_interpret,
         )
+        engine_args.check(need_tokenizer=False)  # a bad path or flag fails before loading
         path = engine_args.resolved_model_path()
         model, arch, generation_config = load_model(
             path, engine_args.dtype, engine_args.load_format, seed=engine_args.seed

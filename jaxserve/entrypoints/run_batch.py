@@ -319,7 +319,9 @@ def run_batch_main(args: argparse.Namespace, llm: Any = None) -> int:
             if own_engine:
                 start = time.perf_counter()
                 try:
-                    llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+                    engine_args = EngineArgs.from_cli_args(args)
+                    engine_args.check(need_tokenizer=True)  # text prompts; fails in a second
+                    llm = AsyncLLM.from_engine_args(engine_args)
                 except ValueError as exc:
                     return _usage_error(str(exc))
                 stats.startup_s = time.perf_counter() - start

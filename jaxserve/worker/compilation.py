@@ -236,9 +236,10 @@ def initialize_kv_cache(runner: ModelRunner) -> KVCacheSpec:
 
 
 def warmup(runner: ModelRunner, *, progress: bool = True) -> float:
-    """Compiles (and runs once, on all-padding inputs that write nothing) the forward and the
-    prompt-logprobs head for every token bucket, largest first, and the runner's warm-up
-    sampler variants for every sequence bucket. Returns the seconds spent; logs them.
+    """Compiles ahead of time (loads from the persistent cache when warm) the forward and the
+    prompt-logprobs head for every token bucket, largest first, into ``runner.aot_forward`` /
+    ``runner.aot_prompt_logprobs``, and compiles and runs the runner's warm-up sampler variants
+    for every sequence bucket on zero logits. Returns the seconds spent; logs them.
 
     Requires ``initialize_kv_cache`` first.
     """
@@ -256,14 +257,26 @@ def warmup(runner: ModelRunner, *, progress: bool = True) -> float:
     )
     for size in bar:
         bar.set_postfix_str(f"T={size}")
-        logits, hidden, runner.kv_caches = forward_step(
+        # Compiled ahead of time, not run: running a large bucket costs far more than loading
+        # it from the persistent cache (CPU, T=8192: ~160 s vs ~4 s under load), and a warm
+        # restart paid it every time. Steps of a warm bucket call these executables.
+        fwd = forward_step.lower(
             graph, state, runner.kv_caches, padding_inputs(runner, size)
-        )
+        ).compile()
+        runner.aot_forward[size] = fwd
+        logits_info, hidden_info, _ = fwd.out_info
         targets = np.full(size, -1, np.int32)
-        jax.block_until_ready(prompt_logprobs_step(graph, state, hidden, targets))
+        runner.aot_prompt_logprobs[size] = prompt_logprobs_step.lower(
+            graph, state, hidden_info, targets
+        ).compile()
         s = seq_bucket(size, runner.max_num_seqs)
         if s not in warm_seqs:
             warm_seqs.add(s)
+            # Zero logits committed to the forward's output sharding, as real logits are (the
+            # sampler's jit cache keys on it).
+            logits = jax.device_put(
+                np.zeros(logits_info.shape, logits_info.dtype), logits_info.sharding
+            )
             for params in runner.warmup_sampling:
                 md = SamplingMetadata.from_params([SamplingRow(params, 0, 0, (), ())], pad_to=s)
                 jax.block_until_ready(sample_step(graph, logits, md))

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +158,9 @@ class ModelRunner:
         self.timing = StepTiming()
         self.compile_seconds = 0.0
         self.warm_buckets: set[int] = set()  # token buckets compiled by warmup()
+        # token bucket -> executable compiled ahead of time by warmup(); steps call these
+        self.aot_forward: dict[int, Any] = {}
+        self.aot_prompt_logprobs: dict[int, Any] = {}
         self._seeds: dict[str, int] = {}
         self._md_cache: tuple | None = None  # ((req_ids, S), SamplingMetadata) of a steady batch
         self._rng = np.random.default_rng(config.model.seed)
@@ -237,9 +240,13 @@ class ModelRunner:
         t1 = time.perf_counter()
 
         graph = self.graph
-        logits, hidden, self.kv_caches = forward_step(
-            graph, self.state, self.kv_caches, batch.inputs
-        )
+        aot = self.aot_forward.get(batch.token_bucket)
+        if aot is not None:
+            logits, hidden, self.kv_caches = aot(self.state, self.kv_caches, batch.inputs)
+        else:
+            logits, hidden, self.kv_caches = forward_step(
+                graph, self.state, self.kv_caches, batch.inputs
+            )
         num_variants = graph.traces["sampler"]
         sampled = sample_step(graph, logits, md)
         if graph.traces["sampler"] != num_variants:
@@ -257,7 +264,13 @@ class ModelRunner:
             )
         plp = None
         if batch.prompt_logprob_targets is not None:
-            plp = prompt_logprobs_step(graph, self.state, hidden, batch.prompt_logprob_targets)
+            aot = self.aot_prompt_logprobs.get(batch.token_bucket)
+            targets = batch.prompt_logprob_targets
+            plp = (
+                aot(self.state, hidden, targets)
+                if aot is not None
+                else prompt_logprobs_step(graph, self.state, hidden, targets)
+            )
         sampled, plp = jax.device_get((sampled, plp))
         t2 = time.perf_counter()
 

@@ -50,6 +50,7 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -734,6 +735,22 @@ def _startup_report(llm: Any, startup_s: float, args: argparse.Namespace | None 
     return "\n".join(lines)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raises ValueError (saying what to do) when ``host:port`` cannot be listened on now."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp's listener
+            s.bind(infos[0][4])
+    except OSError as e:
+        raise ValueError(
+            f"port: cannot listen on {host}:{port} ({e.strerror or e}); stop the process using "
+            "it or pass --port N (--port 0 picks a free one)"
+        ) from None
+
+
 def run_serve(args: argparse.Namespace) -> None:
     """The ``serve`` command: builds the engine, prints the config, serves until SIGINT/SIGTERM.
 
@@ -744,6 +761,8 @@ def run_serve(args: argparse.Namespace) -> None:
     from jaxserve.engine.async_llm import AsyncLLM
 
     engine_args = EngineArgs.from_cli_args(args)
+    engine_args.check(need_tokenizer=True)  # before loading and compiling: one-line errors
+    check_port_free(args.host, args.port)
     start = time.perf_counter()
     llm = AsyncLLM.from_engine_args(engine_args, step_timeout_s=args.step_timeout_s)
     print(_startup_report(llm, time.perf_counter() - start, args), flush=True)
