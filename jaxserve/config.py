@@ -25,6 +25,10 @@ def _default_compilation_cache_dir() -> str:
     return os.path.join(base, "jaxserve", "xla")
 
 
+TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
+"""Names of ``--tool-call-parser`` (vLLM's), see ``jaxserve.entrypoints.openai.tool_calls``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Which weights to serve and how.
@@ -38,9 +42,14 @@ class ModelConfig:
       max_model_len: longest sequence (prompt + output) in tokens (>= 0; the dataclass
         accepts 0, ``EngineArgs.create_engine_config`` always sets the resolved length).
       seed: engine seed for requests without their own.
+      tool_call_parser: how chat turns the model's tool-call text into ``tool_calls``:
+        "llama3_json", "hermes" (Qwen2.5 / Qwen3 ``<tool_call>``), "mistral" (``[TOOL_CALLS]``),
+        or "" (no parser: ``tool_choice: "auto"`` is refused; "required" and named functions
+        work without one).
 
     Raises:
-      ValueError: an unknown dtype or load_format, or a negative max_model_len (naming it).
+      ValueError: an unknown dtype, load_format or tool_call_parser, or a negative
+        max_model_len (naming it).
     """
 
     model: str
@@ -49,6 +58,7 @@ class ModelConfig:
     served_model_name: str = ""
     max_model_len: int = 0
     seed: int = 0
+    tool_call_parser: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -60,6 +70,11 @@ class ModelConfig:
         if self.max_model_len < 0:
             raise ValueError(
                 f"max_model_len must be >= 0 (0: not resolved yet), got {self.max_model_len}"
+            )
+        if self.tool_call_parser not in ("", *TOOL_CALL_PARSERS):
+            raise ValueError(
+                f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
             )
 
 
@@ -297,6 +312,14 @@ class EngineArgs:
         ),
     )
     seed: int = dataclasses.field(default=0, metadata=_meta("engine sampling seed"))
+    tool_call_parser: str = dataclasses.field(
+        default="",
+        metadata=_meta(
+            "chat tool-call format to parse into tool_calls: llama3_json, hermes (Qwen), "
+            "mistral; default: none (tool_choice auto is refused)",
+            choices=["", *TOOL_CALL_PARSERS],
+        ),
+    )
     block_size: int = dataclasses.field(default=16, metadata=_meta("tokens per KV block"))
     gpu_memory_utilization: float = dataclasses.field(
         default=0.9,
@@ -494,6 +517,7 @@ class EngineArgs:
                 served_model_name=name,
                 max_model_len=max_len,
                 seed=self.seed,
+                tool_call_parser=self.tool_call_parser,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

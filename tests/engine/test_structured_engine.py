@@ -56,3 +56,42 @@ def test_constrained_outputs_survive_preemption_and_prefix_caching(make_engine, 
                     jsonschema.validate(json.loads(c.text), SCHEMA)
     assert finished >= len(prompts) // 2
     assert len(squeezed_engine.token_masks) == 0  # every request's matcher was dropped
+
+
+def test_allowed_token_ids_and_bad_words(make_engine, run, prompts, base):
+    from jaxserve.structured.grammar import continuation_ids
+
+    prompts = prompts[:4]
+    allowed = sorted({t for p in prompts for t in p[1:6]} | {2})
+    free = run(
+        make_engine(),
+        [
+            (f"f{i}", p, SamplingParams(temperature=0.0, max_tokens=16))
+            for i, p in enumerate(prompts)
+        ],
+    )
+    only = run(
+        make_engine(),
+        [
+            (
+                f"a{i}",
+                p,
+                SamplingParams(temperature=1.0, seed=i, max_tokens=16, allowed_token_ids=allowed),
+            )
+            for i, p in enumerate(prompts)
+        ],
+    )
+    for out in only.values():
+        assert set(out.outputs[0].token_ids) <= set(allowed)
+    # Ban a word the free greedy output says: its tokens never appear in a row again.
+    text = free["f0"].outputs[0].text
+    word = max(text.split(), key=len)
+    banned = [continuation_ids(base.tokenizer, w) for w in (word, " " + word)]
+    done = run(
+        make_engine(),
+        [("b0", prompts[0], SamplingParams(temperature=0.0, max_tokens=16, bad_words=[word]))],
+    )
+    ids = done["b0"].outputs[0].token_ids
+    for seq in banned:
+        assert not any(ids[i : i + len(seq)] == seq for i in range(len(ids)))
+    assert ids != free["f0"].outputs[0].token_ids

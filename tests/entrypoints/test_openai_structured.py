@@ -30,7 +30,7 @@ CHAT = "/v1/chat/completions"
 def server():
     if not os.path.isdir(os.path.join(MODEL_DIR, "params")):
         pytest.skip("the bundled weights are missing")
-    args = small_engine_args(num_gpu_blocks_override=96, max_num_seqs=16)
+    args = small_engine_args(num_gpu_blocks_override=96, max_num_seqs=16, tool_call_parser="hermes")
     with running_server(args) as srv:
         yield srv
 
@@ -198,3 +198,164 @@ def test_bad_constraints_are_400s_and_the_server_keeps_serving(server, client, e
     assert ok.status_code == 200
     _, idle = wait_idle(client, server.llm)
     assert idle
+
+
+# ---- tool calling ------------------------------------------------------------------------------
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": WEATHER_PARAMS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["a"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def _check_calls(calls):
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_named_tool_choice_forces_a_valid_call(oai):
+    done = oai.chat.completions.create(
+        model="tiny-llama",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=48,
+        temperature=0.8,
+        seed=2,
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    _check_calls(choice.message.tool_calls)
+
+
+def test_required_tool_choice_streams_the_same_calls(oai):
+    kwargs = dict(
+        model="tiny-llama",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=64,
+        temperature=0.8,
+        seed=5,
+    )
+    done = oai.chat.completions.create(**kwargs)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    _check_calls(choice.message.tool_calls)
+    deltas, finish = [], None
+    for chunk in oai.chat.completions.create(**kwargs, stream=True):
+        if chunk.choices:
+            deltas += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+
+
+def test_named_tool_call_streams_argument_deltas_and_a_tool_turn_renders(oai):
+    stream = oai.chat.completions.create(
+        model="tiny-llama",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [d for c in stream if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "add" and deltas[0].id.startswith("call_")
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), PARAMS["add"])
+    follow_up = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": deltas[0].id,
+                    "type": "function",
+                    "function": {"name": "add", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": deltas[0].id, "content": "42"},
+    ]
+    done = oai.chat.completions.create(
+        model="tiny-llama", messages=follow_up, tools=TOOLS, tool_choice="none", max_tokens=4
+    )
+    assert done.choices[0].message.tool_calls is None
+
+
+def test_auto_tool_choice_with_a_model_that_does_not_call_returns_content(oai):
+    done = oai.chat.completions.create(
+        model="tiny-llama", messages=ASK, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    choice = done.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "objectx"}},
+                    }
+                ]
+            },
+            "tools",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+    ],
+)
+def test_bad_tool_definitions_are_400s(client, extra, param):
+    body = {"messages": ASK, "max_tokens": 4, **extra}
+    assert_error(client.post(CHAT, json=body), 400, param=param)

@@ -34,6 +34,8 @@ class ServingInfo:
       enable_chunked_prefill: when False a prompt must fit the budget whole.
       max_waiting_requests: 503 above this many waiting requests (0 = no cap).
       scheduling_policy: "fcfs" or "priority"; a non-zero request ``priority`` needs "priority".
+      tool_call_parser: ``--tool-call-parser`` ("" = none; chat's ``tool_choice: "auto"`` is
+        then refused).
       created: server start, Unix seconds (``/v1/models``'s ``created``).
       max_prompt_bytes: a prompt string longer than this (UTF-8 bytes) is refused before it is
         tokenized, as it surely has more than max_model_len tokens (see
@@ -54,6 +56,7 @@ class ServingInfo:
     enable_chunked_prefill: bool
     max_waiting_requests: int = 0
     scheduling_policy: str = "fcfs"
+    tool_call_parser: str = ""
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     max_prompt_bytes: int = 0
     max_num_seqs: int = 256
@@ -84,6 +87,7 @@ class ServingInfo:
             enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill,
             max_waiting_requests=cfg.scheduler.max_waiting_requests,
             scheduling_policy=cfg.scheduler.policy,
+            tool_call_parser=cfg.model.tool_call_parser,
         )
 
     def check_model(self, name: Any) -> None:

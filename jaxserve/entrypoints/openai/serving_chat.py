@@ -44,8 +44,9 @@ from jaxserve.entrypoints.openai.engine_calls import (
 from jaxserve.entrypoints.openai.errors import APIError, from_value_error
 from jaxserve.entrypoints.openai.logprobs import chat_logprobs
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from jaxserve.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_tool_call
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclasses.dataclass
@@ -60,6 +61,7 @@ class ChatJob:
       prompt_ids: the rendered conversation's token ids.
       params: its SamplingParams.
       system_fingerprint: OpenAI's ``system_fingerprint`` of the serving configuration.
+      tools: how tools are served (``tool_calls.ToolPlan``), or None without tools.
     """
 
     request: ChatCompletionRequest
@@ -68,16 +70,23 @@ class ChatJob:
     model: str
     prompt_ids: list[int]
     params: SamplingParams
+    tools: ToolPlan | None = None
     system_fingerprint: str = ""
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the plain dicts a chat template reads (content flattened to a string)."""
+    """Messages as the plain dicts a chat template reads (content flattened to a string; an
+    assistant turn's ``tool_calls`` with their JSON ``arguments`` as objects, as HF templates
+    expect, and a tool turn's ``tool_call_id``)."""
     out = []
     for message in messages:
         item: dict[str, Any] = {"role": message.role, "content": message.text()}
         if message.name is not None:
             item["name"] = message.name
+        if message.tool_calls is not None:
+            item["tool_calls"] = [template_tool_call(c) for c in message.tool_calls]
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
         out.append(item)
     return out
 
@@ -104,11 +113,14 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
         prompt is empty or too long, or a parameter is out of range (naming the field).
     """
     info.check_model(request.model)
+    tools = _plan_tools(request, info, tokenizer)
     messages = messages_as_dicts(request.messages)
     check_prompt_bytes([m["content"] for m in messages], info, field="messages")
     try:
         prompt_ids = tokenizer.encode_chat(
-            messages, add_generation_prompt=request.add_generation_prompt
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            tools=None if tools is None else tools.tools,
         )
     except ValueError as exc:  # malformed messages, or the chat template refused them
         error = from_value_error(exc)
@@ -126,6 +138,10 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
         raise _chat_field_error(exc, field) from exc
     check_sampler_memory(params, info)
     check_output_constraint(request, params, tokenizer)
+    if tools is not None and tools.constraint is not None:
+        params = params.clone(structured_outputs=tools.constraint)
+    if tools is not None and tools.parser is not None and tools.parser.needs_special_tokens:
+        params = params.clone(skip_special_tokens=False)  # the call marker is a special token
     return ChatJob(
         request=request,
         request_id=random_id("chatcmpl"),
@@ -134,7 +150,47 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
         prompt_ids=prompt_ids,
         params=params,
         system_fingerprint=info.system_fingerprint,
+        tools=tools,
     )
+
+
+def _plan_tools(request: ChatCompletionRequest, info: ServingInfo, tokenizer: Any) -> Any:
+    """The request's ToolPlan (``tool_calls.plan_tools``), with every tool's parameter schema
+    and the forcing grammar compiled now.
+
+    Raises:
+      APIError: 400 naming ``tools`` or ``tool_choice``.
+    """
+    from jaxserve.structured import check_structured_outputs
+
+    try:
+        plan = plan_tools(
+            request.tools, request.tool_choice, request.parallel_tool_calls, info.tool_call_parser
+        )
+        if plan is None:
+            return None
+        fmt = request.response_format
+        if plan.constraint is not None and (
+            (fmt is not None and fmt.type != "text") or request.structured_outputs
+        ):
+            raise ValueError(
+                "tool_choice: a required or named tool choice cannot be combined with "
+                "response_format / structured_outputs"
+            )
+        for tool in plan.tools:
+            schema = tool["function"].get("parameters")
+            if schema is not None:
+                check_structured_outputs(StructuredOutputsParams(json=schema), tokenizer, "tools")
+        if plan.constraint is not None:
+            check_structured_outputs(plan.constraint, tokenizer, "tools")
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+    return plan
+
+
+def _tool_finish(finish_reason: str | None, num_calls: int) -> str | None:
+    """OpenAI's ``tool_calls`` finish reason for a sample that stopped after making calls."""
+    return "tool_calls" if finish_reason == "stop" and num_calls else finish_reason
 
 
 def _header(job: ChatJob, obj: str) -> dict[str, Any]:
@@ -157,12 +213,24 @@ def build_chat_response(job: ChatJob, output: RequestOutput, tokenizer: Any) -> 
             logprobs = chat_logprobs(
                 completion.token_ids, completion.logprobs, request.top_logprobs or 0, tokenizer
             )
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": completion.text,
+            "refusal": None,
+        }
+        finish_reason = completion.finish_reason
+        extractor = job.tools.extractor() if job.tools is not None else None
+        if extractor is not None:
+            message["content"], calls = extractor.final(completion.text)
+            if calls:
+                message["tool_calls"] = [c.as_openai() for c in calls]
+                finish_reason = _tool_finish(finish_reason, len(calls))
         choices.append(
             {
                 "index": completion.index,
-                "message": {"role": "assistant", "content": completion.text, "refusal": None},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": completion.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": completion.stop_reason,
             }
         )
@@ -247,6 +315,7 @@ async def _chunks(
         }
 
     finished: set[int] = set()
+    extractors = {i: job.tools.extractor() for i in range(request.n)} if job.tools else {}
     prompt_tokens = cached = 0
     completion_tokens: dict[int, int] = {}
     ledgers: list[tuple[str, list]] = []
@@ -271,16 +340,18 @@ async def _chunks(
                         completion.delta_token_ids, completion.delta_logprobs, num_top, tokenizer
                     )
                 text = completion.delta_text
+                delta: dict[str, Any] = {"content": text} if text else {}
+                finish_reason = completion.finish_reason
+                extractor = extractors.get(completion.index)
+                if extractor is not None:
+                    delta = extractor.delta(text, completion.finished)
+                    finish_reason = _tool_finish(finish_reason, extractor.num_calls_sent)
                 if completion.finished:
                     finished.add(completion.index)
-                elif not text and logprobs is None:
+                elif not delta and logprobs is None:
                     continue
                 yield chunk(
-                    completion.index,
-                    {"content": text} if text else {},
-                    logprobs,
-                    completion.finish_reason,
-                    completion.stop_reason,
+                    completion.index, delta, logprobs, finish_reason, completion.stop_reason
                 )
     except EngineDeadError as exc:
         yield engine_error(exc).body()
