@@ -24,3 +24,8 @@ timeout -k 10 "${OFFLINE_BUDGET:-240}" "$PY" benchmarks/bench_offline.py --model
     --num-prompts 1000 --input-len 1000 --output-len 1000 --time-limit-s "${OFFLINE_GEN_S:-90}" \
     2>&1 | tee "$OUT/offline_8b.log"
 echo "offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/offline_8b.log"
+
+echo "== structured outputs: mask cost and step overhead at 256 requests (budget ${STRUCTURED_BUDGET:-120}s)"
+timeout -k 10 "${STRUCTURED_BUDGET:-120}" "$PY" benchmarks/bench_structured.py --num-reqs 256 \
+    --steps 30 --rounds 2 2>&1 | tail -3 | tee "$OUT/structured.log"
+echo "structured exit: ${PIPESTATUS[0]}" | tee -a "$OUT/structured.log"
