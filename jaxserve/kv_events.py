@@ -138,7 +138,7 @@ class KVEventPublisher:
         (counted in ``num_dropped``; the subscriber sees a ``seq`` gap only for sent ones).
 
     Raises:
-      ImportError: pyzmq or msgpack missing (``pip install 'jaxserve[events]'``).
+      ValueError: pyzmq or msgpack missing (``pip install 'jaxserve[events]'``).
       zmq.ZMQError: the address cannot be bound or connected.
     """
 
@@ -155,10 +155,10 @@ class KVEventPublisher:
         try:
             import msgpack  # noqa: F401
             import zmq
-        except ImportError as exc:
-            raise ImportError(
-                "--kv-events-endpoint needs pyzmq and msgpack: pip install 'jaxserve[events]'"
-            ) from exc
+        except ImportError:
+            raise ValueError(
+                "kv_events_endpoint needs pyzmq and msgpack: pip install 'jaxserve[events]'"
+            ) from None
         self.endpoint = endpoint
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank

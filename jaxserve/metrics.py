@@ -447,3 +447,39 @@ class EngineMetrics:
             self.request_decode_time.observe(decode)
             if state.max_sample_tokens > 1:
                 self.time_per_output_token.observe(decode / (state.max_sample_tokens - 1))
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def merge_expositions(texts: dict[str, str], label: str) -> str:
+    """One Prometheus text exposition from several engines' (the Ray ingress's ``/metrics``).
+
+    Args:
+      texts: engine key -> that engine's exposition (all with the same families).
+      label: the label telling them apart (``engine="<key>"`` on every sample).
+
+    Returns:
+      The merged exposition (one HELP/TYPE per family, every engine's samples under it).
+
+    Raises:
+      ValueError: a text is not a valid exposition.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.utils import floatToGoString
+
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    for key, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            name = family.name + ("_total" if family.type == "counter" else "")
+            entry = families.setdefault(name, (family.type, family.documentation, []))
+            for sample in family.samples:
+                labels = {**sample.labels, label: key}
+                rendered = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+                entry[2].append(f"{sample.name}{{{rendered}}} {floatToGoString(sample.value)}")
+    lines = []
+    for name, (kind, doc, samples) in families.items():
+        help_text = doc.replace("\\", "\\\\").replace("\n", "\\n")
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
+    return "\n".join(lines) + "\n"

@@ -11,7 +11,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.config import CacheConfig
 from jaxserve.engine.llm_engine import EngineStats
-from jaxserve.metrics import METRIC_NAMES, NAMESPACES, EngineMetrics, token_count_buckets
+from jaxserve.metrics import (
+    METRIC_NAMES,
+    NAMESPACES,
+    EngineMetrics,
+    merge_expositions,
+    token_count_buckets,
+)
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -190,3 +196,17 @@ def test_grafana_dashboard_queries_only_metrics_we_serve():
         "vllm:time_per_output_token_seconds_bucket",
     ):
         assert name in queried, name
+
+
+def test_merged_expositions_keep_each_engine_apart():
+    a, b = EngineMetrics("m", namespace="vllm"), EngineMetrics("m", namespace="vllm")
+    a.record_step(EngineStats(num_running_reqs=2, prefix_cache_hits_total=5), [])
+    b.record_step(EngineStats(num_running_reqs=3, prefix_cache_hits_total=7), [])
+    merged = merge_expositions({"0": a.render().decode(), "1": b.render().decode()}, "engine")
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    assert set(families) == {f"vllm:{name}" for name in METRIC_NAMES} - {"vllm:cache_config_info"}
+    running = {s.labels["engine"]: s.value for s in families["vllm:num_requests_running"].samples}
+    assert running == {"0": 2, "1": 3}
+    hits = families["vllm:prefix_cache_hits"].samples
+    assert sorted(s.value for s in hits) == [5, 7] and hits[0].name.endswith("_total")
+    assert merged.count("# TYPE vllm:prefix_cache_hits_total counter") == 1

@@ -180,6 +180,7 @@ class AsyncLLM:
         self._num_running = 0
         self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # monotonic start of the step in flight
+        self._kv_cache_usage = 0.0
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
         if step_timeout_s > 0:
@@ -218,6 +219,11 @@ class AsyncLLM:
         """Requests added and not yet finished or aborted (what a drain waits for)."""
         with self._cond:
             return len(self._pending_ids)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Used KV blocks / usable blocks after the last step, in [0, 1]."""
+        return self._kv_cache_usage
 
     def add_dead_callback(self, callback: Callable[[BaseException], None]) -> None:
         """Runs ``callback(error)`` from the engine thread when it dies (at once if it is dead)."""
@@ -435,6 +441,7 @@ class AsyncLLM:
             with self._cond:
                 self._num_waiting = stats.num_waiting_reqs
             self._num_running = stats.num_running_reqs
+            self._kv_cache_usage = stats.kv_cache_usage
         try:
             self.metrics.record_step(stats, outputs)
         except Exception:  # noqa: BLE001 - a metrics bug must not take the engine down

@@ -367,7 +367,11 @@ async def _ledger(request: web.Request) -> web.Response:
     """``GET /v1/requests/{request_id}/ledger``: a finished request's ledger (engine request id
     or response id), or 404 ``ledger_not_found`` when unknown or past ``--ledger-history``."""
     request_id = request.match_info["request_id"]
-    ledger = request.app[LLM_KEY].get_ledger(request_id)
+    return ledger_response(request_id, request.app[LLM_KEY].get_ledger(request_id))
+
+
+def ledger_response(request_id: str, ledger: Any) -> web.Response:
+    """The ledger as JSON, or the 404 ``ledger_not_found`` when ``ledger`` is None."""
     if ledger is None:
         raise APIError(
             f"no ledger for request {request_id!r}: unknown, unfinished, or older than the "
@@ -538,6 +542,7 @@ def build_app(
     info: ServingInfo | None = None,
     header_timeout_s: float = Timeouts.header_s,
     body_timeout_s: float = Timeouts.body_s,
+    routes: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]] | None = None,
 ) -> web.Application:
     """The aiohttp application serving ``llm`` (an AsyncLLM).
 
@@ -546,6 +551,8 @@ def build_app(
       api_key: require ``Authorization: Bearer <api_key>`` on the API routes; None: open.
       info: the served model's facts (default: read from ``llm``).
       header_timeout_s, body_timeout_s: see :class:`Timeouts`.
+      routes: handlers replacing this module's for the given paths (the Ray ingress answers
+        generation, ledgers, ``/health`` and ``/metrics`` from its replicas), same methods.
     """
     middlewares = [_errors_middleware]
     if api_key:
@@ -557,13 +564,21 @@ def build_app(
     app[INTERNAL_ERRORS] = []
     app[TIMEOUTS_KEY] = Timeouts(header_timeout_s, body_timeout_s)
     app[DRAINING] = asyncio.Event()
-    app.router.add_post("/v1/completions", _generation_handler("/v1/completions"))
-    app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
+    own = {
+        "/v1/completions": _generation_handler("/v1/completions"),
+        "/v1/chat/completions": _generation_handler("/v1/chat/completions"),
+        "/v1/requests/{request_id}/ledger": _ledger,
+        "/health": _health,
+        "/metrics": _metrics,
+    }
+    own.update(routes or {})
+    app.router.add_post("/v1/completions", own["/v1/completions"])
+    app.router.add_post("/v1/chat/completions", own["/v1/chat/completions"])
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
-    app.router.add_get("/v1/requests/{request_id}/ledger", _ledger)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/requests/{request_id}/ledger", own["/v1/requests/{request_id}/ledger"])
+    app.router.add_get("/health", own["/health"])
+    app.router.add_get("/metrics", own["/metrics"])
     app.router.add_get("/version", _version)
     app.router.add_get("/openapi.json", _openapi)
     app.router.add_post("/tokenize", _tokenize)
@@ -691,6 +706,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT stop accepting and let in-flight requests finish for up to "
         "this long, then abort them and exit 0",
     )
+    from jaxserve.entrypoints.ray_serve import add_ray_args  # Ray itself is imported only if used
+
+    add_ray_args(parser)
     parser.set_defaults(func=run_serve)
     return parser
 
@@ -702,11 +720,15 @@ _SERVER_FLAGS = (
     "request_body_timeout_s",
     "step_timeout_s",
     "shutdown_timeout_s",
+    "data_parallel_size",
+    "distributed_executor_backend",
+    "ray_address",
+    "routing",
 )
 
 
-def _startup_report(llm: Any, startup_s: float, args: argparse.Namespace | None = None) -> str:
-    cfg = llm.engine_config
+def config_report(cfg: Any, args: argparse.Namespace | None = None) -> list[str]:
+    """The resolved-config log lines: one per part of an EngineConfig, then the server flags."""
     lines = ["resolved config:"]
     for part in dataclasses.fields(cfg):
         value = getattr(cfg, part.name)  # a config section, or a plain knob (ledger_history)
@@ -716,6 +738,12 @@ def _startup_report(llm: Any, startup_s: float, args: argparse.Namespace | None 
         server = {name: getattr(args, name) for name in _SERVER_FLAGS if hasattr(args, name)}
         server["api_key"] = "set" if getattr(args, "api_key", None) else None
         lines.append(f"  server: {server}")
+    return lines
+
+
+def _startup_report(llm: Any, startup_s: float, args: argparse.Namespace | None = None) -> str:
+    cfg = llm.engine_config
+    lines = config_report(cfg, args)
     runner = getattr(llm.engine, "runner", None)
     if runner is not None and hasattr(runner, "token_buckets"):
         lines.append(
@@ -759,7 +787,11 @@ def run_serve(args: argparse.Namespace) -> None:
     """
     from jaxserve.config import EngineArgs
     from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.entrypoints.ray_serve import run_ray_serve, uses_ray
 
+    if uses_ray(args):
+        run_ray_serve(args)
+        return
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.check(need_tokenizer=True)  # before loading and compiling: one-line errors
     check_port_free(args.host, args.port)
@@ -769,9 +801,18 @@ def run_serve(args: argparse.Namespace) -> None:
     sys.exit(serve_until_signal(llm, args))
 
 
-def serve_until_signal(llm: Any, args: argparse.Namespace) -> int:
+def serve_until_signal(
+    llm: Any,
+    args: argparse.Namespace,
+    *,
+    app: web.Application | None = None,
+    what: str | None = None,
+) -> int:
     """Serves ``llm`` with the ``serve`` flags in ``args`` until SIGINT/SIGTERM or engine death,
     then stops the engine.
+
+    ``app`` replaces the app built from ``args`` (the Ray ingress builds its own), ``what`` the
+    served model's name in the "serving ..." line.
 
     Returns:
       The exit code: 0 after a signal, 1 if the engine died or its thread did not stop (a step
@@ -783,20 +824,21 @@ def serve_until_signal(llm: Any, args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        app = build_app(
+        served = app or build_app(
             llm,
             api_key=args.api_key,
             header_timeout_s=args.request_header_timeout_s,
             body_timeout_s=args.request_body_timeout_s,
         )
+        name = what or llm.model_name
         return await run_server(
             llm,
             host=args.host,
             port=args.port,
-            app=app,
+            app=served,
             stop=stop,
             shutdown_timeout_s=args.shutdown_timeout_s,
-            ready=lambda h, p: print(f"serving {llm.model_name} on http://{h}:{p}", flush=True),
+            ready=lambda h, p: print(f"serving {name} on http://{h}:{p}", flush=True),
         )
 
     code = asyncio.run(main())
