@@ -66,7 +66,11 @@ HEALTH_INTERVAL_S = 1.0
 """Seconds between health polls of each replica."""
 
 HEALTH_TIMEOUT_S = 2.0
-"""A replica that does not answer a poll within this is down (dead, restarting, or wedged)."""
+"""A poll unanswered within this counts as missed (a busy replica on a loaded CPU can miss one)."""
+
+MAX_MISSED_POLLS = 3
+"""Consecutive missed polls after which a replica counts as down (restarting or wedged); one
+whose actor is dead counts as down at once."""
 
 ACCEPT_TIMEOUT_S = 10.0
 """A replica whose engine has not taken a request within this is treated as down and the
@@ -261,6 +265,7 @@ class RayIngress:
         self.info = info
         self.frontend = _Frontend(tokenizer, info.model_name, lambda: self.router)
         self._started_at: list[float | None] = [None] * len(actors)
+        self._missed = [0] * len(actors)
         self._actor_errors = _actor_errors()
         self._poller: asyncio.Task | None = None
         self.num_rerouted = 0  # requests moved off a replica that failed before starting them
@@ -301,9 +306,15 @@ class RayIngress:
                 stats = await asyncio.wait_for(
                     _await_ref(self.actors[i].stats.remote()), HEALTH_TIMEOUT_S
                 )
-            except (TimeoutError, *self._actor_errors):
+            except TimeoutError:
+                self._missed[i] += 1
+                if self._missed[i] >= MAX_MISSED_POLLS:
+                    self._set_down(i)
+                return
+            except self._actor_errors:
                 self._set_down(i)
                 return
+            self._missed[i] = 0
             restarted = (
                 self._started_at[i] is not None and stats["started_at"] != (self._started_at[i])
             )

@@ -194,10 +194,11 @@ class Router:
         capacity_blocks: int | None = None,
         restarted: bool = False,
     ) -> None:
-        """Folds in a health poll of replica ``index``. A replica that went down or restarted
-        lost its KV cache, so its prefix index is emptied."""
+        """Folds in a health poll of replica ``index``. A replica that restarted lost its KV
+        cache, so its prefix index is emptied (one that is only down keeps it: it may come back
+        as it was, and a restart is seen when it answers again)."""
         replica = self.replicas[index]
-        if not up or restarted:
+        if restarted:
             replica.prefix_index.clear()
         replica.up = up
         if up:

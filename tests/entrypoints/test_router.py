@@ -124,3 +124,11 @@ def test_prefix_aware_multiplies_the_cache_it_routes_to():
     rates = {p: _hit_rate(p, num_blocks=42) for p in ("prefix-aware", "round-robin")}
     assert rates["prefix-aware"] > 0.85
     assert rates["prefix-aware"] >= 1.5 * rates["round-robin"], rates
+
+
+def test_a_replica_that_was_only_down_keeps_its_index():
+    r = router("prefix-aware")
+    home = route(r, prompt(1, 0))
+    r.update(home, up=False)  # missed polls: maybe busy, maybe restarting
+    r.update(home, up=True)  # answered again, same process: its cache is intact
+    assert r.replicas[home].matched_blocks(r.prefix_hashes(prompt(1, 0), None)) == 4
