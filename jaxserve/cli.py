@@ -30,6 +30,17 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "add_bench_parser",
         "benchmark a server (bench serve) or the offline engine (bench throughput)",
     ),
+    "tune": (
+        "jaxserve.tune.cli",
+        "add_tune_parser",
+        "predict latency / throughput per scheduler setting for a workload and recommend one",
+    ),
+    "doctor": (
+        "jaxserve.doctor",
+        "add_doctor_parser",
+        "run the five pre-production checks (load, dashboard, preemptions, prefix caching, "
+        "long prompts) against a live server",
+    ),
     "generate": (
         "jaxserve.reference_generate",
         "add_generate_parser",
