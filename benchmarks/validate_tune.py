@@ -4,8 +4,10 @@ One engine (the bundled model, CPU-sized knobs below) is built and served over H
 process, its step-time model calibrated through the server (``calibrate_served``: the
 calibration mix sent over HTTP, steps timed start to start), then for each workload (qa, long-doc and mixed presets scaled to
 CPU sizes, each its own seed so no prompt is shared between them) the tuner's replay predicts
-the run and a real ``bench serve`` run measures it on the same engine served over HTTP. The
-calibration is redone right before each workload (the shared box's load drifts).
+the run and a real ``jaxserve bench serve`` run (a separate process, so the client's stream
+parsing does not share the server's GIL; same preset, sizes and seed, hence the same prompts
+and send times) measures it on the same engine served over HTTP. The calibration is redone
+right before each workload (the shared box's load drifts).
 Target: |error| <= 25% on output throughput and on TTFT p50.
 
 Run:  JAX_PLATFORMS=cpu .venv/bin/python benchmarks/validate_tune.py [--json out.json]
@@ -25,7 +27,7 @@ from jaxserve.tune.cli import token_source
 from jaxserve.tune.simulate import Setting, simulate
 from jaxserve.tune.step_model import calibrate_served, calibration_prompts
 from jaxserve.tune.trace import preset_trace
-from jaxserve.tune.validate import compare, measure
+from jaxserve.tune.validate import bench_serve_preset, compare
 
 ENGINE = dict(
     dtype="float32",
@@ -56,6 +58,8 @@ WORKLOADS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--mixed-rate", type=float, default=None, help="override mixed's req/s")
     args = parser.parse_args()
     engine = LLMEngine.from_engine_args(EngineArgs(**ENGINE))
     cfg = engine.config
@@ -100,10 +104,15 @@ def main() -> None:
     rows = []
     with server:
         for k, (name, overrides) in enumerate(WORKLOADS.items()):
-            trace = preset_trace(name, source, seed=100 + k, **overrides)
+            if name not in args.workloads:
+                continue
+            if name == "mixed" and args.mixed_rate:
+                overrides = {**overrides, "request_rate": args.mixed_rate}
+            seed = 100 * (k + 1)  # bench serve warms up with seed + 1: no prompt shared
+            trace = preset_trace(name, source, seed=seed, **overrides)
             model = calibrate()  # right before the run: the box's load drifts within minutes
             predicted = simulate(trace, setting, model)
-            measured = measure(trace, server.url)
+            measured = bench_serve_preset(server.url, name, seed, overrides)
             row = compare(name, predicted, measured)
             row["load_average"] = round(os.getloadavg()[0], 1)
             rows.append(row)

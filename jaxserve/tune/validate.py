@@ -1,54 +1,44 @@
 """Predicted vs measured: one trace replayed by the tuner and sent to a live server.
 
-``measure`` sends a trace's requests with ``jaxserve bench serve``'s client (same prompts, same
-Poisson send times for the trace's rate and seed, same concurrency cap) and returns its result;
-``compare`` puts the prediction beside it (output throughput and TTFT p50, with their ratios).
-Follow-up turns (``TraceRequest.after``) are not expressible to ``bench serve``; such traces are
-refused.
+``bench_serve_preset`` runs the ``jaxserve bench serve`` command in a subprocess for a preset
+trace (the same requests: built from the same preset, sizes and seed, so the same prompts and
+Poisson send times). A subprocess, because a client in the server's process competes with it
+for the GIL while parsing its streams, and the measured run is then slower than the server
+alone (1.4-1.9x on a 2-core box). ``compare`` puts the prediction beside the result
+(throughput, TTFT and TPOT p50, relative errors).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from typing import Any
 
-from jaxserve.benchmarks.workloads import BenchRequest
 from jaxserve.tune.simulate import SimResult
-from jaxserve.tune.trace import Trace
 
 
-def bench_requests(trace: Trace) -> list[BenchRequest]:
-    """The trace as ``bench serve`` requests (token-id prompts, exact output lengths).
+def bench_serve_preset(
+    base_url: str, preset: str, seed: int, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """One ``jaxserve bench serve --preset PRESET --seed SEED --<override> ...`` run in a
+    subprocess (``preset_trace(preset, seed=seed, **overrides)`` sends the same requests);
+    returns its result JSON.
 
     Raises:
-      ValueError: the trace has follow-up turns.
+      subprocess.CalledProcessError: the command failed (its stderr is passed through).
     """
-    if any(r.after is not None for r in trace.requests):
-        raise ValueError("trace: follow-up turns cannot be replayed by bench serve")
-    return [
-        BenchRequest(list(r.prompt), len(r.prompt), r.output_len, r.kind) for r in trace.requests
-    ]
-
-
-def measure(trace: Trace, base_url: str, *, num_warmup: int = 1) -> dict[str, Any]:
-    """Runs the trace against a live server with the ``bench serve`` client; returns its
-    result dict (vLLM's field names: ``output_throughput``, ``median_ttft_ms``, ...)."""
-    from jaxserve.benchmarks.serve import ServeBenchConfig, run_serve_benchmark
-
-    config = ServeBenchConfig(
-        base_url=base_url,
-        request_rate=trace.request_rate,
-        max_concurrency=trace.max_concurrency,
-        num_warmup=num_warmup,
-        seed=trace.seed,
-        percentiles=(50, 99),
-    )
-    requests = bench_requests(trace)
-    # Warm-up prompts share no block with the measured ones (reversed), so no hit is planted.
-    warmup = [
-        dataclasses.replace(r, prompt=r.prompt[::-1], output_len=2) for r in requests[:num_warmup]
-    ]
-    return run_serve_benchmark(config, requests, warmup)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        cmd = [sys.executable, "-m", "jaxserve.cli", "bench", "serve", "--base-url", base_url]
+        cmd += ["--preset", preset, "--seed", str(seed), "--percentiles", "50,99"]
+        for key, value in overrides.items():
+            cmd += ["--" + key.replace("_", "-"), str(value)]
+        subprocess.run([*cmd, "--result-file", out], check=True, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            return json.load(f)
 
 
 def compare(name: str, predicted: SimResult, measured: dict[str, Any]) -> dict[str, Any]:

@@ -216,3 +216,23 @@ def test_cli_grid_json_plot_and_recommendation(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv[:-4], "--max-num-seqs-grid", "4,x"])
     assert exc.value.code == 2
+
+
+def test_preset_trace_is_what_bench_serve_sends():
+    """validate.bench_serve_preset relies on it: same preset, sizes and seed -> same requests."""
+    from jaxserve.benchmarks.cli import resolve, workload_spec
+    from jaxserve.benchmarks.workloads import make_requests, poisson_arrivals
+    from jaxserve.cli import build_parser
+
+    sizes = dict(num_prompts=6, input_len=8, output_len=4, long_input_len=20, long_output_len=3)
+    sizes.update(long_fraction=0.5, request_rate=2.0)
+    argv = ["bench", "serve", "--preset", "mixed", "--seed", "3", "--vocab-size", "500"]
+    for k, v in sizes.items():
+        argv += ["--" + k.replace("_", "-"), str(v)]
+    args = build_parser(argv).parse_args(argv)
+    sent = make_requests(workload_spec(args), SOURCE)
+    times = poisson_arrivals(len(sent), resolve(args, "request_rate"), args.seed)
+    trace = preset_trace("mixed", SOURCE, 3, **sizes)
+    assert [r.prompt for r in trace.requests] == [r.prompt for r in sent]
+    assert [r.output_len for r in trace.requests] == [r.output_len for r in sent]
+    assert [r.arrival_s for r in trace.requests] == times
