@@ -242,12 +242,12 @@ def calibrate_engine(
     real_execute = runner.execute_model
     seen: list[tuple[int, int, int]] = []
 
-    def execute(out):
+    def execute(out, *args, **kwargs):
         ctx = 0
         for rid, n in out.num_scheduled_tokens.items():
             ctx += sched.requests[rid].num_computed_tokens if rid in sched.requests else n
         seen.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), ctx))
-        return real_execute(out)
+        return real_execute(out, *args, **kwargs)
 
     samples: list[StepSample] = []
     runner.execute_model = execute
@@ -296,13 +296,13 @@ class StepRecorder:
         self._step, self._execute = engine.step, runner.execute_model
         sched = engine.scheduler
 
-        def execute(out):
+        def execute(out, *args, **kwargs):
             ctx = 0
             for rid, n in out.num_scheduled_tokens.items():
                 req = sched.requests.get(rid)
                 ctx += req.num_computed_tokens if req is not None else n
             self._seen.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), ctx))
-            return self._execute(out)
+            return self._execute(out, *args, **kwargs)
 
         def step():
             now = time.perf_counter()
