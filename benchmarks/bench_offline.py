@@ -12,6 +12,12 @@ GPU, dummy weights at Llama-3.1-8B / Llama-3.2-1B shapes (presets of jaxserve.mo
   python benchmarks/bench_offline.py --model llama-3.1-8b --load-format dummy --dtype bfloat16 \\
       --num-prompts 1000 --input-len 1000 --output-len 1000 --time-limit-s 300
 
+Tensor parallel (``--tensor-parallel-size N``); on CPU, simulated devices measure what the
+collectives and the per-shard attention cost, not a speed-up (they share the same cores):
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 .venv/bin/python benchmarks/bench_offline.py \
+      --tensor-parallel-size 4 --num-prompts 32 --input-len 128 --output-len 64 --max-num-seqs 32 \
+      --max-num-batched-tokens 512 --dtype float32
+
 ``--time-limit-s`` stops the run (aborting what is left) and reports the figures so far, so a
 short GPU slot always yields numbers; progress lines are printed every ``--report-every-s``. The
 last line is a JSON summary (also written to ``--json-out`` when given).
@@ -71,7 +77,8 @@ def main(argv=None) -> dict:
     runner = engine.runner
     print(
         f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), attention {runner.backend}, "
-        f"dtype {runner.dtype.name}, KV {engine.config.cache.num_gpu_blocks} blocks "
+        f"dtype {runner.dtype.name}, tensor parallel {runner.mesh.size}, "
+        f"KV {engine.config.cache.num_gpu_blocks} blocks "
         f"({runner.kv_spec.num_tokens} tokens), buckets {runner.token_buckets}",
         flush=True,
     )
@@ -125,6 +132,7 @@ def main(argv=None) -> dict:
         "device": jax.devices()[0].device_kind,
         "backend": runner.backend,
         "dtype": runner.dtype.name,
+        "tensor_parallel_size": runner.mesh.size,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,

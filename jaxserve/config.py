@@ -252,11 +252,56 @@ class ObservabilityConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices and processes (vLLM's ParallelConfig).
+
+    Attributes:
+      tensor_parallel_size: devices of the 1-D ``("model",)`` mesh the weights, KV heads and
+        attention heads are split over (``jaxserve.model.sharding``).
+      distributed_coordinator: ``HOST:PORT`` of process 0's coordinator for a multi-process
+        (multi-host) mesh, or None for one process.
+      num_processes: processes forming the mesh (``jax.distributed.initialize``).
+      process_id: this process's index; process 0 runs the scheduler, tokenizer and server,
+        the others only run the steps it sends them (``jaxserve.distributed``).
+
+    Raises:
+      ValueError: tensor_parallel_size or num_processes < 1, process_id outside
+        [0, num_processes), or several processes without a coordinator (naming the flag).
+    """
+
+    tensor_parallel_size: int = 1
+    distributed_coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(
+                f"process_id must be in [0, {self.num_processes}) (num_processes), "
+                f"got {self.process_id}"
+            )
+        if self.num_processes > 1 and not self.distributed_coordinator:
+            raise ValueError(
+                "distributed_coordinator (HOST:PORT of process 0) is required when "
+                f"num_processes > 1 (got num_processes={self.num_processes})"
+            )
+        if self.distributed_coordinator and ":" not in self.distributed_coordinator:
+            raise ValueError(
+                f"distributed_coordinator must be HOST:PORT, got {self.distributed_coordinator!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """All resolved configs of one engine.
 
     Attributes:
       ledger_history: finished requests whose ledgers the engine keeps (a ring; 0 = none).
+      parallel: tensor parallel size and the multi-process layout.
     """
 
     model: ModelConfig
@@ -265,6 +310,7 @@ class EngineConfig:
     runner: RunnerConfig
     observability: ObservabilityConfig = dataclasses.field(default_factory=ObservabilityConfig)
     ledger_history: int = 1000
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         if self.ledger_history < 0:
@@ -399,6 +445,23 @@ class EngineArgs:
     ledger_history: int = dataclasses.field(
         default=1000,
         metadata=_meta("finished requests whose ledgers GET /v1/requests/{id}/ledger serves"),
+    )
+    tensor_parallel_size: int = dataclasses.field(
+        default=1,
+        metadata=_meta(
+            "devices to split the model over (attention heads, MLP width, vocabulary, KV heads)"
+        ),
+    )
+    distributed_coordinator: str | None = dataclasses.field(
+        default=None,
+        metadata=_meta("HOST:PORT of process 0 for a multi-process (multi-host) mesh"),
+    )
+    num_processes: int = dataclasses.field(
+        default=1, metadata=_meta("processes forming the mesh (multi-host)")
+    )
+    process_id: int = dataclasses.field(
+        default=0,
+        metadata=_meta("this process's index; 0 serves, the others run the steps it sends"),
     )
 
     @classmethod
@@ -547,4 +610,19 @@ class EngineArgs:
                 data_parallel_rank=self.data_parallel_rank,
             ),
             ledger_history=self.ledger_history,
+            parallel=self.parallel_config(),
+        )
+
+    def parallel_config(self) -> ParallelConfig:
+        """The ParallelConfig of these args (checked; needed before the model loads, to start
+        the distributed runtime).
+
+        Raises:
+          ValueError: an out-of-range parallel knob (names it).
+        """
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_coordinator=self.distributed_coordinator,
+            num_processes=self.num_processes,
+            process_id=self.process_id,
         )

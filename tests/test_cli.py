@@ -146,3 +146,11 @@ def test_serve_rejects_a_bad_flag_value_by_name():
     out = _run("serve", "--max-num-seqs", "0")
     assert out.returncode == 2
     assert "max_num_seqs" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_serve_rejects_a_process_id_outside_the_job_by_name():
+    out = _run(
+        "serve", "--num-processes", "2", "--process-id", "2", "--distributed-coordinator", "h:1"
+    )
+    assert out.returncode == 2
+    assert "process_id must be in [0, 2)" in out.stderr and "Traceback" not in out.stderr

@@ -41,6 +41,7 @@ import dataclasses
 import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -190,18 +191,26 @@ class LLMEngine:
         """Loads the model and tokenizer, sizes and allocates the KV pool, warms up, and builds
         the scheduler.
 
+        Multi-process (``num_processes > 1``): starts the distributed runtime first. On process 0
+        the engine's runner publishes every step to the others; on any other process this never
+        returns: it runs the steps process 0 publishes and exits when process 0 stops
+        (``jaxserve.distributed``).
+
         Raises:
           ValueError (ModelLoadError included): bad engine args or model directory, or a KV
             pool of fewer than 2 blocks.
         """
         import jax
 
+        from jaxserve import distributed
         from jaxserve.model.attention import resolve_attention_backend
         from jaxserve.model.gguf_loader import is_gguf_path
         from jaxserve.model.loader import load_model
         from jaxserve.worker.model_runner import ModelRunner
 
         t0 = time.perf_counter()
+        parallel = engine_args.parallel_config()
+        distributed.initialize(parallel)  # before anything touches a device
         # A Pallas kernel on the wrong platform fails here, before any weights are loaded.
         resolve_attention_backend(
             engine_args.attention_backend,
@@ -230,6 +239,10 @@ class LLMEngine:
         )
         if config.runner.warmup:
             runner.warmup()
+        if parallel.num_processes > 1:
+            if parallel.process_id != 0:
+                sys.exit(distributed.run_worker(runner))
+            runner = distributed.lead(runner)
         engine = cls(config, runner, arch, tokenizer, generation_config)
         # Everything built so far (jax, the model, the block pool, the tokenizer) lives as long
         # as the engine: take it out of the cyclic GC's reach, or every full collection walks

@@ -22,8 +22,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve.config import ATTENTION_BACKEND_CHOICES
+from jaxserve.model.sharding import MODEL_AXIS
 from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
@@ -115,6 +117,9 @@ class PagedAttentionMetadata:
       backend: static; one of ``ATTENTION_BACKENDS`` ("reference", "pallas-gpu", "pallas-tpu").
       interpret: static; run the Pallas kernel in Pallas interpret mode (the TPU kernel in TPU
         interpret mode); ignored by "reference".
+      mesh: static; the tensor-parallel mesh ``("model",)`` when it has more than one device,
+        else None. With a mesh the cache write and the attention run per shard of heads
+        (``shard_map``); the metadata arrays are replicated.
     """
 
     slot_mapping: jax.Array
@@ -124,6 +129,7 @@ class PagedAttentionMetadata:
     num_seqs: jax.Array
     backend: str = "reference"
     interpret: bool = False
+    mesh: Mesh | None = None
 
     def __post_init__(self):
         if self.backend not in ATTENTION_BACKENDS:
@@ -133,7 +139,7 @@ class PagedAttentionMetadata:
 jax.tree_util.register_dataclass(
     PagedAttentionMetadata,
     data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc", "num_seqs"],
-    meta_fields=["backend", "interpret"],
+    meta_fields=["backend", "interpret", "mesh"],
 )
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
@@ -167,13 +173,34 @@ def paged_attention(
       ``(out [T, Hq, D] in q's dtype, (k_cache, v_cache))``; rows for padding tokens are
       unspecified (finite).
     """
+    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if metadata.mesh is None:
+        return _write_and_attend(q, k, v, kv_cache, metadata, kwargs)
+    # Tensor parallel: each shard writes and reads its own KV heads with its own query heads
+    # (GQA groups never straddle shards, see model/sharding.py), so no collective is needed.
+    heads = PartitionSpec(None, MODEL_AXIS, None)  # [T, H, D]
+    cache = PartitionSpec(None, None, MODEL_AXIS, None)  # [N, bs, Hkv, Dc]
+    md = dataclasses.replace(metadata, mesh=None)
+    md_spec = jax.tree.map(lambda _: PartitionSpec(), md)
+    per_shard = jax.shard_map(
+        lambda q, k, v, kv, md: _write_and_attend(q, k, v, kv, md, kwargs),
+        mesh=metadata.mesh,
+        in_specs=(heads, heads, heads, (cache, cache), md_spec),
+        out_specs=(heads, (cache, cache)),
+        check_vma=False,
+    )
+    return per_shard(q, k, v, kv_cache, md)
+
+
+def _write_and_attend(q, k, v, kv_cache, metadata, kwargs) -> tuple[jax.Array, KVCache]:
+    """``paged_attention`` on one device (or one shard of heads)."""
     head_dim = q.shape[-1]
     pad = kv_cache[0].shape[-1] - head_dim
     if pad:
         widths = ((0, 0), (0, 0), (0, pad))
         q, k, v = jnp.pad(q, widths), jnp.pad(k, widths), jnp.pad(v, widths)
     k_cache, v_cache = write_kv_cache(kv_cache[0], kv_cache[1], k, v, metadata.slot_mapping)
-    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    kwargs = dict(kwargs)
     if metadata.backend == "pallas-gpu":
         attend = ragged_paged_attention
         kwargs["interpret"] = metadata.interpret

@@ -1,18 +1,32 @@
 """Logical axis names -> mesh axes, declared once (MaxText's logical axis rules,
-jax-llm-examples' ``ShardingRules``).
+jax-llm-examples' ``ShardingRules``), and placing a model on a tensor-parallel mesh.
 
 Every parameter carries logical axis names in its ``out_sharding`` metadata (see ``llama.py``).
-The rules below place them on a mesh with a single "model" axis: Megatron-style tensor parallelism
-(Shoeybi et al. 2019) splits heads and the MLP width across it. Today the mesh has one device, so
-everything is replicated; tensor parallelism only needs a bigger mesh, not a model rewrite.
+The rules below place them on a 1-D mesh ``("model",)``: Megatron-style tensor parallelism
+(Shoeybi et al. 2019) splits the attention heads and the MLP width across it, and the embedding
+and LM head by vocabulary rows. XLA's SPMD partitioner inserts the collectives (an all-reduce
+after ``o_proj`` and after ``down_proj``); the paged attention runs per shard under
+``shard_map`` (``model/attention.py``); the logits are gathered (replicated) before the sampler.
+
+KV heads: each shard must hold whole KV heads. With ``N`` shards and ``Hkv`` KV heads, ``Hkv``
+must be a multiple of ``N`` (each shard holds ``Hkv / N``) or ``N`` a multiple of ``Hkv``; then
+every KV head is replicated ``N / Hkv`` times (vLLM's ``num_kv_head_replicas``) so that each
+shard holds exactly one, the one its query heads read.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+if TYPE_CHECKING:
+    from jaxserve.model.config import ModelArchConfig
 
 MODEL_AXIS = "model"
 
@@ -28,15 +42,18 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
 
 
 def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
-    """A 1-D mesh ``("model",)`` over the first ``tensor_parallel_size`` devices.
+    """A 1-D mesh ``("model",)`` over the first ``tensor_parallel_size`` devices (global devices:
+    with several processes the mesh spans them all, in ``jax.devices()`` order).
 
     Raises:
-      ValueError: tensor_parallel_size is < 1 or exceeds the available devices.
+      ValueError: tensor_parallel_size is < 1 or exceeds the available devices (names both).
     """
     devices = jax.devices() if devices is None else devices
     if not 1 <= tensor_parallel_size <= len(devices):
         raise ValueError(
-            f"tensor_parallel_size must be in [1, {len(devices)}], got {tensor_parallel_size}"
+            f"tensor_parallel_size must be in [1, {len(devices)}] (the devices JAX sees), got "
+            f"{tensor_parallel_size}; on CPU simulate more devices with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count=N or JAX_NUM_CPU_DEVICES=N"
         )
     return Mesh(np.asarray(devices[:tensor_parallel_size]), (MODEL_AXIS,))
 
@@ -74,16 +91,124 @@ def model_shardings(
     )
 
 
+def put_global(x, sharding: NamedSharding) -> jax.Array:
+    """``x`` (a host or single-device array, the same value on every process) placed with
+    ``sharding``. Within one process this is ``jax.device_put``; when the mesh spans processes
+    each process builds only its own shards from its copy (no cross-process transfer)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
 def shard_model(
     model: nnx.Module, mesh: Mesh, rules: dict[str, str | None] = LOGICAL_AXIS_RULES
 ) -> nnx.Module:
     """Places ``model``'s parameters on ``mesh`` according to ``rules`` (in place; returns it)."""
     state = nnx.state(model)
     shardings = model_shardings(model, mesh, rules)
-    nnx.update(model, jax.device_put(state, shardings))
+    nnx.update(model, jax.tree.map(put_global, state, shardings))
     return model
+
+
+def kv_head_replicas(num_heads: int, num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """How many copies of each KV head the mesh holds (1 = KV heads are split, not copied).
+
+    Raises:
+      ValueError: the heads cannot be split over ``tensor_parallel_size`` shards; the message
+        names the head count and the size.
+    """
+    n = tensor_parallel_size
+    if num_heads % n:
+        raise ValueError(
+            f"num_attention_heads ({num_heads}) is not divisible by tensor_parallel_size ({n}); "
+            f"use a tensor_parallel_size that divides {num_heads}"
+        )
+    if num_kv_heads >= n:
+        if num_kv_heads % n:
+            raise ValueError(
+                f"num_key_value_heads ({num_kv_heads}) is not divisible by tensor_parallel_size "
+                f"({n}); use a tensor_parallel_size that divides {num_kv_heads}"
+            )
+        return 1
+    if n % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size ({n}) is not a multiple of num_key_value_heads "
+            f"({num_kv_heads}), so the KV heads cannot be replicated evenly across the shards"
+        )
+    return n // num_kv_heads
+
+
+def check_tensor_parallel(arch: ModelArchConfig, tensor_parallel_size: int) -> int:
+    """Checks that ``arch`` splits over ``tensor_parallel_size`` shards; returns the KV-head
+    replication factor (``kv_head_replicas``).
+
+    Raises:
+      ValueError: heads, vocabulary or MLP width not divisible (the message names both numbers).
+    """
+    replicas = kv_head_replicas(arch.num_heads, arch.num_kv_heads, tensor_parallel_size)
+    for field, size in (
+        ("vocab_size", arch.vocab_size),
+        ("intermediate_size", arch.intermediate_size),
+    ):
+        if size % tensor_parallel_size:
+            raise ValueError(
+                f"{field} ({size}) is not divisible by tensor_parallel_size ({tensor_parallel_size})"
+            )
+    return replicas
+
+
+def replicate_kv_heads(model: nnx.Module, replicas: int) -> None:
+    """Repeats every KV head ``replicas`` times in the k/v projections (and biases) of
+    ``model``, in place: KV head ``j`` becomes heads ``j * replicas ... j * replicas + r - 1``,
+    so query head ``h`` still reads a copy of its own KV head (``h // (Hq / Hkv)``)."""
+    if replicas == 1:
+        return
+    for layer in model.layers:
+        attn = layer.self_attn
+        for name, axis in (("k_proj", 1), ("v_proj", 1), ("k_bias", 0), ("v_bias", 0)):
+            param = getattr(attn, name)
+            if param is not None:
+                param.set_value(jnp.repeat(param[...], replicas, axis=axis))
+
+
+def place_model(
+    model: nnx.Module, arch: ModelArchConfig, mesh: Mesh
+) -> tuple[nnx.Module, ModelArchConfig]:
+    """Prepares ``model`` for ``mesh`` and places it there (in place).
+
+    Checks that the heads split (``check_tensor_parallel``), replicates KV heads when the mesh
+    is larger than their number, and places every parameter by the logical axis rules.
+
+    Returns:
+      ``(model, arch)`` where ``arch.num_kv_heads`` counts the replicated KV heads (the KV
+      cache's head axis).
+
+    Raises:
+      ValueError: the model cannot be split over the mesh (see ``check_tensor_parallel``).
+    """
+    replicas = check_tensor_parallel(arch, mesh.size)
+    if replicas > 1:
+        replicate_kv_heads(model, replicas)
+        arch = dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads * replicas)
+        model.config = arch
+    return shard_model(model, mesh), arch
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a ``[num_blocks, block_size, Hkv, D]`` cache array: kv heads on "model"."""
     return NamedSharding(mesh, logical_to_pspec((None, None, "kv_heads", "head_dim")))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The fully replicated sharding on ``mesh`` (step inputs, logits before the sampler)."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def gather_logits(logits: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """Inside a jitted step: constrains ``logits [..., V]`` (vocab-sharded by the LM head) to be
+    replicated, so the sampler sees every row whole on every device, exactly as on one device.
+    A no-op without a mesh or on a one-device mesh."""
+    if mesh is None or mesh.size == 1:
+        return logits
+    return jax.lax.with_sharding_constraint(logits, replicated(mesh))

@@ -21,8 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.model.attention import PagedAttentionMetadata
+from jaxserve.model.sharding import gather_logits
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxserve.worker.batch_builder import seq_bucket
 from jaxserve.worker.kv_cache_alloc import (
@@ -62,12 +64,15 @@ class StepGraph:
       graphdef: the model's nnx graphdef (its state is passed to each call).
       backend: the attention backend (``jaxserve.model.attention.ATTENTION_BACKENDS``).
       interpret: run the Pallas kernel in Pallas interpret mode (``--pallas-interpret``).
+      mesh: the tensor-parallel mesh when it has more than one device (attention per shard
+        under shard_map, logits gathered before the sampler), else None.
       traces: traces per step function ("forward", "sampler", "prompt_logprobs").
     """
 
     graphdef: nnx.GraphDef
     backend: str
     interpret: bool = False
+    mesh: Mesh | None = None
     traces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -85,9 +90,10 @@ def forward_step(graph: StepGraph, state: nnx.State, kv_caches: list, inputs: St
         num_seqs=inputs.num_seqs,
         backend=graph.backend,
         interpret=graph.interpret,
+        mesh=graph.mesh,
     )
     hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, metadata)  # [T, E]
-    logits = model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
+    logits = gather_logits(model.compute_logits(hidden[inputs.logits_indices]), graph.mesh)
     return logits, hidden, kv_caches
 
 
@@ -113,7 +119,8 @@ def prompt_logprobs_step(graph: StepGraph, state: nnx.State, hidden: jax.Array, 
 
     def one(args):
         h, tgt = args
-        return prompt_logprobs(model.compute_logits(h), jnp.maximum(tgt, 0), MAX_LOGPROBS)
+        logits = gather_logits(model.compute_logits(h), graph.mesh)  # [chunk, V]
+        return prompt_logprobs(logits, jnp.maximum(tgt, 0), MAX_LOGPROBS)
 
     out = jax.lax.map(
         one, (hidden.reshape(t // chunk, chunk, -1), targets.reshape(t // chunk, chunk))
@@ -155,6 +162,7 @@ def _probe_spec(runner: ModelRunner, num_blocks: int) -> KVCacheSpec:
         * runner.kv_head_dim
         * dtype.itemsize,
         source="probe",
+        num_shards=runner.mesh.size,
     )
 
 
@@ -174,7 +182,10 @@ def profile_peak_activation_bytes(runner: ModelRunner) -> int:
     s_max = seq_bucket(t_max, runner.max_num_seqs)
     probe = _probe_spec(runner, 2 * runner.input_batch.max_blocks_per_req + 1)
     fwd = forward_step.lower(
-        graph, runner.state, kv_cache_shapes(probe), padding_inputs(runner, t_max)
+        graph,
+        runner.state,
+        kv_cache_shapes(probe, runner.kv_sharding),
+        padding_inputs(runner, t_max),
     ).compile()
     fwd_mem = fwd.memory_analysis()
     outputs = int(fwd_mem.output_size_in_bytes) - int(fwd_mem.alias_size_in_bytes)
@@ -212,7 +223,8 @@ def initialize_kv_cache(runner: ModelRunner) -> KVCacheSpec:
     cache = runner.config.cache
     arch = runner.arch
     peak = 0
-    if cache.num_gpu_blocks_override is None and device_memory(runner.device) is not None:
+    devices = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()]
+    if cache.num_gpu_blocks_override is None and device_memory(devices[0]) is not None:
         t0 = time.perf_counter()
         peak = profile_peak_activation_bytes(runner)
         runner.compile_seconds += time.perf_counter() - t0
@@ -226,12 +238,17 @@ def initialize_kv_cache(runner: ModelRunner) -> KVCacheSpec:
         num_gpu_blocks_override=cache.num_gpu_blocks_override,
         max_num_seqs=runner.max_num_seqs,
         max_model_len=runner.max_model_len,
-        device=runner.device,
+        device=devices,
         peak_activation_bytes=peak,
+        num_shards=runner.mesh.size,
     )
+    if jax.process_count() > 1:  # every process must allocate the same pool
+        from jaxserve.distributed import min_over_processes
+
+        spec = dataclasses.replace(spec, num_blocks=min_over_processes(spec.num_blocks))
     log_kv_cache_spec(spec)
     runner.kv_spec = spec
-    runner.kv_caches = allocate_kv_caches(spec, runner.device)
+    runner.kv_caches = allocate_kv_caches(spec, runner.kv_sharding)
     return spec
 
 

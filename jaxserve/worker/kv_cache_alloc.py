@@ -10,7 +10,11 @@ anything else already on the device) and the step's peak activation memory are a
 ``compiled.memory_analysis()`` of the largest step bucket (temporaries plus outputs that do not
 alias a donated input), measured by the runner before the pool exists. CPU devices report no
 memory stats; there the pool holds ``max_num_seqs`` full-length sequences (plus the null block),
-capped at ``CPU_KV_CACHE_CAP_BYTES`` (1 GiB). ``num_gpu_blocks_override`` bypasses both.
+capped at ``CPU_KV_CACHE_CAP_BYTES`` (1 GiB per device). ``num_gpu_blocks_override`` bypasses both.
+
+Tensor parallel (``num_shards`` > 1): every device holds ``1 / num_shards`` of each token's KV
+(its KV heads), so the pool is sized from each device's own budget and its share of a token's
+bytes, and the device with the least room decides (the pool has the same blocks on all of them).
 
 Layout (docs/ARCHITECTURE.md): one ``(k_cache, v_cache)`` pair per layer, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype; block 0 is the null block.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +52,7 @@ class KVCacheSpec:
       dtype: element dtype name ("float32", "bfloat16").
       bytes_per_token: ``2 * num_layers * num_kv_heads * head_dim * itemsize``, bytes.
       source: how num_blocks was chosen: "override", "memory" or "cpu-default".
+      num_shards: devices the KV heads are split over (tensor parallel size).
     """
 
     num_blocks: int
@@ -57,11 +63,17 @@ class KVCacheSpec:
     dtype: str
     bytes_per_token: int
     source: str
+    num_shards: int = 1
 
     @property
     def num_tokens(self) -> int:
         """Token slots the usable blocks hold (the null block excluded)."""
         return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def bytes_per_token_per_device(self) -> int:
+        """One device's share of a token's KV bytes (its KV heads)."""
+        return self.bytes_per_token // self.num_shards
 
     @property
     def total_bytes(self) -> int:
@@ -107,21 +119,24 @@ def determine_kv_cache_spec(
     num_gpu_blocks_override: int | None,
     max_num_seqs: int,
     max_model_len: int,
-    device: jax.Device,
+    device: jax.Device | Sequence[jax.Device],
     peak_activation_bytes: int = 0,
+    num_shards: int = 1,
 ) -> KVCacheSpec:
     """Chooses the number of KV blocks (see the module docstring for the rule).
 
     Args:
-      num_layers, num_kv_heads, head_dim: the model's attention shape.
+      num_layers, num_kv_heads, head_dim: the model's attention shape (``num_kv_heads`` counts
+        every shard's heads, replicated ones included).
       dtype: the KV cache dtype (the model dtype).
       block_size: tokens per block.
       gpu_memory_utilization: fraction of the device's memory the engine may use, in (0, 1].
       num_gpu_blocks_override: use exactly this many blocks when not None.
       max_num_seqs, max_model_len: size of the CPU default.
-      device: where the pool will live.
-      peak_activation_bytes: the largest step's activation memory, bytes (from
+      device: where the pool will live: one device, or this process's devices of the mesh.
+      peak_activation_bytes: the largest step's activation memory per device, bytes (from
         ``compiled.memory_analysis()``); ignored on CPU and with an override.
+      num_shards: devices the KV heads are split over; each holds ``1 / num_shards`` of a token.
 
     Returns:
       The KVCacheSpec.
@@ -138,42 +153,53 @@ def determine_kv_cache_spec(
         head_dim=head_dim,
         dtype=np.dtype(dtype).name,
         bytes_per_token=per_token,
+        num_shards=num_shards,
     )
     if num_gpu_blocks_override is not None:
         return KVCacheSpec(num_blocks=int(num_gpu_blocks_override), source="override", **common)
-    mem = device_memory(device)
-    if mem is None:
-        blocks = cpu_default_num_blocks(max_num_seqs, max_model_len, block_size, per_token)
+    per_device = per_token // num_shards
+    devices = (
+        [device] if isinstance(device, jax.Device) or not isinstance(device, Sequence) else device
+    )
+    mems = [device_memory(d) for d in devices]
+    if any(m is None for m in mems):
+        blocks = cpu_default_num_blocks(max_num_seqs, max_model_len, block_size, per_device)
         return KVCacheSpec(num_blocks=blocks, source="cpu-default", **common)
-    limit, in_use = mem
+    # The device with the least room decides: every device holds the same blocks.
+    limit, in_use = min(mems, key=lambda m: int(gpu_memory_utilization * m[0]) - m[1])
     available = int(gpu_memory_utilization * limit) - in_use - int(peak_activation_bytes)
     logger.info(
-        "KV cache budget: %.2f GiB = %.2f x %.2f GiB limit - %.2f GiB in use - %.2f GiB "
+        "KV cache budget%s: %.2f GiB = %.2f x %.2f GiB limit - %.2f GiB in use - %.2f GiB "
         "peak activations",
+        f" per device (tightest of {len(devices)})" if len(devices) > 1 else "",
         available / 2**30,
         gpu_memory_utilization,
         limit / 2**30,
         in_use / 2**30,
         peak_activation_bytes / 2**30,
     )
-    blocks = compute_num_gpu_blocks(available, per_token, block_size)
+    blocks = compute_num_gpu_blocks(available, per_device, block_size)
     return KVCacheSpec(num_blocks=blocks, source="memory", **common)
 
 
-def allocate_kv_caches(spec: KVCacheSpec, device: jax.Device | None = None) -> KVCaches:
+def allocate_kv_caches(
+    spec: KVCacheSpec, device: jax.Device | jax.sharding.Sharding | None = None
+) -> KVCaches:
     """Zero-filled per-layer ``(k_cache, v_cache)`` arrays, each ``spec.layer_shape`` in
-    ``spec.dtype``, on ``device`` (default: the first local device)."""
+    ``spec.dtype``, on ``device`` (default: the first local device) or placed with a sharding
+    (tensor parallel: ``model.sharding.kv_cache_sharding``, KV heads split over the mesh)."""
     device = device or jax.local_devices()[0]
+    if not isinstance(device, jax.sharding.Sharding):
+        device = jax.sharding.SingleDeviceSharding(device)
     shape, dtype = spec.layer_shape, jnp.dtype(spec.dtype)
-    make = jax.jit(
-        lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device)
-    )
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=device)
     return [(make(), make()) for _ in range(spec.num_layers)]
 
 
-def kv_cache_shapes(spec: KVCacheSpec) -> KVCaches:
-    """``jax.ShapeDtypeStruct`` stand-ins of the pool, for lowering without allocating."""
-    leaf = jax.ShapeDtypeStruct(spec.layer_shape, jnp.dtype(spec.dtype))
+def kv_cache_shapes(spec: KVCacheSpec, sharding: jax.sharding.Sharding | None = None) -> KVCaches:
+    """``jax.ShapeDtypeStruct`` stand-ins of the pool (placed with ``sharding``, if given), for
+    lowering without allocating."""
+    leaf = jax.ShapeDtypeStruct(spec.layer_shape, jnp.dtype(spec.dtype), sharding=sharding)
     return [(leaf, leaf) for _ in range(spec.num_layers)]
 
 
@@ -181,7 +207,7 @@ def log_kv_cache_spec(spec: KVCacheSpec) -> None:
     """Logs blocks, tokens and bytes per token at start-up."""
     logger.info(
         "KV cache (%s): %d blocks x %d tokens (block 0 is the null block: %d usable tokens), "
-        "%d bytes/token, %.3f GiB, dtype %s",
+        "%d bytes/token, %.3f GiB, dtype %s%s",
         spec.source,
         spec.num_blocks,
         spec.block_size,
@@ -189,4 +215,8 @@ def log_kv_cache_spec(spec: KVCacheSpec) -> None:
         spec.bytes_per_token,
         spec.total_bytes / 2**30,
         spec.dtype,
+        f", split over {spec.num_shards} devices ({spec.bytes_per_token_per_device} bytes/token "
+        f"and {spec.total_bytes / spec.num_shards / 2**30:.3f} GiB each)"
+        if spec.num_shards > 1
+        else "",
     )

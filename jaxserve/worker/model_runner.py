@@ -47,6 +47,7 @@ from jaxserve.model.attention import (
     resolve_attention_backend,
     token_bucket_multiple,
 )
+from jaxserve.model.sharding import kv_cache_sharding, make_mesh, place_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import compilation
 from jaxserve.worker.batch_builder import (
@@ -101,7 +102,8 @@ class StepTiming:
 
 
 class ModelRunner:
-    """Runs the paged model on one device for the scheduler's steps.
+    """Runs the paged model for the scheduler's steps, on one device or on a tensor-parallel
+    mesh (``config.parallel.tensor_parallel_size``; one program over all its devices).
 
     Args:
       model: the Flax NNX model (``jaxserve.model.load_model``); split once into a static
@@ -113,7 +115,8 @@ class ModelRunner:
         sequence bucket (default: greedy, plain sampling, top-k, top-p).
 
     Raises:
-      ValueError: a bad attention backend or token bucket list (named).
+      ValueError: a bad attention backend or token bucket list (named), or a model whose heads
+        cannot be split over the mesh (naming both numbers).
     """
 
     def __init__(
@@ -125,9 +128,14 @@ class ModelRunner:
         warmup_sampling: tuple[SamplingParams, ...] = WARMUP_SAMPLING,
     ) -> None:
         self.config = config
-        self.arch = arch
         self.dtype = jnp.dtype(getattr(model, "dtype", jnp.float32))
         self.device = jax.local_devices()[0]
+        # Tensor parallel: the mesh, the weights placed on it, heads replicated if needed
+        # (model/sharding.py). ``step_mesh`` is None on one device: no shard_map, no gather.
+        self.mesh = make_mesh(config.parallel.tensor_parallel_size)
+        model, self.arch = place_model(model, arch, self.mesh)
+        self.step_mesh = self.mesh if self.mesh.size > 1 else None
+        self.kv_sharding = kv_cache_sharding(self.mesh)
         self.backend = resolve_attention_backend(
             config.runner.attention_backend,
             self.device.platform,
@@ -137,7 +145,7 @@ class ModelRunner:
         self.kv_head_dim = cache_head_dim(self.backend, arch.head_dim)
         compilation.configure_compilation_cache(config.runner.compilation_cache_dir)
         self.graphdef, self.state = nnx.split(model)
-        self.graph = StepGraph(self.graphdef, self.backend, self.interpret)
+        self.graph = StepGraph(self.graphdef, self.backend, self.interpret, self.step_mesh)
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_num_seqs = sched.max_num_seqs

@@ -1,4 +1,5 @@
-"""Logical axis rules -> mesh placement on a one-device mesh (tensor parallelism later)."""
+"""Logical axis rules -> mesh placement on a one-device mesh, and the tensor-parallel checks
+(KV heads split or replicated). The multi-device runs are in tests/parallel (subprocesses)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,15 @@ from model_testing import dense_logits, tiny_config
 
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.sharding import (
+    check_tensor_parallel,
+    gather_logits,
     kv_cache_sharding,
+    kv_head_replicas,
     logical_to_pspec,
     make_mesh,
     model_shardings,
+    place_model,
+    replicate_kv_heads,
     shard_model,
 )
 
@@ -49,3 +55,53 @@ def test_shard_model_on_one_device_mesh():
     assert q.sharding.spec == P(None, "model", None) and q.sharding.mesh.shape == {"model": 1}
     np.testing.assert_array_equal(dense_logits(model, [1, 2, 3]), before)
     assert kv_cache_sharding(mesh).spec == P(None, None, "model", None)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,tp,replicas",
+    [(8, 8, 2, 1), (8, 2, 2, 1), (8, 2, 4, 2), (8, 2, 8, 4), (8, 1, 8, 8), (32, 8, 8, 1)],
+)
+def test_kv_heads_split_or_replicate(heads, kv_heads, tp, replicas):
+    assert kv_head_replicas(heads, kv_heads, tp) == replicas
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,tp,message",
+    [
+        (4, 2, 8, r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(8\)"),
+        (12, 6, 4, r"num_key_value_heads \(6\) is not divisible by tensor_parallel_size \(4\)"),
+        (24, 4, 6, r"tensor_parallel_size \(6\) is not a multiple of num_key_value_heads \(4\)"),
+    ],
+)
+def test_heads_that_cannot_split_name_both_numbers(heads, kv_heads, tp, message):
+    with pytest.raises(ValueError, match=message):
+        kv_head_replicas(heads, kv_heads, tp)
+
+
+def test_vocab_that_cannot_split_is_named():
+    with pytest.raises(ValueError, match=r"vocab_size \(130\) is not divisible by .* \(4\)"):
+        check_tensor_parallel(tiny_config(vocab_size=130, num_attention_heads=8), 4)
+
+
+def test_replicated_kv_heads_keep_the_dense_logits():
+    """Each query head reads a copy of its own KV head after replication (GQA 4/2 -> 4/4)."""
+    cfg = tiny_config(architectures=["Qwen2ForCausalLM"])  # q/k/v biases replicate too
+    model = LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    for layer in model.layers:  # non-zero biases, so a misplaced bias would show
+        attn = layer.self_attn
+        for name in ("k_bias", "v_bias"):
+            p = getattr(attn, name)
+            p.set_value(0.1 * jax.random.normal(jax.random.key(1), p[...].shape))
+    before = dense_logits(model, [1, 2, 3, 9, 4])
+    replicate_kv_heads(model, 2)
+    assert model.layers[0].self_attn.k_proj[...].shape == (32, 4, 16)
+    assert model.layers[0].self_attn.v_bias[...].shape == (4, 16)
+    np.testing.assert_allclose(dense_logits(model, [1, 2, 3, 9, 4]), before, atol=1e-5, rtol=0)
+
+
+def test_place_model_on_one_device_keeps_the_arch():
+    cfg = tiny_config()
+    model = LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    placed, arch = place_model(model, cfg, make_mesh(1))
+    assert placed is model and arch == cfg
+    assert gather_logits(jnp.ones((2, 3)), None).shape == (2, 3)

@@ -80,3 +80,16 @@ def test_allocation_layout():
         assert k.shape == v.shape == (5, 16, 2, 16)
         assert k.dtype == v.dtype == jnp.bfloat16
         assert not bool(k.any()) and k is not v
+
+
+def test_tensor_parallel_pool_sized_per_device_by_the_tightest_device():
+    """Each of 4 shards holds a quarter of a token's KV: the pool is 4x what one device's budget
+    buys for whole tokens, and the device with the least room decides."""
+    per_block_device = 16 * (2 * 2 * 4 * 16 * 4) // 4  # 4 KV heads split over 4 devices
+    roomy = FakeDevice(limit=1000 * per_block_device, in_use=0)
+    tight = FakeDevice(limit=1000 * per_block_device, in_use=200 * per_block_device)
+    spec = _spec([roomy, tight, roomy, roomy], num_kv_heads=4, num_shards=4)
+    assert spec.num_shards == 4 and spec.bytes_per_token_per_device == 2 * 2 * 16 * 4
+    assert spec.num_blocks == 500 - 200 and spec.source == "memory"
+    one = _spec(roomy, num_kv_heads=4)
+    assert one.num_blocks == 500 // 4

@@ -1,0 +1,79 @@
+"""One run of the tensor-parallel harness per test session, shared by every test here.
+
+JAX fixes the device count when it first initialises, and the rest of the suite assumes one
+device, so the multi-device engines run in subprocesses (``tp_harness.py``) with simulated CPU
+devices; two of them run at once (the models split between them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tp_harness import HERE, TP_SIZES, subprocess_env
+
+
+def _harness(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "tp_harness.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+
+
+def _collect(proc: subprocess.Popen, timeout: float) -> list[dict]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"harness failed ({proc.returncode}):\n{err[-4000:]}"
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="session")
+def tp_results() -> dict[tuple[str, int, str], dict]:
+    """``{(model, tp, backend): result}`` of ``tp_harness.run`` for the bundled model and every
+    fixture at TP 1/2/4/8 (reference attention), and qwen3 at TP 2 with the Pallas kernel."""
+    sizes = ",".join(map(str, TP_SIZES))
+    procs = [
+        (
+            _harness("--devices", "8", "--tp", sizes, "--model", "bundled", "--model", "llama"),
+            "reference",
+        ),
+        (
+            _harness(
+                "--devices",
+                "8",
+                "--tp",
+                sizes,
+                "--model",
+                "qwen2",
+                "--model",
+                "qwen3",
+                "--model",
+                "mistral",
+            ),
+            "reference",
+        ),
+    ]
+    pallas = _harness(
+        "--devices",
+        "2",
+        "--tp",
+        "2",
+        "--model",
+        "qwen3",
+        "--backend",
+        "pallas",
+        "--max-tokens",
+        "4",
+    )
+    results = {}
+    for proc, backend in procs:
+        for r in _collect(proc, timeout=900):
+            results[(r["model"], r["tp"], backend)] = r
+    for r in _collect(pallas, timeout=900):
+        results[(r["model"], r["tp"], "pallas")] = r
+    return results

@@ -1,0 +1,68 @@
+"""Tensor parallelism on simulated CPU devices: greedy float32 tokens at TP 2/4/8 are those of
+TP 1 (prefix caching, chunked prefill and preemption on the way), placement by the logical axis
+rules, KV heads split or replicated, the Pallas kernel per shard, and heads that cannot split."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from tp_harness import ENGINE_KWARGS, FIXTURE_MODELS, MAX_TOKENS, PROMPTS, model_path
+
+from jaxserve.model import default_model_path
+from jaxserve.model.config import ModelArchConfig
+from jaxserve.model.sharding import kv_head_replicas
+
+CASES = [
+    (m, tp) for m in ("bundled", *FIXTURE_MODELS) for tp in (2, 4, 8) if (m, tp) != ("bundled", 8)
+]
+
+
+def _arch(name: str) -> ModelArchConfig:
+    return ModelArchConfig.from_pretrained(model_path(name) or os.fspath(default_model_path()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,tp", CASES)
+def test_greedy_tokens_equal_one_device(tp_results, model, tp):
+    one = tp_results[(model, 1, "reference")]
+    many = tp_results[(model, tp, "reference")]
+    assert "error" not in many, many.get("error")
+    assert many["placement"]["mesh"] == {"model": tp}
+    assert many["tokens"] == one["tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ("bundled", *FIXTURE_MODELS))
+def test_workload_covers_prefix_caching_chunked_prefill_and_preemption(tp_results, model):
+    stats = tp_results[(model, 1, "reference")]["stats"]
+    assert stats["preemptions"] > 0
+    assert stats["prefix_cache_hits"] > 0
+    assert max(map(len, PROMPTS)) > ENGINE_KWARGS["long_prefill_token_threshold"]  # chunked
+    assert all(len(t) == MAX_TOKENS for t in tp_results[(model, 1, "reference")]["tokens"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,tp", [(m, tp) for m, tp in CASES] + [("llama", 1)])
+def test_placement_splits_heads_and_kv_heads(tp_results, model, tp):
+    arch = _arch(model)
+    p = tp_results[(model, tp, "reference")]["placement"]
+    replicas = kv_head_replicas(arch.num_heads, arch.num_kv_heads, tp)
+    assert p["q_proj"] == [arch.hidden_size, arch.num_heads, arch.head_dim]
+    assert p["q_proj_shard"] == [arch.hidden_size, arch.num_heads // tp, arch.head_dim]
+    kv_heads = arch.num_kv_heads * replicas  # the cache holds the replicated heads
+    assert p["k_cache"][2] == kv_heads and p["k_cache_shard"][2] == kv_heads // tp
+    assert p["k_cache_shard"][2] == max(1, arch.num_kv_heads // tp)
+
+
+@pytest.mark.slow
+def test_heads_that_cannot_split_are_refused_naming_both_numbers(tp_results):
+    err = tp_results[("bundled", 8, "reference")]["error"]
+    assert "num_attention_heads (4)" in err and "tensor_parallel_size (8)" in err
+
+
+@pytest.mark.slow
+def test_pallas_kernel_per_shard_matches_one_device(tp_results):
+    got = tp_results[("qwen3", 2, "pallas")]["tokens"]
+    want = tp_results[("qwen3", 1, "reference")]["tokens"]
+    assert got == [t[: len(g)] for t, g in zip(want, got)] and all(len(g) == 4 for g in got)
