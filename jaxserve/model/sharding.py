@@ -8,10 +8,13 @@ and LM head by vocabulary rows. XLA's SPMD partitioner inserts the collectives (
 after ``o_proj`` and after ``down_proj``); the paged attention runs per shard under
 ``shard_map`` (``model/attention.py``); the logits are gathered (replicated) before the sampler.
 
-KV heads: each shard must hold whole KV heads. With ``N`` shards and ``Hkv`` KV heads, ``Hkv``
-must be a multiple of ``N`` (each shard holds ``Hkv / N``) or ``N`` a multiple of ``Hkv``; then
-every KV head is replicated ``N / Hkv`` times (vLLM's ``num_kv_head_replicas``) so that each
-shard holds exactly one, the one its query heads read.
+Heads: each shard must hold whole heads. With ``N`` shards and ``Hkv`` KV heads, ``Hkv`` must be
+a multiple of ``N`` (each shard holds ``Hkv / N``) or ``N`` a multiple of ``Hkv``; then every KV
+head is replicated ``N / Hkv`` times (vLLM's ``num_kv_head_replicas``) so that each shard holds
+exactly one, the one its query heads read. Query heads likewise: ``Hq`` a multiple of ``N``, or
+``N`` a multiple of ``Hq`` (only tiny models: the bundled one has 4 heads); then every query head
+is copied ``N / Hq`` times and only the first copy keeps its ``o_proj`` rows (the others are
+zero), so the output is the same sum and each shard runs one head.
 """
 
 from __future__ import annotations
@@ -111,6 +114,24 @@ def shard_model(
     return model
 
 
+def q_head_replicas(num_heads: int, tensor_parallel_size: int) -> int:
+    """How many copies of each query head the mesh holds (1 = split, not copied; more only
+    when the mesh has more devices than the model has heads).
+
+    Raises:
+      ValueError: neither divides the other; the message names both numbers.
+    """
+    n = tensor_parallel_size
+    if num_heads % n == 0:
+        return 1
+    if n % num_heads == 0:
+        return n // num_heads
+    raise ValueError(
+        f"num_attention_heads ({num_heads}) is not divisible by tensor_parallel_size ({n}) "
+        f"(nor {n} by {num_heads}); use a tensor_parallel_size that divides {num_heads}"
+    )
+
+
 def kv_head_replicas(num_heads: int, num_kv_heads: int, tensor_parallel_size: int) -> int:
     """How many copies of each KV head the mesh holds (1 = KV heads are split, not copied).
 
@@ -119,11 +140,7 @@ def kv_head_replicas(num_heads: int, num_kv_heads: int, tensor_parallel_size: in
         names the head count and the size.
     """
     n = tensor_parallel_size
-    if num_heads % n:
-        raise ValueError(
-            f"num_attention_heads ({num_heads}) is not divisible by tensor_parallel_size ({n}); "
-            f"use a tensor_parallel_size that divides {num_heads}"
-        )
+    q_head_replicas(num_heads, n)
     if num_kv_heads >= n:
         if num_kv_heads % n:
             raise ValueError(
@@ -139,14 +156,15 @@ def kv_head_replicas(num_heads: int, num_kv_heads: int, tensor_parallel_size: in
     return n // num_kv_heads
 
 
-def check_tensor_parallel(arch: ModelArchConfig, tensor_parallel_size: int) -> int:
-    """Checks that ``arch`` splits over ``tensor_parallel_size`` shards; returns the KV-head
-    replication factor (``kv_head_replicas``).
+def check_tensor_parallel(arch: ModelArchConfig, tensor_parallel_size: int) -> tuple[int, int]:
+    """Checks that ``arch`` splits over ``tensor_parallel_size`` shards; returns the query- and
+    KV-head replication factors (``q_head_replicas``, ``kv_head_replicas``).
 
     Raises:
       ValueError: heads, vocabulary or MLP width not divisible (the message names both numbers).
     """
     replicas = kv_head_replicas(arch.num_heads, arch.num_kv_heads, tensor_parallel_size)
+    q_replicas = q_head_replicas(arch.num_heads, tensor_parallel_size)
     for field, size in (
         ("vocab_size", arch.vocab_size),
         ("intermediate_size", arch.intermediate_size),
@@ -155,7 +173,7 @@ def check_tensor_parallel(arch: ModelArchConfig, tensor_parallel_size: int) -> i
             raise ValueError(
                 f"{field} ({size}) is not divisible by tensor_parallel_size ({tensor_parallel_size})"
             )
-    return replicas
+    return q_replicas, replicas
 
 
 def replicate_kv_heads(model: nnx.Module, replicas: int) -> None:
@@ -172,25 +190,48 @@ def replicate_kv_heads(model: nnx.Module, replicas: int) -> None:
                 param.set_value(jnp.repeat(param[...], replicas, axis=axis))
 
 
+def replicate_q_heads(model: nnx.Module, replicas: int) -> None:
+    """Repeats every query head ``replicas`` times in the q projection (and bias) of ``model``,
+    in place; ``o_proj`` keeps the first copy's rows and zeroes the others', so the attention
+    output (a sum over heads) is unchanged. Query head ``h`` becomes heads ``h * replicas ...``,
+    which still read (copies of) KV head ``h // (Hq / Hkv)`` once KV heads are replicated to the
+    same count."""
+    if replicas == 1:
+        return
+    for layer in model.layers:
+        attn = layer.self_attn
+        for name, axis in (("q_proj", 1), ("q_bias", 0)):
+            param = getattr(attn, name)
+            if param is not None:
+                param.set_value(jnp.repeat(param[...], replicas, axis=axis))
+        o = jnp.repeat(attn.o_proj[...], replicas, axis=0)  # [Hq * r, d, e]
+        first = (jnp.arange(o.shape[0]) % replicas == 0).astype(o.dtype)
+        attn.o_proj.set_value(o * first[:, None, None])
+
+
 def place_model(
     model: nnx.Module, arch: ModelArchConfig, mesh: Mesh
 ) -> tuple[nnx.Module, ModelArchConfig]:
     """Prepares ``model`` for ``mesh`` and places it there (in place).
 
-    Checks that the heads split (``check_tensor_parallel``), replicates KV heads when the mesh
-    is larger than their number, and places every parameter by the logical axis rules.
+    Checks that the heads split (``check_tensor_parallel``), replicates KV (and query) heads
+    when the mesh is larger than their number, and places every parameter by the logical axis
+    rules.
 
     Returns:
-      ``(model, arch)`` where ``arch.num_kv_heads`` counts the replicated KV heads (the KV
-      cache's head axis).
+      ``(model, arch)`` where ``arch.num_heads`` / ``arch.num_kv_heads`` count the replicated
+      heads (``num_kv_heads`` is the KV cache's head axis).
 
     Raises:
       ValueError: the model cannot be split over the mesh (see ``check_tensor_parallel``).
     """
-    replicas = check_tensor_parallel(arch, mesh.size)
-    if replicas > 1:
+    q_replicas, replicas = check_tensor_parallel(arch, mesh.size)
+    if q_replicas > 1 or replicas > 1:
+        replicate_q_heads(model, q_replicas)
         replicate_kv_heads(model, replicas)
-        arch = dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads * replicas)
+        arch = dataclasses.replace(
+            arch, num_heads=arch.num_heads * q_replicas, num_kv_heads=arch.num_kv_heads * replicas
+        )
         model.config = arch
     return shard_model(model, mesh), arch
 

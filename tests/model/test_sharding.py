@@ -21,7 +21,9 @@ from jaxserve.model.sharding import (
     make_mesh,
     model_shardings,
     place_model,
+    q_head_replicas,
     replicate_kv_heads,
+    replicate_q_heads,
     shard_model,
 )
 
@@ -59,7 +61,15 @@ def test_shard_model_on_one_device_mesh():
 
 @pytest.mark.parametrize(
     "heads,kv_heads,tp,replicas",
-    [(8, 8, 2, 1), (8, 2, 2, 1), (8, 2, 4, 2), (8, 2, 8, 4), (8, 1, 8, 8), (32, 8, 8, 1)],
+    [
+        (8, 8, 2, 1),
+        (8, 2, 2, 1),
+        (8, 2, 4, 2),
+        (8, 2, 8, 4),
+        (8, 1, 8, 8),
+        (32, 8, 8, 1),
+        (4, 2, 8, 4),
+    ],
 )
 def test_kv_heads_split_or_replicate(heads, kv_heads, tp, replicas):
     assert kv_head_replicas(heads, kv_heads, tp) == replicas
@@ -68,7 +78,7 @@ def test_kv_heads_split_or_replicate(heads, kv_heads, tp, replicas):
 @pytest.mark.parametrize(
     "heads,kv_heads,tp,message",
     [
-        (4, 2, 8, r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(8\)"),
+        (4, 2, 6, r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(6\)"),
         (12, 6, 4, r"num_key_value_heads \(6\) is not divisible by tensor_parallel_size \(4\)"),
         (24, 4, 6, r"tensor_parallel_size \(6\) is not a multiple of num_key_value_heads \(4\)"),
     ],
@@ -96,6 +106,25 @@ def test_replicated_kv_heads_keep_the_dense_logits():
     replicate_kv_heads(model, 2)
     assert model.layers[0].self_attn.k_proj[...].shape == (32, 4, 16)
     assert model.layers[0].self_attn.v_bias[...].shape == (4, 16)
+    np.testing.assert_allclose(dense_logits(model, [1, 2, 3, 9, 4]), before, atol=1e-5, rtol=0)
+
+
+def test_replicated_query_heads_keep_the_dense_logits():
+    """More shards than query heads (4 heads, TP 8): each query head is copied, only the first
+    copy feeds o_proj, KV heads are copied to match; the logits stay the same."""
+    cfg = tiny_config(architectures=["Qwen2ForCausalLM"])  # GQA 4/2 with q/k/v biases
+    model = LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    for layer in model.layers:
+        for name in ("q_bias", "k_bias", "v_bias"):
+            p = getattr(layer.self_attn, name)
+            p.set_value(0.1 * jax.random.normal(jax.random.key(2), p[...].shape))
+    before = dense_logits(model, [1, 2, 3, 9, 4])
+    assert q_head_replicas(4, 8) == 2 and kv_head_replicas(4, 2, 8) == 4
+    replicate_q_heads(model, 2)
+    replicate_kv_heads(model, 4)
+    attn = model.layers[0].self_attn
+    assert attn.q_proj[...].shape == (32, 8, 16) and attn.o_proj[...].shape == (8, 16, 32)
+    assert attn.k_proj[...].shape == (32, 8, 16)
     np.testing.assert_allclose(dense_logits(model, [1, 2, 3, 9, 4]), before, atol=1e-5, rtol=0)
 
 

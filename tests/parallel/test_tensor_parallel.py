@@ -11,11 +11,9 @@ from tp_harness import ENGINE_KWARGS, FIXTURE_MODELS, MAX_TOKENS, PROMPTS, model
 
 from jaxserve.model import default_model_path
 from jaxserve.model.config import ModelArchConfig
-from jaxserve.model.sharding import kv_head_replicas
+from jaxserve.model.sharding import kv_head_replicas, q_head_replicas
 
-CASES = [
-    (m, tp) for m in ("bundled", *FIXTURE_MODELS) for tp in (2, 4, 8) if (m, tp) != ("bundled", 8)
-]
+CASES = [(m, tp) for m in ("bundled", *FIXTURE_MODELS) for tp in (2, 4, 8)]
 
 
 def _arch(name: str) -> ModelArchConfig:
@@ -48,8 +46,9 @@ def test_placement_splits_heads_and_kv_heads(tp_results, model, tp):
     arch = _arch(model)
     p = tp_results[(model, tp, "reference")]["placement"]
     replicas = kv_head_replicas(arch.num_heads, arch.num_kv_heads, tp)
-    assert p["q_proj"] == [arch.hidden_size, arch.num_heads, arch.head_dim]
-    assert p["q_proj_shard"] == [arch.hidden_size, arch.num_heads // tp, arch.head_dim]
+    heads = arch.num_heads * q_head_replicas(arch.num_heads, tp)  # copies only when tp > heads
+    assert p["q_proj"] == [arch.hidden_size, heads, arch.head_dim]
+    assert p["q_proj_shard"] == [arch.hidden_size, heads // tp, arch.head_dim]
     kv_heads = arch.num_kv_heads * replicas  # the cache holds the replicated heads
     assert p["k_cache"][2] == kv_heads and p["k_cache_shard"][2] == kv_heads // tp
     assert p["k_cache_shard"][2] == max(1, arch.num_kv_heads // tp)
@@ -57,8 +56,10 @@ def test_placement_splits_heads_and_kv_heads(tp_results, model, tp):
 
 @pytest.mark.slow
 def test_heads_that_cannot_split_are_refused_naming_both_numbers(tp_results):
-    err = tp_results[("bundled", 8, "reference")]["error"]
-    assert "num_attention_heads (4)" in err and "tensor_parallel_size (8)" in err
+    err = tp_results[("bundled", 3, "reference")]["error"]
+    assert "num_attention_heads (4)" in err and "tensor_parallel_size (3)" in err
+    err = tp_results[("llama", 3, "reference")]["error"]
+    assert "num_attention_heads (8)" in err and "tensor_parallel_size (3)" in err
 
 
 @pytest.mark.slow
