@@ -35,7 +35,8 @@ def _collect(proc: subprocess.Popen, timeout: float) -> list[dict]:
 @pytest.fixture(scope="session")
 def tp_results() -> dict[tuple[str, int, str], dict]:
     """``{(model, tp, backend): result}`` of ``tp_harness.run`` for the bundled model and every
-    fixture at TP 1/2/4/8 (reference attention), and qwen3 at TP 2 with the Pallas kernel."""
+    fixture at TP 1/2/4/8 (reference attention), and qwen3 at TP 2 with the Pallas GPU kernel
+    (interpreted on CPU), keyed "pallas"."""
     sizes = ",".join(map(str, TP_SIZES))
     procs = [
         (
@@ -69,7 +70,7 @@ def tp_results() -> dict[tuple[str, int, str], dict]:
         "--model",
         "qwen3",
         "--backend",
-        "pallas",
+        "pallas-gpu",
         "--max-tokens",
         "4",
     )
