@@ -157,16 +157,17 @@ class LeaderRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
 
-    def execute_model(self, sched):
-        """Publishes ``sched`` then runs it (see ``ModelRunner.execute_model``).
+    def execute_model(self, sched, token_mask=None):
+        """Publishes ``(sched, token_mask)`` then runs the step (see
+        ``ModelRunner.execute_model``).
 
         Raises:
           RuntimeError: the step failed on the mesh, most likely because another process died
             (the message says so; the original error is chained).
         """
-        self._publisher.publish(sched)
+        self._publisher.publish((sched, token_mask))
         try:
-            out = self._runner.execute_model(sched)
+            out = self._runner.execute_model(sched, token_mask)
         except Exception as e:
             _fail(f"a step failed on the multi-process mesh (did another process die?): {e}")
             raise RuntimeError(
@@ -224,9 +225,10 @@ def run_worker(runner: ModelRunner) -> int:
             if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
                 continue
             raise RuntimeError(f"lost process 0's coordinator: {e}") from e
-        sched = pickle.loads(data)
-        if isinstance(sched, str) and sched == _STOP:
+        step = pickle.loads(data)
+        if isinstance(step, str) and step == _STOP:
             logger.info("distributed: process 0 stopped; worker exits after %d steps", seq)
             return 0
-        runner.execute_model(sched)
+        sched, token_mask = step
+        runner.execute_model(sched, token_mask)
         seq += 1

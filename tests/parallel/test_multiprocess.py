@@ -15,6 +15,10 @@ import pytest
 from tp_harness import HERE, subprocess_env
 
 
+# The shared harness (one session fixture) takes minutes on a loaded 2-core box.
+pytestmark = pytest.mark.timeout(1800)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

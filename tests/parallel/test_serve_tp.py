@@ -16,6 +16,10 @@ from jaxserve.model import default_model_path
 from jaxserve.tokenizer import get_tokenizer
 
 
+# The shared harness (one session fixture) takes minutes on a loaded 2-core box.
+pytestmark = pytest.mark.timeout(1800)
+
+
 def _flags() -> list[str]:
     flags = []
     for name, value in ENGINE_KWARGS.items():

@@ -13,6 +13,10 @@ from jaxserve.model import default_model_path
 from jaxserve.model.config import ModelArchConfig
 from jaxserve.model.sharding import kv_head_replicas, q_head_replicas
 
+# The shared harness (one session fixture) takes minutes on a loaded 2-core box.
+pytestmark = pytest.mark.timeout(1800)
+
+
 CASES = [(m, tp) for m in ("bundled", *FIXTURE_MODELS) for tp in (2, 4, 8)]
 
 
