@@ -14,7 +14,6 @@ import sys
 import pytest
 from tp_harness import HERE, subprocess_env
 
-
 # The shared harness (one session fixture) takes minutes on a loaded 2-core box.
 pytestmark = pytest.mark.timeout(1800)
 

@@ -15,7 +15,6 @@ from tp_harness import ENGINE_KWARGS, MAX_TOKENS, PROMPTS, subprocess_env
 from jaxserve.model import default_model_path
 from jaxserve.tokenizer import get_tokenizer
 
-
 # The shared harness (one session fixture) takes minutes on a loaded 2-core box.
 pytestmark = pytest.mark.timeout(1800)
 
