@@ -62,6 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.attention_tuning import KernelConfig, choose_config
+from pallas_kernels.bucketing import next_power_of_2
 from pallas_kernels.ragged_paged_attention import (
     merge_split_partials,
     ragged_paged_attention,
@@ -244,7 +245,7 @@ def loop_repeat(p: Problem, *, on_gpu: bool, target_s: float, override: int | No
         return SMOKE_LOOP_REPEAT
     floor_s = max(p.kv_bytes() / HBM_PEAK_BYTES_S, p.flops() / BF16_PEAK_FLOPS, MIN_CALL_S)
     want = max(1, int(-(-target_s // floor_s)))
-    return min(MAX_LOOP_REPEAT, max(4, 1 << (want - 1).bit_length()))
+    return min(MAX_LOOP_REPEAT, max(4, next_power_of_2(want)))
 
 
 def dispatch_floor_us(problem: Problem) -> float:
@@ -264,7 +265,7 @@ def merge_cost_us(p: Problem, num_splits: int, repeat: int) -> float:
     the kernel (float32 partials written and read back, separate XLA fusions).
     Iterations are chained through ``l`` (a tiny [splits, T, Hkv, Gp] update)."""
     lay = p.layout
-    group_pad = 1 << (lay.num_q_heads // lay.num_kv_heads - 1).bit_length()
+    group_pad = next_power_of_2(lay.num_q_heads // lay.num_kv_heads)
     part = (num_splits, p.q.shape[0], lay.num_kv_heads, group_pad)
     keys = jax.random.split(jax.random.key(2), 3)
     acc = jax.random.normal(keys[0], (*part, lay.head_dim), jnp.float32)

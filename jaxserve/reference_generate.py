@@ -18,12 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.bucketing import next_power_of_2
+
 MIN_BUCKET = 16
 
 
 def bucket_len(n: int) -> int:
     """Smallest power of two >= n (at least ``MIN_BUCKET``)."""
-    return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+    return max(MIN_BUCKET, next_power_of_2(n))
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -16,9 +16,8 @@ GPU attention practice:
   log-sum-exp reduction afterwards.
 * KV tiles of 16 KiB per operand, double-buffered (three pipeline stages),
   take 64 KiB of shared memory, so two or three programs fit on an H100/H200
-  SM (228 KiB) with 128 KiB or more of K/V loads in flight. Figures from the
-  Triton compiler for sm_90 (``pallas_kernels/triton_aot.py``): decode 96
-  registers, 70 KiB; prefill (128 x 64 tiles, 8 warps) 244 registers, 128 KiB.
+  SM (228 KiB) with 128 KiB or more of K/V loads in flight (the Triton
+  compiler's register and shared-memory figures: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -26,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from pallas_kernels.bucketing import is_power_of_2, next_power_of_2
 
 # Programs we aim to launch; an H200 has 132 SMs and a memory-bound decode
 # kernel wants several resident programs per SM to keep enough loads in flight.
@@ -51,16 +52,6 @@ def shared_memory_estimate(block_m, block_k, head_dim, itemsize, num_stages) -> 
     probs = block_m * block_k * 4
     total = q_tile + kv + probs
     return int(total * 1.5) if itemsize >= 4 else total
-
-
-def next_power_of_2(x: int) -> int:
-    """Smallest power of two >= ``x`` (1 for ``x <= 1``)."""
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def is_power_of_2(x: int) -> bool:
-    """True when ``x`` is 1, 2, 4, 8, ... (False for ``x <= 0``)."""
-    return x >= 1 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ import dataclasses
 import hashlib
 import os
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -63,8 +63,7 @@ _PACKERS: dict[
 
 
 def _pack_tokens(token_ids: list[int]) -> bytes:
-    """Token ids as packed native int32 (one ``struct.pack`` call: ~20x faster than hashing reprs;
-    the compiled Struct per length saves parsing the format on every call)."""
+    """Token ids as packed native int32: one call of a compiled ``struct.Struct`` per length."""
     n = len(token_ids)
     pack = _PACKERS.get(n)
     if pack is None:
@@ -361,11 +360,6 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        """hits / queries in [0, 1] (token-weighted); 0.0 when nothing was queried."""
-        return self.hits / self.queries if self.queries else 0.0
-
 
 @dataclasses.dataclass
 class KVCacheStats:
@@ -412,8 +406,3 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-def blocks_to_ids(blocks: Iterable[KVCacheBlock]) -> list[int]:
-    """Block ids of ``blocks``, in order."""
-    return [b.block_id for b in blocks]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.worker.step_inputs import StepInputs
+from pallas_kernels.bucketing import next_power_of_2
 
 if TYPE_CHECKING:
     from jaxserve.core.sched_output import NewRequestData, SchedulerOutput
@@ -28,11 +29,6 @@ if TYPE_CHECKING:
 
 MIN_TOKEN_BUCKET = 16
 MAX_TOKEN_BUCKETS = 12
-
-
-def next_power_of_2(n: int) -> int:
-    """Smallest power of two >= n (n >= 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def default_token_buckets(

@@ -335,7 +335,7 @@ class ModelRunner:
                 step_index=step_index,
                 token_bitmask=bitmask
                 if bitmask is not None
-                else np.full((md.num_rows, 1), -1, np.int32),
+                else np.full((batch.seq_bucket, 1), -1, np.int32),
                 any_token_mask=bitmask is not None,
             )
         rows = []

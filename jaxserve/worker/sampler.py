@@ -277,7 +277,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     Args:
       logits: f32[S, V] (any float dtype; computed in f32), one row per sequence of the padded
         batch, e.g. ``model.compute_logits(hidden[logits_indices])``.
-      md: the step's :class:`SamplingMetadata` with ``md.num_rows == S``.
+      md: the step's :class:`SamplingMetadata` with S rows (``md.temperature.shape[0] == S``).
 
     Returns:
       SamplerOutput: token ids i32[S] and, when ``md.max_logprobs`` is not None, raw-model
