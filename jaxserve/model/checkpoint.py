@@ -1,4 +1,4 @@
-"""Our checkpoint layout (orbax-checkpoint) and ``jaxserve convert``.
+"""Our checkpoint layout and ``jaxserve convert`` (the params themselves: ``orbax_params``).
 
     OUT_DIR/config.json               the HF config, ``torch_dtype`` set to the saved dtype
     OUT_DIR/params/                   orbax StandardCheckpointer directory of the parameters
@@ -16,44 +16,15 @@ import os
 import shutil
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxserve.model.config import ModelArchConfig, ModelLoadError, read_hf_config
-from jaxserve.model.llama import LlamaForCausalLM
-from jaxserve.model.loader import PARAMS_DIR, abstract_model, load_model
+from jaxserve.model.config import ModelLoadError, read_hf_config
+from jaxserve.model.loader import load_model
+from jaxserve.model.orbax_params import save_params
 
 # Files of a HF directory that are not copied next to our params (weights and their index).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 _SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
-
-
-def save_params(model: LlamaForCausalLM, out_dir: str) -> None:
-    """Writes ``model``'s parameters to ``out_dir/params/`` (orbax); the directory must not exist."""
-    path = os.path.join(os.path.abspath(out_dir), PARAMS_DIR)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, nnx.to_pure_dict(nnx.state(model)))
-        ckptr.wait_until_finished()
-
-
-def restore_params(model_dir: str, cfg: ModelArchConfig, dtype) -> LlamaForCausalLM:
-    """Restores ``model_dir/params/`` into a model of ``dtype`` (orbax casts on read).
-
-    Raises:
-      ModelLoadError: ``params/`` is missing or does not match the config (orbax's message kept).
-    """
-    path = os.path.join(os.path.abspath(model_dir), PARAMS_DIR)
-    if not os.path.isdir(path):
-        raise ModelLoadError(f"orbax params directory not found: {path}")
-    graphdef, abs_state = nnx.split(abstract_model(cfg, dtype))
-    target = nnx.to_pure_dict(abs_state)
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            restored = ckptr.restore(path, target)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise ModelLoadError(f"cannot restore {path} for {cfg.architecture}: {e}") from e
-    nnx.replace_by_pure_dict(abs_state, restored)
-    return nnx.merge(graphdef, abs_state)
 
 
 def convert(hf_dir: str, out_dir: str, dtype: str = "auto") -> None:

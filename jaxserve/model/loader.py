@@ -28,11 +28,11 @@ from flax import nnx
 
 from jaxserve.model.config import ModelArchConfig, ModelLoadError, read_hf_config
 from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.orbax_params import PARAMS_DIR, restore_params
 from jaxserve.model.presets import PRESET_HF_CONFIGS
 
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "gguf", "dummy")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-PARAMS_DIR = "params"  # our orbax layout: OUT_DIR/config.json + OUT_DIR/params/
 
 
 def resolve_dtype(dtype: str, cfg: ModelArchConfig):
@@ -239,9 +239,7 @@ def load_model(
     if load_format == "dummy":
         model = dummy_model(cfg, jdtype, seed)
     elif load_format == "orbax":
-        from jaxserve.model.checkpoint import restore_params  # orbax is a heavy import
-
-        model = restore_params(model_dir, cfg, jdtype)
+        model = restore_params(model_dir, abstract_model(cfg, jdtype), cfg.architecture)
     else:
         model = load_safetensors(model_dir, cfg, jdtype)
     return model, cfg, read_generation_config(model_dir)

@@ -8,8 +8,9 @@ from jaxserve.tokenizer.chat_template import (
     render_chat_template,
 )
 from jaxserve.tokenizer.detokenizer import IncrementalDetokenizer
+from jaxserve.tokenizer.loading import get_tokenizer
 from jaxserve.tokenizer.stop_strings import StopChecker
-from jaxserve.tokenizer.tokenizer import Tokenizer, get_tokenizer
+from jaxserve.tokenizer.tokenizer import Tokenizer
 
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE",

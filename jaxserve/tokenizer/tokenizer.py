@@ -3,9 +3,7 @@
 A model directory holds either a sentencepiece ``tokenizer.model`` or a Hugging Face
 ``tokenizer.json``, next to the optional ``tokenizer_config.json`` (special tokens,
 ``add_bos_token``, ``chat_template``), ``chat_template.jinja``, ``generation_config.json`` and
-``config.json`` (extra EOS ids). :func:`get_tokenizer` picks the backend the way transformers'
-``AutoTokenizer`` does with ``use_fast=True``: ``tokenizer.json`` when present, else
-``tokenizer.model``.
+``config.json`` (extra EOS ids). ``jaxserve.tokenizer.loading.get_tokenizer`` picks the backend.
 """
 
 from __future__ import annotations
@@ -27,7 +25,12 @@ def _token_content(tok: Any) -> str | None:
     return tok if isinstance(tok, str) else None
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def read_json_object(path: str) -> dict[str, Any]:
+    """The JSON object in ``path``; {} when the file does not exist.
+
+    Raises:
+      ValueError: the file is not valid JSON or not an object (naming the path).
+    """
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
@@ -90,8 +93,8 @@ class Tokenizer(abc.ABC):
         if self.chat_template is None and os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
                 self.chat_template = f.read()
-        gen = _read_json(os.path.join(model_dir, "generation_config.json"))
-        hf = _read_json(os.path.join(model_dir, "config.json"))
+        gen = read_json_object(os.path.join(model_dir, "generation_config.json"))
+        hf = read_json_object(os.path.join(model_dir, "config.json"))
         self._extra_eos = _as_id_list(gen.get("eos_token_id")) + _as_id_list(hf.get("eos_token_id"))
         bos_fallback = gen.get("bos_token_id", hf.get("bos_token_id"))
         self._bos_fallback = bos_fallback if isinstance(bos_fallback, int) else None
@@ -244,51 +247,3 @@ class Tokenizer(abc.ABC):
         text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
         has_bos = bool(self.bos_token) and text.startswith(self.bos_token)
         return self.encode(text, add_special_tokens=not has_bos)
-
-
-def get_tokenizer(model_path: str, backend: str = "auto") -> Tokenizer:
-    """Loads the tokenizer of a model directory (or of a ``tokenizer.model`` /
-    ``tokenizer.json`` file path, whose directory then holds the configs), or the one built
-    into a ``.gguf`` file (``jaxserve.tokenizer.gguf_tokenizer``).
-
-    Args:
-      model_path: model directory or tokenizer file.
-      backend: "auto" (tokenizer.json if present, else tokenizer.model), "hf" or
-        "sentencepiece".
-
-    Raises:
-      ValueError: unknown ``backend``, or no tokenizer file at ``model_path`` (the message
-        names the paths looked at).
-    """
-    from jaxserve.tokenizer.hf_tokenizer import HFTokenizer
-    from jaxserve.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
-
-    if backend not in ("auto", "hf", "sentencepiece"):
-        raise ValueError(f"backend must be 'auto', 'hf' or 'sentencepiece', got {backend!r}")
-    if str(model_path).lower().endswith(".gguf"):
-        from jaxserve.tokenizer.gguf_tokenizer import GGUFTokenizer
-
-        return GGUFTokenizer(str(model_path))
-    if os.path.isfile(model_path):
-        model_dir = os.path.dirname(model_path) or "."
-        if model_path.endswith(".json"):
-            json_path, spm_path = model_path, None
-        else:
-            json_path, spm_path = None, model_path
-    else:
-        model_dir = model_path
-        json_path = os.path.join(model_dir, "tokenizer.json")
-        spm_path = os.path.join(model_dir, "tokenizer.model")
-        json_path = json_path if os.path.isfile(json_path) else None
-        spm_path = spm_path if os.path.isfile(spm_path) else None
-    config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
-    if json_path and backend in ("auto", "hf"):
-        return HFTokenizer(json_path, model_dir, config)
-    if spm_path and backend in ("auto", "sentencepiece"):
-        return SentencePieceTokenizer(spm_path, model_dir, config)
-    wanted = {
-        "auto": "tokenizer.json or tokenizer.model",
-        "hf": "tokenizer.json",
-        "sentencepiece": "tokenizer.model",
-    }[backend]
-    raise ValueError(f"no tokenizer found: {model_path!r} has no {wanted}")

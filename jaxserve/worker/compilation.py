@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,9 @@ from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 from jaxserve.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
-    from jaxserve.worker.model_runner import ModelRunner
+    from jaxserve.config import EngineConfig
+    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.worker.batch_builder import InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,32 @@ def prompt_logprobs_step(graph: StepGraph, state: nnx.State, hidden: jax.Array, 
         one, (hidden.reshape(t // chunk, chunk, -1), targets.reshape(t // chunk, chunk))
     )
     return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), out)
+
+
+class ModelRunner(Protocol):
+    """What these functions read and set on the runner (``jaxserve.worker.model_runner``)."""
+
+    config: EngineConfig
+    arch: ModelArchConfig
+    dtype: np.dtype
+    mesh: Mesh
+    kv_sharding: jax.sharding.Sharding
+    graph: StepGraph
+    state: nnx.State
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    input_batch: InputBatch
+    warmup_sampling: tuple[SamplingParams, ...]
+    kv_head_dim: int
+    kv_spec: KVCacheSpec | None
+    kv_caches: list | None
+    aot_forward: dict[int, Any]
+    aot_prompt_logprobs: dict[int, Any]
+    warm_buckets: set[int]
+    compile_seconds: float
 
 
 def configure_compilation_cache(cache_dir: str) -> None:
