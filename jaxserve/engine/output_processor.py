@@ -213,13 +213,14 @@ class OutputProcessor:
                 for s in parent.samples:
                     s.delta_text, s.delta_token_ids, s.delta_logprobs = "", [], None
             new_ids = co.new_token_ids
+            finished = co.finish_reason is not None
             if sample.index == 0:
                 parent.num_cached_tokens = co.num_cached_tokens
                 if co.new_prompt_logprobs and parent.prompt_logprobs is not None:
                     parent.prompt_logprobs.extend(
                         self._to_logprob_dict(e) for e in co.new_prompt_logprobs
                     )
-            if not parent.prompt_counted and (new_ids or co.finish_reason is not None):
+            if not parent.prompt_counted and (new_ids or finished):
                 parent.prompt_counted = True  # counted once per parent, when its prompt is done
                 n_prompt += len(parent.prompt_token_ids)
             if new_ids:
@@ -228,34 +229,54 @@ class OutputProcessor:
             sample.token_ids.extend(new_ids)
             sample.delta_token_ids = list(new_ids)
             if co.new_logprobs and sample.logprobs is not None:
-                delta = [self._to_logprob_dict(e) for e in co.new_logprobs]
-                sample.logprobs.extend(delta)
-                sample.delta_logprobs = delta
-                sample.cumulative_logprob += sum(e.logprobs[0] for e in co.new_logprobs)
-            finished = co.finish_reason is not None
-            if sample.detokenizer is not None:
-                text_ids = (
-                    new_ids[:-1]
-                    if co.finish_reason == FinishReason.STOP.value and new_ids
-                    else new_ids
-                )
-                delta_text, stop_str = sample.detokenizer.update(text_ids, finished=finished)
-                sample.text += delta_text
-                sample.delta_text = delta_text
-                if stop_str is not None:
-                    sample.finish_reason, sample.stop_reason = FinishReason.STOP.value, stop_str
-                    if not finished:  # still running in the scheduler: the engine finishes it
-                        stopped.append(co.req_id)
-                        finished = True
-            if finished and sample.finish_reason is None:
-                sample.finish_reason, sample.stop_reason = co.finish_reason, co.stop_reason
-            if finished and sample.detokenizer is None and self.tokenizer is not None:
-                self._finish_text(parent, sample, co.finish_reason == FinishReason.STOP.value)
+                self._add_logprobs(sample, co.new_logprobs)
+            if sample.detokenizer is not None and self._update_text(sample, co) and not finished:
+                stopped.append(co.req_id)  # a stop string; the engine finishes it in the scheduler
+                finished = True
             if finished:
-                parent.num_finished += 1
-                self._child_to_parent.pop(co.req_id, None)
+                self._finish_sample(parent, sample, co)
         self.num_prompt_tokens_step, self.num_generation_tokens_step = n_prompt, n_gen
+        return self._collect_outputs(touched, now), stopped
 
+    def _add_logprobs(self, sample: _SampleState, new_logprobs: list[TokenLogprobs]) -> None:
+        """Appends the step's sampled-token logprobs to the sample (and its delta)."""
+        delta = [self._to_logprob_dict(e) for e in new_logprobs]
+        sample.logprobs.extend(delta)
+        sample.delta_logprobs = delta
+        sample.cumulative_logprob += sum(e.logprobs[0] for e in new_logprobs)
+
+    @staticmethod
+    def _update_text(sample: _SampleState, co: EngineCoreOutput) -> bool:
+        """Detokenizes the step's tokens (a stop token's own text is left out); True when a stop
+        string matched (the sample then finishes with "stop" and the string as stop_reason)."""
+        new_ids = co.new_token_ids
+        stopped_on_token = co.finish_reason == FinishReason.STOP.value
+        text_ids = new_ids[:-1] if stopped_on_token and new_ids else new_ids
+        delta_text, stop_str = sample.detokenizer.update(
+            text_ids, finished=co.finish_reason is not None
+        )
+        sample.text += delta_text
+        sample.delta_text = delta_text
+        if stop_str is None:
+            return False
+        sample.finish_reason, sample.stop_reason = FinishReason.STOP.value, stop_str
+        return True
+
+    def _finish_sample(
+        self, parent: _ParentState, sample: _SampleState, co: EngineCoreOutput
+    ) -> None:
+        """Records a finished sample: its finish reason (unless a stop string set it), its whole
+        text when it was not streamed, and one more finished sample for its parent."""
+        if sample.finish_reason is None:
+            sample.finish_reason, sample.stop_reason = co.finish_reason, co.stop_reason
+        if sample.detokenizer is None and self.tokenizer is not None:
+            self._finish_text(parent, sample, co.finish_reason == FinishReason.STOP.value)
+        parent.num_finished += 1
+        self._child_to_parent.pop(co.req_id, None)
+
+    def _collect_outputs(self, touched: dict[str, _ParentState], now: float) -> list[RequestOutput]:
+        """One RequestOutput per parent that progressed (``final_only`` ones once, when done);
+        finished parents are forgotten."""
         outputs = []
         for parent in touched.values():
             done = parent.num_finished == len(parent.samples)
@@ -264,7 +285,7 @@ class OutputProcessor:
             if parent.final_only and not done:
                 continue
             outputs.append(self._make_output(parent, done, now))
-        return outputs, stopped
+        return outputs
 
     def _finish_text(
         self, parent: _ParentState, sample: _SampleState, stopped_on_token: bool

@@ -55,6 +55,7 @@ import jax
 import numpy as np
 
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from pallas_kernels.bucketing import next_power_of_2
 
 PARTIAL_SORT_WIDTH = 128
 """Rank-order width used when every filtering row has ``1 <= top_k <= 128`` (``lax.top_k``)."""
@@ -81,8 +82,7 @@ class SamplingRow(NamedTuple):
         ``min_tokens``). Read only for its length unless the row has a penalty.
       prompt_token_ids: the prompt's tokens (read only with a repetition penalty).
 
-    Token ids may be lists or int32 numpy arrays; arrays copy about 5x faster when penalties
-    are on (S=256 rows of 1000 + 1000 tokens: ~6 ms vs ~35 ms per step on a 2-core CPU).
+    Token ids may be lists or int32 numpy arrays; arrays copy faster when penalties are on.
     """
 
     params: SamplingParams
@@ -97,7 +97,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if n <= b:
             return b
-    return 1 << (n - 1).bit_length()
+    return next_power_of_2(n)
 
 
 def _check_row_int(name: str, i: int, value: object, lo: int, hi: int | None = None) -> int:
@@ -156,11 +156,6 @@ class SamplingMetadata:
     needs_full_sort: bool = False
     any_token_mask: bool = False
 
-    @property
-    def num_rows(self) -> int:
-        """S, the padded number of rows."""
-        return int(self.temperature.shape[0])
-
     @classmethod
     def from_params(
         cls,
@@ -201,114 +196,167 @@ class SamplingMetadata:
             raise ValueError(
                 f"pad_to must be an integer >= max(1, number of rows) = {max(n, 1)}, got {pad_to!r}"
             )
-        s = int(pad_to)
-        temperature = np.zeros(s, np.float32)
-        top_k = np.zeros(s, np.int32)
-        top_p = np.ones(s, np.float32)
-        min_p = np.zeros(s, np.float32)
-        presence = np.zeros(s, np.float32)
-        frequency = np.zeros(s, np.float32)
-        repetition = np.ones(s, np.float32)
-        key_data = np.zeros((s, 2), np.uint32)
-        step_index = np.zeros(s, np.int32)
-
-        bias_rows: list[tuple[int, dict[int, float]]] = []
-        penalty_rows: list[tuple[int, Sequence[int], Sequence[int] | None]] = []
-        max_logprobs: int | None = None
-        any_filter = False
-        needs_full_sort = False
+        b = _RowsBuilder(int(pad_to))
         for i, row in enumerate(rows):
             params, seed, step, output_ids, prompt_ids = row
-            seed = _check_row_int("seed", i, seed, -(2**63), 2**64 - 1) % 2**64
-            key_data[i] = (seed >> 32, seed & 0xFFFFFFFF)
-            step_index[i] = _check_row_int("step_index", i, step, 0, 2**31 - 1)
-
-            temperature[i] = params.temperature
-            if params.temperature > 0.0:
-                uses_rank = params.top_k > 0 or params.top_p < 1.0
-                if uses_rank or params.min_p > 0.0:
-                    any_filter = True
-                    top_k[i], top_p[i], min_p[i] = params.top_k, params.top_p, params.min_p
-                if uses_rank and not 0 < params.top_k <= PARTIAL_SORT_WIDTH:
-                    needs_full_sort = True
-
+            b.add_seed(i, seed, step)
+            b.add_temperature_and_filters(i, params)
             if (
                 params.presence_penalty != 0.0
                 or params.frequency_penalty != 0.0
                 or params.repetition_penalty != 1.0
             ):
-                presence[i] = params.presence_penalty
-                frequency[i] = params.frequency_penalty
-                repetition[i] = params.repetition_penalty
-                penalty_rows.append(
-                    (i, output_ids, prompt_ids if params.repetition_penalty != 1.0 else None)
-                )
-
-            bias = params.logit_bias
-            if len(output_ids) < params.min_tokens:
-                banned = set(params.stop_token_ids)
-                if eos_token_id is not None and not params.ignore_eos:
-                    banned.add(eos_token_id)
-                if banned:
-                    bias = {**bias, **{t: -np.inf for t in banned}}
-            if bias:
-                bias_rows.append((i, bias))
-
+                b.add_penalties(i, params, output_ids, prompt_ids)
+            if params.logit_bias or len(output_ids) < params.min_tokens:
+                b.add_logit_bias(i, params, len(output_ids), eos_token_id)
             if params.logprobs is not None:
-                max_logprobs = max(max_logprobs or 0, params.logprobs)
-
-        if bias_rows:
-            width = _bucket(max(len(b) for _, b in bias_rows), LOGIT_BIAS_BUCKETS)
-            bias_ids = np.full((s, width), -1, np.int32)
-            bias_values = np.zeros((s, width), np.float32)
-            for i, b in bias_rows:
-                bias_ids[i, : len(b)] = list(b.keys())
-                bias_values[i, : len(b)] = list(b.values())
-        else:
-            bias_ids, bias_values = np.full((s, 1), -1, np.int32), np.zeros((s, 1), np.float32)
-
-        if penalty_rows:
-            longest = max(max(len(o), len(p) if p is not None else 0) for _, o, p in penalty_rows)
-            width = _bucket(max(longest, 1), (MIN_PENALTY_WIDTH,))
-            output_arr = np.full((s, width), -1, np.int32)
-            prompt_arr = np.full((s, width), -1, np.int32)
-            for i, o, p in penalty_rows:
-                output_arr[i, : len(o)] = o
-                if p is not None:
-                    prompt_arr[i, : len(p)] = p
-        else:
-            output_arr, prompt_arr = np.full((s, 1), -1, np.int32), np.full((s, 1), -1, np.int32)
-
-        if token_bitmask is None:
-            token_bitmask = np.full((s, 1), -1, np.int32)
-        elif token_bitmask.shape[0] != s or token_bitmask.dtype != np.int32:
-            raise ValueError(
-                f"token_bitmask must be int32 [{s}, W], got {token_bitmask.dtype} "
-                f"{list(token_bitmask.shape)}"
-            )
+                b.max_logprobs = max(b.max_logprobs or 0, params.logprobs)
+        bias_ids, bias_values = b.logit_bias_arrays()
+        output_arr, prompt_arr = b.penalty_arrays()
+        token_bitmask = _check_token_bitmask(token_bitmask, b.s)
         return cls(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            repetition_penalty=repetition,
-            rng_key_data=key_data,
-            step_index=step_index,
+            temperature=b.temperature,
+            top_k=b.top_k,
+            top_p=b.top_p,
+            min_p=b.min_p,
+            presence_penalty=b.presence,
+            frequency_penalty=b.frequency,
+            repetition_penalty=b.repetition,
+            rng_key_data=b.key_data,
+            step_index=b.step_index,
             logit_bias_ids=bias_ids,
             logit_bias_values=bias_values,
             output_token_ids=output_arr,
             prompt_token_ids=prompt_arr,
             token_bitmask=token_bitmask,
-            all_greedy=bool(np.all(temperature == 0.0)),
-            any_penalties=bool(penalty_rows),
-            any_logit_bias=bool(bias_rows),
-            max_logprobs=None if max_logprobs is None else _bucket(max_logprobs, LOGPROBS_BUCKETS),
-            any_top_k_top_p_min_p=any_filter,
-            needs_full_sort=needs_full_sort,
+            all_greedy=bool(np.all(b.temperature == 0.0)),
+            any_penalties=bool(b.penalty_rows),
+            any_logit_bias=bool(b.bias_rows),
+            max_logprobs=None
+            if b.max_logprobs is None
+            else _bucket(b.max_logprobs, LOGPROBS_BUCKETS),
+            any_top_k_top_p_min_p=b.any_filter,
+            needs_full_sort=b.needs_full_sort,
             any_token_mask=token_bitmask.shape[1] > 1,
         )
+
+
+def _check_token_bitmask(token_bitmask: np.ndarray | None, s: int) -> np.ndarray:
+    """The step's token bitmask, or the ``int32[S, 1]`` placeholder when no row is masked.
+
+    Raises:
+      ValueError: not int32 with S rows.
+    """
+    if token_bitmask is None:
+        return np.full((s, 1), -1, np.int32)
+    if token_bitmask.shape[0] != s or token_bitmask.dtype != np.int32:
+        raise ValueError(
+            f"token_bitmask must be int32 [{s}, W], got {token_bitmask.dtype} "
+            f"{list(token_bitmask.shape)}"
+        )
+    return token_bitmask
+
+
+class _RowsBuilder:
+    """The numpy arrays of ``SamplingMetadata.from_params`` for ``s`` rows, filled row by row
+    (padding rows keep the neutral values: greedy, no filter, no penalty, no bias)."""
+
+    def __init__(self, s: int) -> None:
+        self.s = s
+        self.temperature = np.zeros(s, np.float32)
+        self.top_k = np.zeros(s, np.int32)
+        self.top_p = np.ones(s, np.float32)
+        self.min_p = np.zeros(s, np.float32)
+        self.presence = np.zeros(s, np.float32)
+        self.frequency = np.zeros(s, np.float32)
+        self.repetition = np.ones(s, np.float32)
+        self.key_data = np.zeros((s, 2), np.uint32)
+        self.step_index = np.zeros(s, np.int32)
+        self.bias_rows: list[tuple[int, dict[int, float]]] = []
+        self.penalty_rows: list[tuple[int, Sequence[int], Sequence[int] | None]] = []
+        self.max_logprobs: int | None = None
+        self.any_filter = False
+        self.needs_full_sort = False
+
+    def add_seed(self, i: int, seed: object, step: object) -> None:
+        """Row i's threefry key data and output position (both checked)."""
+        seed = _check_row_int("seed", i, seed, -(2**63), 2**64 - 1) % 2**64
+        self.key_data[i] = (seed >> 32, seed & 0xFFFFFFFF)
+        self.step_index[i] = _check_row_int("step_index", i, step, 0, 2**31 - 1)
+
+    def add_temperature_and_filters(self, i: int, params: SamplingParams) -> None:
+        """Temperature; top-k / top-p / min-p only on sampled rows (greedy rows stay neutral)."""
+        self.temperature[i] = params.temperature
+        if params.temperature > 0.0:
+            uses_rank = params.top_k > 0 or params.top_p < 1.0
+            if uses_rank or params.min_p > 0.0:
+                self.any_filter = True
+                self.top_k[i], self.top_p[i], self.min_p[i] = (
+                    params.top_k,
+                    params.top_p,
+                    params.min_p,
+                )
+            if uses_rank and not 0 < params.top_k <= PARTIAL_SORT_WIDTH:
+                self.needs_full_sort = True
+
+    def add_penalties(
+        self,
+        i: int,
+        params: SamplingParams,
+        output_ids: Sequence[int],
+        prompt_ids: Sequence[int],
+    ) -> None:
+        """Penalty values, and the token history they need (the prompt only for repetition)."""
+        self.presence[i] = params.presence_penalty
+        self.frequency[i] = params.frequency_penalty
+        self.repetition[i] = params.repetition_penalty
+        self.penalty_rows.append(
+            (i, output_ids, prompt_ids if params.repetition_penalty != 1.0 else None)
+        )
+
+    def add_logit_bias(
+        self, i: int, params: SamplingParams, num_output: int, eos_token_id: int | None
+    ) -> None:
+        """The row's logit_bias, plus -inf on its stop tokens (and EOS unless ignore_eos) while
+        it has fewer than min_tokens outputs."""
+        bias = params.logit_bias
+        if num_output < params.min_tokens:
+            banned = set(params.stop_token_ids)
+            if eos_token_id is not None and not params.ignore_eos:
+                banned.add(eos_token_id)
+            if banned:
+                bias = {**bias, **{t: -np.inf for t in banned}}
+        if bias:
+            self.bias_rows.append((i, bias))
+
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids i32[S, B], values f32[S, B])``, B bucketed; width 1 when no row has a bias."""
+        s = self.s
+        if not self.bias_rows:
+            return np.full((s, 1), -1, np.int32), np.zeros((s, 1), np.float32)
+        width = _bucket(max(len(b) for _, b in self.bias_rows), LOGIT_BIAS_BUCKETS)
+        bias_ids = np.full((s, width), -1, np.int32)
+        bias_values = np.zeros((s, width), np.float32)
+        for i, b in self.bias_rows:
+            bias_ids[i, : len(b)] = list(b.keys())
+            bias_values[i, : len(b)] = list(b.values())
+        return bias_ids, bias_values
+
+    def penalty_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(output ids i32[S, L], prompt ids i32[S, L])``, -1 padded, L bucketed; width 1 when
+        no row has a penalty."""
+        s = self.s
+        if not self.penalty_rows:
+            return np.full((s, 1), -1, np.int32), np.full((s, 1), -1, np.int32)
+        longest = max(max(len(o), len(p) if p is not None else 0) for _, o, p in self.penalty_rows)
+        width = _bucket(max(longest, 1), (MIN_PENALTY_WIDTH,))
+        output_arr = np.full((s, width), -1, np.int32)
+        prompt_arr = np.full((s, width), -1, np.int32)
+        for i, o, p in self.penalty_rows:
+            output_arr[i, : len(o)] = o
+            if p is not None:
+                prompt_arr[i, : len(p)] = p
+        return output_arr, prompt_arr
 
 
 _STATIC_FIELDS = (
