@@ -39,6 +39,7 @@ fill the GPU. Tile sizes come from ``attention_tuning.choose_config``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -50,12 +51,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention_tuning import (
-    KernelConfig,
-    choose_config,
-    is_power_of_2,
-    next_power_of_2,
-)
+from pallas_kernels.attention_tuning import KernelConfig, choose_config
+from pallas_kernels.bucketing import is_power_of_2, next_power_of_2
 
 # Logit of a masked (query, key) pair, finite so fully masked rows stay NaN-free.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -64,6 +61,79 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _M_INIT = float(np.finfo(np.float32).min)
 _LOG2E = math.log2(math.e)
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static sizes of one kernel launch, derived in the wrapper from the config and shapes.
+
+    Attributes:
+      block_q: query tokens per program.
+      group: query heads per KV head; group_pad: rounded up to a power of two.
+      block_m: query-tile rows, ``block_q * group_pad`` (token, head) pairs, token-major.
+      block_k: KV tokens per inner-loop step.
+      block_size: tokens per cache block; pages_per_seq: block-table width P.
+      num_splits: programs sharing one query tile's KV range (flash-decoding).
+      step_pages: cache blocks a KV step touches (1 when a block is larger than a step).
+      step_tokens_per_page: tokens a KV step reads from each of those blocks.
+      chunk_steps: KV steps whose block ids are loaded at once (a program's whole share when
+        small; at most 512 block ids, a few registers per thread).
+      chunk_pages: block ids loaded per chunk (doubled for part-block steps, since a chunk of
+        them may start mid-block).
+    """
+
+    block_q: int
+    group: int
+    group_pad: int
+    block_m: int
+    block_k: int
+    block_size: int
+    pages_per_seq: int
+    num_splits: int
+    step_pages: int
+    step_tokens_per_page: int
+    chunk_steps: int
+    chunk_pages: int
+
+
+def kernel_tiling(
+    config: KernelConfig, num_q_heads: int, num_kv_heads: int, block_size: int, pages_per_seq: int
+) -> Tiling:
+    """The launch's static sizes (see :class:`Tiling`).
+
+    Raises:
+      ValueError: the config's query tile (``block_q * group_pad`` rows) or ``block_k`` is below
+        16 (tensor-core dots need 16 rows).
+    """
+    group = num_q_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    block_q, block_k, num_splits = config.block_q, config.block_k, config.num_splits
+    if block_q * group_pad < 16 or block_k < 16:
+        raise ValueError(
+            f"config {config} gives a query tile of {block_q * group_pad} rows or a "
+            f"KV tile of {block_k} tokens; both must be >= 16"
+        )
+    step_pages = max(1, block_k // block_size)
+    total_steps = -(-(pages_per_seq * block_size) // block_k)
+    steps_per_split = -(-total_steps // num_splits)
+    chunk_steps = min(next_power_of_2(steps_per_split), max(1, 512 // step_pages))
+    chunk_pages = max(1, chunk_steps * block_k // block_size)
+    if block_k < block_size:
+        chunk_pages *= 2
+    return Tiling(
+        block_q=block_q,
+        group=group,
+        group_pad=group_pad,
+        block_m=block_q * group_pad,
+        block_k=block_k,
+        block_size=block_size,
+        pages_per_seq=pages_per_seq,
+        num_splits=num_splits,
+        step_pages=step_pages,
+        step_tokens_per_page=min(block_size, block_k),
+        chunk_steps=chunk_steps,
+        chunk_pages=chunk_pages,
+    )
 
 
 # Layer 1: the kernel body (one program = one query tile x KV head x split).
@@ -115,31 +185,24 @@ def _attention_kernel(
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
-    block_q: int,
-    group: int,
-    block_size: int,
-    block_k: int,
-    num_splits: int,
+    tiling: Tiling,
     precision,
 ):
     tile = pl.program_id(0)
     split = pl.program_id(2)
-    _, group_pad, head_dim = q_ref.shape
-    block_m = block_q * group_pad
-    pages_per_seq = block_tables_ref.shape[1]
-    # Each KV step covers block_k tokens: `step_pages` whole cache blocks, or a
-    # part of one block when blocks are larger than a step.
-    step_pages = max(1, block_k // block_size)
-    step_tokens_per_page = min(block_size, block_k)
-    # KV steps whose block ids are loaded at once (a program's whole share when
-    # small; at most 512 block ids, a few registers per thread).
-    total_steps = -(-(pages_per_seq * block_size) // block_k)
-    max_steps = -(-total_steps // num_splits)
-    chunk_steps = min(next_power_of_2(max_steps), max(1, 512 // step_pages))
-    chunk_pages = max(1, chunk_steps * block_k // block_size)
-    if block_k < block_size:
-        chunk_pages *= 2  # a chunk of part-block steps may start mid-block
+    head_dim = q_ref.shape[-1]
+    block_q, group, group_pad, block_m = (
+        tiling.block_q,
+        tiling.group,
+        tiling.group_pad,
+        tiling.block_m,
+    )
+    block_k, block_size, num_splits = tiling.block_k, tiling.block_size, tiling.num_splits
+    pages_per_seq = tiling.pages_per_seq
+    step_pages, step_tokens_per_page = tiling.step_pages, tiling.step_tokens_per_page
+    chunk_steps, chunk_pages = tiling.chunk_steps, tiling.chunk_pages
 
+    # Phase 1: the query tokens this program owns, and their positions.
     tok_start, tok_end, pos_start, seq = _find_tile(
         tile,
         query_start_loc_ref,
@@ -156,7 +219,7 @@ def _attention_kernel(
     row_valid = tok_start + row_tok < tok_end
     row_pos = pos_start + row_tok  # [block_m] position of the row's token
 
-    # Keys of the tile: up to the causal end of its last token, from the window
+    # Phase 2: the KV range. Keys of the tile: up to the causal end of its last token, from the window
     # start of its first token, aligned down to a whole KV tile; the iterations
     # are shared out over the splits.
     num_tok = jnp.clip(tok_end - tok_start, 0, block_q)
@@ -171,6 +234,7 @@ def _attention_kernel(
     it_lo = jnp.minimum(split * iters_per_split, num_iters)
     it_hi = jnp.minimum(it_lo + iters_per_split, num_iters)
 
+    # Phase 3: the query tile, scaled for base-2 softmax (or for the soft cap).
     tok_rows = pl.ds(tok_start, block_q)
     q = plgpu.load(q_ref.at[tok_rows, :, :], mask=tok_valid[:, None, None], other=0.0)
     q = q.reshape(block_m, head_dim)
@@ -179,6 +243,8 @@ def _attention_kernel(
     else:
         q_scale = sm_scale / soft_cap
 
+    # Phase 4: online softmax over the KV steps [it_lo, it_hi): masked steps at the edges,
+    # unmasked ones in between.
     def body(it, carry, *, masked: bool, chunk, page_base):
         acc, m_prev, l_prev = carry
         kv0 = kv_lo + it * block_k
@@ -218,10 +284,12 @@ def _attention_kernel(
         full_lo = it_lo
     else:
         pos_last = pos_start + num_tok - 1
-        x = pos_last - sliding_window - kv_lo
-        full_lo = jnp.where(x < 0, 0, lax.div(jnp.maximum(x, 0), block_k) + 1)
-    a = jnp.clip(full_lo, it_lo, it_hi)
-    b = jnp.clip(full_hi, a, it_hi)
+        last_window_end = pos_last - sliding_window - kv_lo  # last key outside the window
+        full_lo = jnp.where(
+            last_window_end < 0, 0, lax.div(jnp.maximum(last_window_end, 0), block_k) + 1
+        )
+    unmasked_lo = jnp.clip(full_lo, it_lo, it_hi)
+    unmasked_hi = jnp.clip(full_hi, unmasked_lo, it_hi)
 
     def run(lo, hi, carry, *, masked):
         """KV steps [lo, hi), in chunks of `chunk_steps` whose block ids are
@@ -248,11 +316,12 @@ def _attention_kernel(
         jnp.zeros((block_m,), jnp.float32),
     )
     if sliding_window is not None:
-        carry = run(it_lo, a, carry, masked=True)
-    carry = run(a, b, carry, masked=False)
-    acc, m_i, l_i = run(b, it_hi, carry, masked=True)
+        carry = run(it_lo, unmasked_lo, carry, masked=True)
+    carry = run(unmasked_lo, unmasked_hi, carry, masked=False)
+    acc, m_i, l_i = run(unmasked_hi, it_hi, carry, masked=True)
 
-    # Store rows of real heads of valid tokens; padding tokens get zeros.
+    # Phase 5: store rows of real heads of valid tokens (padding tokens get zeros): the
+    # normalised output, or this split's partials for the merge.
     head_valid = jnp.arange(group_pad, dtype=jnp.int32) < group
     out_mask = tok_valid[:, None] & head_valid[None, :]  # [block_q, Gp]
     if num_splits == 1:
@@ -315,10 +384,9 @@ def _ragged_paged_attention_pallas(
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seq_slots, pages_per_seq = block_tables.shape
-    group = num_q_heads // num_kv_heads
-    group_pad = next_power_of_2(group)
-    block_q = config.block_q
-    num_splits = config.num_splits
+    tiling = kernel_tiling(config, num_q_heads, num_kv_heads, block_size, pages_per_seq)
+    group, group_pad = tiling.group, tiling.group_pad
+    block_q, num_splits = tiling.block_q, tiling.num_splits
     num_tiles = num_query_tiles(num_tokens, num_seq_slots, block_q)
 
     # Views without copies (except padding the group to a power of two):
@@ -336,11 +404,7 @@ def _ragged_paged_attention_pallas(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
-        block_q=block_q,
-        group=group,
-        block_size=block_size,
-        block_k=config.block_k,
-        num_splits=num_splits,
+        tiling=tiling,
         precision=precision,
     )
     kv_spec = pl.BlockSpec((num_slots, None, head_dim), lambda t, h, s: (0, h, 0))
@@ -403,8 +467,11 @@ def _check_inputs(
     sm_scale,
     soft_cap,
     sliding_window,
+    *,
+    for_kernel: bool = False,
 ):
-    """Raises ValueError naming the offending field for malformed inputs."""
+    """Raises ValueError naming the offending field for malformed inputs; ``for_kernel`` adds
+    the kernel's own limits (power-of-two head dim >= 16 and block size)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if k_cache.ndim != 4:
@@ -458,6 +525,14 @@ def _check_inputs(
         isinstance(sliding_window, numbers.Integral) and sliding_window >= 1
     ):
         raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if for_kernel:
+        block_size = k_cache.shape[1]
+        if not is_power_of_2(head_dim) or head_dim < 16:
+            raise ValueError(
+                f"head_dim must be a power of two >= 16 for the kernel, got {head_dim}"
+            )
+        if not is_power_of_2(block_size):
+            raise ValueError(f"block_size must be a power of two for the kernel, got {block_size}")
 
 
 @functools.partial(
@@ -522,13 +597,10 @@ def ragged_paged_attention(
         sm_scale,
         soft_cap,
         sliding_window,
+        for_kernel=True,
     )
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if not is_power_of_2(head_dim) or head_dim < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16 for the kernel, got {head_dim}")
-    if not is_power_of_2(block_size):
-        raise ValueError(f"block_size must be a power of two for the kernel, got {block_size}")
     if config is None:
         config = choose_config(
             num_tokens=num_tokens,
@@ -539,12 +611,6 @@ def ragged_paged_attention(
             block_size=block_size,
             pages_per_seq=block_tables.shape[1],
             dtype=q.dtype,
-        )
-    group_pad = next_power_of_2(num_q_heads // num_kv_heads)
-    if config.block_q * group_pad < 16 or config.block_k < 16:
-        raise ValueError(
-            f"config {config} gives a query tile of {config.block_q * group_pad} rows or a "
-            f"KV tile of {config.block_k} tokens; both must be >= 16"
         )
     return _ragged_paged_attention_pallas(
         q,
