@@ -1,5 +1,5 @@
 """The ``jaxserve`` console script: every subcommand is reachable, and ``generate`` prints the
-bundled model's greedy continuation (the issue's first runnable command)."""
+bundled model's greedy continuation (checked against a teacher-forced dense forward)."""
 
 from __future__ import annotations
 
@@ -44,22 +44,33 @@ def test_each_subcommand_has_its_own_help(name):
     assert f"jaxserve {name}" in out.stdout
 
 
-def test_generate_prints_the_dense_greedy_continuation():
+def test_generate_prints_a_greedy_continuation_of_the_prompt():
+    """The printed ids are the prompt's tokens and, position by position, the argmax of one
+    teacher-forced dense forward over prompt + output (the CLI decodes incrementally)."""
+    import ast
+
+    import numpy as np
+
     from jaxserve.model import default_model_path
     from jaxserve.model.loader import load_model
-    from jaxserve.reference_generate import generate_dense
     from jaxserve.tokenizer import get_tokenizer
 
-    path = str(default_model_path())
-    model, _, _ = load_model(path)
-    tok = get_tokenizer(path)
-    ids = generate_dense(model, tok.encode("The king said"), 12, eos_token_ids=[tok.eos_token_id])
-    expected = tok.decode(ids)
-    assert expected.strip(), "the bundled model should write some text"
-
-    out = _run("generate", "The king said", "--max-tokens", "12")
+    out = _run("generate", "The king said", "--max-tokens", "12", "--show-token-ids")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == expected.strip()
+    *text_lines, prompt_line, output_line = out.stdout.rstrip("\n").split("\n")
+    prompt_ids = ast.literal_eval(prompt_line.removeprefix("prompt_token_ids: "))
+    output_ids = ast.literal_eval(output_line.removeprefix("generated_token_ids: "))
+    path = str(default_model_path())
+    tok = get_tokenizer(path)
+    assert prompt_ids == tok.encode("The king said")
+    assert 0 < len(output_ids) <= 12
+    assert "\n".join(text_lines) == tok.decode(output_ids, skip_special_tokens=True)
+    assert "\n".join(text_lines).strip(), "the bundled model should write some text"
+    model, _, _ = load_model(path)
+    ids = np.asarray([prompt_ids + output_ids], np.int32)
+    logits = np.asarray(model.forward_dense(ids)[0])  # [L, vocab]
+    n = len(prompt_ids)
+    assert np.argmax(logits[n - 1 : n - 1 + len(output_ids)], axis=-1).tolist() == output_ids
 
 
 @pytest.mark.parametrize("how", ["positional", "--model"])

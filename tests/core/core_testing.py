@@ -189,3 +189,16 @@ def run_until_done(
         raise AssertionError(f"not done after {max_steps} steps: {s.get_request_counts()}")
     runner.finish_reasons = finish
     return outputs
+
+
+def expected_tokens(req_id: str, prompt_len: int, n: int) -> list[int]:
+    """The FakeRunner's first ``n`` output tokens for a request with a ``prompt_len`` prompt."""
+    return [fake_token(req_id, prompt_len + j) for j in range(n)]
+
+
+def step(s: Scheduler, runner: FakeRunner):
+    """One checked step: schedule, invariants, fake runner, update; returns (SchedulerOutput,
+    EngineCoreOutputs)."""
+    out = s.schedule()
+    check_scheduler_invariants(s, out)
+    return out, s.update_from_output(out, runner.execute(out))

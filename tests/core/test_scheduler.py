@@ -6,25 +6,16 @@ import pytest
 from core_testing import (
     EOS,
     FakeRunner,
-    check_scheduler_invariants,
+    expected_tokens,
     fake_token,
     make_request,
     make_scheduler,
     run_until_done,
+    step,
 )
 
 from jaxserve.core.outputs import ModelRunnerOutput, TokenLogprobs
 from jaxserve.core.request import RequestStatus
-
-
-def expected(req_id, prompt_len, n):
-    return [fake_token(req_id, prompt_len + j) for j in range(n)]
-
-
-def step(s, runner):
-    out = s.schedule()
-    check_scheduler_invariants(s, out)
-    return out, s.update_from_output(out, runner.execute(out))
 
 
 def assert_no_blocks_left(s):
@@ -45,13 +36,13 @@ def test_prefill_and_decode_share_a_step():
         out.scheduled_new_reqs[0].block_ids == [1]
         and out.scheduled_new_reqs[0].num_computed_tokens == 0
     )
-    assert [o.new_token_ids for o in res] == [expected("a", 10, 1)]
+    assert [o.new_token_ids for o in res] == [expected_tokens("a", 10, 1)]
     s.add_request(make_request("b", list(range(100, 140)), max_tokens=5))
     out, _ = step(s, runner)
     assert out.num_scheduled_tokens == {"a": 1, "b": 40}  # one step, no phases
     cached = out.scheduled_cached_reqs
     assert cached.req_ids == ["a"] and cached.num_computed_tokens == [10]
-    assert cached.new_token_ids == [expected("a", 10, 1)] and cached.new_block_ids == [[]]
+    assert cached.new_token_ids == [expected_tokens("a", 10, 1)] and cached.new_block_ids == [[]]
     assert out.total_num_scheduled_tokens == 41
 
 
@@ -64,7 +55,7 @@ def test_chunks_obey_threshold_and_budget():
     outs = run_until_done(s, runner, on_step=lambda o: chunks.append(dict(o.num_scheduled_tokens)))
     assert [c.get("long") for c in chunks[:5]] == [64, 64, 64, 64, 44]
     assert chunks[0]["short"] == 20  # 64 + 20 <= 100: both in the first step
-    assert outs["long"] == expected("long", 300, 3)
+    assert outs["long"] == expected_tokens("long", 300, 3)
 
 
 def test_budget_and_max_num_seqs_never_exceeded_and_all_finish():
@@ -75,7 +66,7 @@ def test_budget_and_max_num_seqs_never_exceeded_and_all_finish():
     for i in range(25):
         p, m = rng.randint(1, 120), rng.randint(1, 30)
         s.add_request(make_request(f"r{i}", [rng.randrange(900) for _ in range(p)], max_tokens=m))
-        want[f"r{i}"] = expected(f"r{i}", p, m)
+        want[f"r{i}"] = expected_tokens(f"r{i}", p, m)
     admitted = []
 
     def on_step(out):
@@ -113,7 +104,7 @@ def test_preempted_requests_produce_the_same_tokens(policy):
     tight, n_preempt = run(num_blocks=10)
     ample, n_none = run(num_blocks=200)
     assert n_preempt > 0 and n_none == 0
-    assert tight == ample == {r: expected(r, len(p), m) for r, p, m, _ in specs}
+    assert tight == ample == {r: expected_tokens(r, len(p), m) for r, p, m, _ in specs}
 
 
 def test_resumed_request_is_sent_again_with_its_outputs():
@@ -136,7 +127,7 @@ def test_resumed_request_is_sent_again_with_its_outputs():
         if not s.has_unfinished_requests():
             break
     assert resumed is not None
-    assert resumed.output_token_ids == expected("b", 30, len(resumed.output_token_ids))
+    assert resumed.output_token_ids == expected_tokens("b", 30, len(resumed.output_token_ids))
     assert len(resumed.output_token_ids) > 0
 
 
@@ -169,7 +160,9 @@ def test_max_tokens_one():
     runner = FakeRunner(s)
     s.add_request(make_request("a", list(range(5)), max_tokens=1))
     out, res = step(s, runner)
-    assert [(o.new_token_ids, o.finish_reason) for o in res] == [(expected("a", 5, 1), "length")]
+    assert [(o.new_token_ids, o.finish_reason) for o in res] == [
+        (expected_tokens("a", 5, 1), "length")
+    ]
     assert not s.has_unfinished_requests() and s.has_finished_requests()
     assert s.schedule().finished_req_ids == {"a"}
     assert_no_blocks_left(s)
@@ -192,7 +185,7 @@ def test_stop_conditions():
     # EOS as the 2nd token does not stop a request with min_tokens=2; it runs to max_tokens.
     assert outs["min"][1] == EOS and len(outs["min"]) == 20 and fin["min"] == "length"
     assert outs["ign"][1] == EOS and len(outs["ign"]) == 4 and fin["ign"] == "length"
-    assert outs["stopid"] == expected("stopid", 10, 4) and fin["stopid"] == "stop"
+    assert outs["stopid"] == expected_tokens("stopid", 10, 4) and fin["stopid"] == "stop"
     assert len(outs["cap"]) == 5 and fin["cap"] == "length"
 
 

@@ -7,15 +7,11 @@ import pytest
 from core_testing import (
     FakeRunner,
     check_scheduler_invariants,
-    fake_token,
+    expected_tokens,
     make_request,
     make_scheduler,
     run_until_done,
 )
-
-
-def expected(req_id, prompt_len, n):
-    return [fake_token(req_id, prompt_len + j) for j in range(n)]
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -32,7 +28,7 @@ def test_preempt_resume_thrash(prefix_caching):
     assert "180" in str(err.value) and "176" in str(err.value)
     steps = []
     outs = run_until_done(s, runner, max_steps=1000, on_step=steps.append)
-    assert outs == {r: expected(r, 100, 60) for r in prompts}
+    assert outs == {r: expected_tokens(r, 100, 60) for r in prompts}
     preemptions = {r: q.num_preemptions for r, q in reqs.items()}
     assert sum(preemptions.values()) <= 4 and max(preemptions.values()) <= 2, preemptions
     assert len(steps) < 250  # 3 * 160 tokens at <= 32 per step, plus decode steps: no livelock
@@ -48,7 +44,7 @@ def test_long_prompt_blocks_queue():
     assert "300" in str(err.value) and "256" in str(err.value)
     s.add_request(make_request("ok", list(range(10)), max_tokens=4))
     runner = FakeRunner(s)
-    assert run_until_done(s, runner) == {"ok": expected("ok", 10, 4)}
+    assert run_until_done(s, runner) == {"ok": expected_tokens("ok", 10, 4)}
     assert s.get_request_counts() == (0, 0)
 
     s = make_scheduler(budget=64, max_model_len=256, chunked=False)
@@ -59,7 +55,7 @@ def test_long_prompt_blocks_queue():
     s.add_request(make_request("after", list(range(5)), max_tokens=3))
     chunks = []
     outs = run_until_done(s, FakeRunner(s), on_step=chunks.append)
-    assert outs == {"fits": expected("fits", 64, 3), "after": expected("after", 5, 3)}
+    assert outs == {"fits": expected_tokens("fits", 64, 3), "after": expected_tokens("after", 5, 3)}
     assert chunks[0].num_scheduled_tokens == {"fits": 64}  # whole prompt, one step
     assert s.get_request_counts() == (0, 0) and len(s.waiting) == 0
 
@@ -72,7 +68,7 @@ def test_long_prompt_is_chunked_and_others_keep_running():
     s.add_request(make_request("short2", list(range(5)), max_tokens=5))
     steps = []
     outs = run_until_done(s, runner, on_step=steps.append)
-    assert outs["short2"] == expected("short2", 5, 5)
+    assert outs["short2"] == expected_tokens("short2", 5, 5)
     # short2 finished long before the 2000-token prompt was done (no head-of-line blocking).
     first_long_decode = next(
         i for i, o in enumerate(steps) if o.num_scheduled_tokens.get("long") == 1
@@ -104,7 +100,7 @@ def test_mixed_hit_batch():
     assert [(o.req_id, o.num_cached_tokens) for o in res] == [("hit", 64)]
     outs = run_until_done(s, runner)
     outs["hit"] = [o for o in res if o.req_id == "hit"][0].new_token_ids + outs["hit"]
-    assert outs == {"hit": expected("hit", 80, 3), "miss": expected("miss", 64, 3)}
+    assert outs == {"hit": expected_tokens("hit", 80, 3), "miss": expected_tokens("miss", 64, 3)}
 
 
 def test_same_prompt_twice_in_one_step_shares_blocks():
@@ -167,7 +163,7 @@ def test_random_workloads(seed, policy, chunked, caching):
                         arrival_time=float(step),
                     )
                 )
-                want[req_id] = expected(req_id, p, m)
+                want[req_id] = expected_tokens(req_id, p, m)
             except ValueError as e:
                 assert not chunked and p > s.max_num_scheduled_tokens, e
             arrivals += 1

@@ -3,25 +3,14 @@ slots, KV blocks or the token budget; fcfs order otherwise."""
 
 from core_testing import (
     FakeRunner,
-    check_scheduler_invariants,
-    fake_token,
+    expected_tokens,
     make_request,
     make_scheduler,
     run_until_done,
+    step,
 )
 
 from jaxserve.core.request import RequestStatus
-
-
-def expected(req_id, prompt_len, n):
-    return [fake_token(req_id, prompt_len + j) for j in range(n)]
-
-
-def step(s, runner):
-    out = s.schedule()
-    check_scheduler_invariants(s, out)
-    s.update_from_output(out, runner.execute(out))
-    return out
 
 
 def test_urgent_request_takes_a_full_sequence_slot():
@@ -33,12 +22,12 @@ def test_urgent_request_takes_a_full_sequence_slot():
     s.add_request(
         make_request("urgent", list(range(50, 60)), max_tokens=3, priority=0, arrival_time=1.0)
     )
-    out = step(s, runner)
+    out, _ = step(s, runner)
     assert out.preempted_req_ids == {"low"} and list(out.num_scheduled_tokens) == ["urgent"]
     assert [n.req_id for n in out.scheduled_new_reqs] == ["urgent"]
     assert s.requests["low"].status == RequestStatus.PREEMPTED
     outs = run_until_done(s, runner)
-    assert outs["urgent"][-2:] == expected("urgent", 10, 3)[-2:]
+    assert outs["urgent"][-2:] == expected_tokens("urgent", 10, 3)[-2:]
     assert s.requests == {} and s.kv_cache_manager.usage == 0.0
 
 
@@ -58,14 +47,14 @@ def test_urgent_request_takes_blocks_from_the_least_urgent():
     s.add_request(
         make_request("urgent", list(range(200, 240)), max_tokens=5, priority=0, arrival_time=2.0)
     )
-    out = step(s, runner)
+    out, _ = step(s, runner)
     assert out.preempted_req_ids == {"low"}
     assert set(out.num_scheduled_tokens) == {"mid", "urgent"}
     run_until_done(s, runner)
     assert s.kv_cache_manager.usage == 0.0
-    assert mid.output_token_ids == expected("mid", 40, 20) and low.output_token_ids == expected(
-        "low", 40, 20
-    )
+    assert mid.output_token_ids == expected_tokens(
+        "mid", 40, 20
+    ) and low.output_token_ids == expected_tokens("low", 40, 20)
     assert mid.num_preemptions == 0 and low.num_preemptions >= 1
 
 
@@ -83,7 +72,7 @@ def test_no_preemption_when_it_would_not_be_enough():
     s.add_request(
         make_request("mid", list(range(300, 360)), max_tokens=2, priority=1, arrival_time=2.0)
     )
-    out = step(s, runner)
+    out, _ = step(s, runner)
     assert out.preempted_req_ids == set() and "mid" not in out.num_scheduled_tokens
     assert s.requests["low"].status == RequestStatus.RUNNING
     run_until_done(s, runner)
@@ -99,7 +88,7 @@ def test_urgent_request_gets_the_token_budget_first():
     s.add_request(
         make_request("urgent", list(range(600, 620)), max_tokens=2, priority=0, arrival_time=1.0)
     )
-    out = step(s, runner)
+    out, _ = step(s, runner)
     assert out.num_scheduled_tokens == {"urgent": 20, "low": 12}
     assert out.preempted_req_ids == set()
 

@@ -177,9 +177,24 @@ def test_out_of_range_is_a_400_naming_the_field(field, value):
     assert error.status == 400 and error.param == field
 
 
-def test_boundaries_are_accepted():
-    for field, value in [("top_p", 0), ("top_p", 1), ("temperature", 0), ("temperature", 2)]:
-        CompletionRequest.model_validate({"prompt": "x", field: value}).to_sampling_params(4)
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("top_p", 0),
+        ("top_p", 1),
+        ("temperature", 0),
+        ("temperature", 2),
+        ("logprobs", 20),
+        ("min_p", 1),
+        ("presence_penalty", -2),
+        ("presence_penalty", 2),
+        ("max_tokens", 0),
+    ],
+)
+def test_boundaries_are_accepted_and_carried_into_sampling_params(field, value):
+    request = CompletionRequest.model_validate({"prompt": "x", field: value})
+    params = request.to_sampling_params(request.max_tokens)
+    assert getattr(params, field) == value
 
 
 def test_tokenize_needs_exactly_one_of_prompt_and_messages():

@@ -56,10 +56,9 @@ def _random_model(seed=0):
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), cfg
 
 
-@pytest.fixture(scope="module")
-def runner():
-    model, cfg = _random_model()
-    args = EngineArgs(
+def _engine_config(**overrides):
+    """Two token buckets (16, 32), 4 sequences, 128-token context, reference attention."""
+    args = dict(
         model="tiny",
         dtype="float32",
         attention_backend="reference",
@@ -67,13 +66,18 @@ def runner():
         max_num_batched_tokens=32,
         max_num_seqs=4,
         max_model_len=128,
-        num_gpu_blocks_override=1024,
         compilation_cache_dir=XLA_CACHE_DIR,
     )
+    return EngineArgs(**{**args, **overrides}).create_engine_config(128)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    model, cfg = _random_model()
     r = ModelRunner(
         model,
         cfg,
-        args.create_engine_config(128),
+        _engine_config(num_gpu_blocks_override=1024),
         warmup_sampling=(SamplingParams(temperature=0.0),),
     )
     r.initialize_kv_cache()
@@ -121,29 +125,23 @@ def test_kv_caches_are_donated_not_copied(runner):
     assert not runner.kv_caches[0][0].is_deleted()
 
 
-def test_kv_pool_sized_from_device_memory_minus_profiled_activations(monkeypatch):
+def test_kv_pool_is_the_largest_that_fits_beside_the_profiled_activations(monkeypatch):
+    """The profiled peak covers at least the forward's live outputs (logits [S, V] and hidden
+    [T, E] of the largest bucket), and the pool is the largest whole number of blocks that fits
+    in gpu_memory_utilization x limit beside the memory in use and that peak."""
     model, cfg = _random_model()
-    args = EngineArgs(
-        model="tiny",
-        dtype="float32",
-        attention_backend="reference",
-        token_buckets="16,32",
-        max_num_batched_tokens=32,
-        max_num_seqs=4,
-        max_model_len=128,
-        gpu_memory_utilization=0.5,
-        compilation_cache_dir=XLA_CACHE_DIR,
-    )
-    r = ModelRunner(model, cfg, args.create_engine_config(128))
+    r = ModelRunner(model, cfg, _engine_config(gpu_memory_utilization=0.5))
     peak = r.profile_peak_activation_bytes()
-    assert peak > 0
+    live_outputs = 4 * cfg.vocab_size * 4 + 32 * cfg.hidden_size * 4  # f32 logits + hidden
+    assert peak >= live_outputs
     per_block = 16 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     limit, in_use = 2000 * per_block, 100 * per_block
-    monkeypatch.setattr(kv_cache_alloc, "device_memory", lambda device: (limit, in_use))
     monkeypatch.setattr("jaxserve.worker.compilation.device_memory", lambda device: (limit, in_use))
+    monkeypatch.setattr(kv_cache_alloc, "device_memory", lambda device: (limit, in_use))
     spec = r.initialize_kv_cache()
     assert spec.source == "memory"
-    assert spec.num_blocks == (int(0.5 * limit) - in_use - peak) // per_block
+    used = in_use + peak + spec.num_blocks * per_block
+    assert used <= 0.5 * limit < used + per_block
     assert r.kv_caches[0][0].shape == (spec.num_blocks, 16, cfg.num_kv_heads, cfg.head_dim)
 
 
