@@ -17,8 +17,7 @@ Why two jitted functions rather than one: the sampler has static variants (greed
 penalties, logprobs widths; see ``SamplingMetadata``). Inside one jit each variant would recompile
 the whole model for every token bucket; split, the model compiles once per token bucket and a
 sampler variant costs one small compile per sequence bucket. The price is the ``[S, V]`` float32
-logits round trip through device memory between the two (S x V x 4 bytes, ~128 MiB at S = 256
-and a 128k vocabulary: tens of microseconds on an H200).
+logits round trip through device memory between the two (S x V x 4 bytes).
 
 Compilation (the jitted step functions, the persistent compilation cache, activation profiling
 for KV sizing, warm-up) lives in ``jaxserve.worker.compilation``. After warm-up a step in an
