@@ -6,7 +6,8 @@ then attends every query token to its sequence's cached tokens through the block
 one flat token batch). The metadata describing the batch is an explicit pytree passed into the
 jitted step (see docs/ARCHITECTURE.md, "Attention metadata").
 
-Backends (``--attention-backend``): "reference" (pure jnp, any platform), "pallas-gpu" (our
+Backends (``--attention-backend``): "reference" (pure jnp, any platform; the key-chunked
+``jaxserve.model.chunked_attention``, whose cost follows the contexts present), "pallas-gpu" (our
 Pallas Triton kernel, ``pallas_kernels/ragged_paged_attention.py``), "pallas-tpu" (our Pallas
 Mosaic-TPU kernel, ``pallas_kernels/ragged_paged_attention_tpu.py``). ``resolve_attention_backend``
 maps "auto" and the "pallas" alias to the platform's kernel and refuses a Pallas kernel on the
@@ -25,11 +26,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve.config import ATTENTION_BACKEND_CHOICES
+from jaxserve.model.chunked_attention import chunked_paged_attention
 from jaxserve.model.sharding import MODEL_AXIS
 from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
-    ragged_paged_attention_reference,
 )
 from pallas_kernels.ragged_paged_attention_tpu import (
     TPU_BLOCK_Q,
@@ -207,8 +208,8 @@ def _write_and_attend(q, k, v, kv_cache, metadata, kwargs) -> tuple[jax.Array, K
     elif metadata.backend == "pallas-tpu":
         attend = ragged_paged_attention_tpu
         kwargs["interpret"] = metadata.interpret
-    else:
-        attend = ragged_paged_attention_reference
+    else:  # "reference": chunked over the keys present (the oracle gathers whole rows)
+        attend = chunked_paged_attention
     out = attend(
         q,
         k_cache,
