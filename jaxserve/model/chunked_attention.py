@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-KEYS_PER_CHUNK = 256
+KEYS_PER_CHUNK = 64
 """Keys per loop iteration (rounded to whole blocks): small enough that short contexts read
 little, large enough that the loop's per-iteration cost stays small on CPU."""
 
