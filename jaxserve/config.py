@@ -90,10 +90,14 @@ class CacheConfig:
       enable_prefix_caching: reuse cached blocks of identical prefixes.
       watermark: fraction of blocks kept free against newly admitted requests.
       num_gpu_blocks: resolved pool size (set by the runner after profiling); 0 = unknown yet.
+      kv_offloading_size: GiB of host memory for the host KV tier (KV offloading); 0 = off.
+      kv_offloading_backend: how the host tier is kept: "native" (our own host block pool).
+      num_host_blocks: resolved host-tier size in blocks (set by the runner); 0 = off.
 
     Raises:
       ValueError: block_size not in (8, 16, 32, 64, 128), gpu_memory_utilization outside
-        (0, 1], num_gpu_blocks_override < 2, or watermark outside [0, 1) (naming the field).
+        (0, 1], num_gpu_blocks_override < 2, watermark outside [0, 1), kv_offloading_size < 0
+        or an unknown kv_offloading_backend (naming the field).
     """
 
     block_size: int = 16
@@ -102,6 +106,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.0
     num_gpu_blocks: int = 0
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str = "native"
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -116,6 +123,12 @@ class CacheConfig:
             )
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if not self.kv_offloading_size >= 0.0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_backend != "native":
+            raise ValueError(
+                f"kv_offloading_backend must be 'native', got {self.kv_offloading_backend!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,6 +390,13 @@ class EngineArgs:
     enable_prefix_caching: bool = dataclasses.field(
         default=True, metadata=_meta("reuse KV blocks of identical prompt prefixes")
     )
+    kv_offloading_size: float = dataclasses.field(
+        default=0.0,
+        metadata=_meta("GiB of host memory for KV blocks evicted from the device (0: off)"),
+    )
+    kv_offloading_backend: str = dataclasses.field(
+        default="native", metadata=_meta("KV offloading implementation", choices=["native"])
+    )
     max_num_batched_tokens: int = dataclasses.field(
         default=8192, metadata=_meta("token budget per step")
     )
@@ -587,6 +607,8 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_offloading_size=self.kv_offloading_size,
+                kv_offloading_backend=self.kv_offloading_backend,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,

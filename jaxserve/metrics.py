@@ -60,6 +60,10 @@ METRIC_NAMES = (
     "num_preemptions",
     "prefix_cache_queries",
     "prefix_cache_hits",
+    "host_prefix_cache_hits",
+    "kv_offload_stored_tokens",
+    "kv_offload_loaded_tokens",
+    "host_kv_cache_usage_perc",
     "prompt_tokens",
     "generation_tokens",
     "request_success",
@@ -251,6 +255,30 @@ class EngineMetrics:
             labels,
             registry=reg,
         ).labels(model_name)
+        self.host_prefix_cache_hits = Counter(
+            prefix + "host_prefix_cache_hits",
+            "Of the prefix-cache hits, prompt tokens found in the host KV tier (offloading).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self.kv_offload_stored_tokens = Counter(
+            prefix + "kv_offload_stored_tokens",
+            "Tokens of KV copied from the device to the host tier.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self.kv_offload_loaded_tokens = Counter(
+            prefix + "kv_offload_loaded_tokens",
+            "Tokens of KV copied from the host tier back to the device.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self.host_kv_cache_usage_perc = Gauge(
+            prefix + "host_kv_cache_usage_perc",
+            "Host KV tier usage, fraction of host blocks holding a block (0 when off).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.prompt_tokens = Counter(
             prefix + "prompt_tokens",
             "Prompt tokens of requests that started generating.",
@@ -379,14 +407,18 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.host_kv_cache_usage_perc.set(getattr(stats, "host_kv_cache_usage", 0.0))
         for name, counter in (
+            ("host_cache_hits_total", self.host_prefix_cache_hits),
+            ("kv_offload_stored_tokens_total", self.kv_offload_stored_tokens),
+            ("kv_offload_loaded_tokens_total", self.kv_offload_loaded_tokens),
             ("num_preemptions_total", self.num_preemptions),
             ("prefix_cache_queries_total", self.prefix_cache_queries),
             ("prefix_cache_hits_total", self.prefix_cache_hits),
             ("num_prompt_tokens_total", self.prompt_tokens),
             ("num_generation_tokens_total", self.generation_tokens),
         ):
-            total = getattr(stats, name)
+            total = getattr(stats, name, 0)
             grown = total - self._totals.get(name, 0)
             self._totals[name] = total
             if grown > 0:

@@ -19,7 +19,7 @@ publishes them (jaxserve/kv_events.py). None (the default) records nothing and c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from jaxserve.core.kv_cache_utils import (
     AllBlocksCleared,
@@ -55,6 +55,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0  # interval counter, reset by the manager's make_stats
         self.kv_events: list[KVEvent] | None = None  # set to [] to record (module docstring)
+        # Called as on_evict(block, hash) for each cached block evicted by get_new_blocks, before
+        # it is handed out (the KV manager's offload to the host tier); None: nothing is called.
+        self.on_evict: Callable[[KVCacheBlock, BlockHash], None] | None = None
 
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (evictable cached blocks included)."""
@@ -88,6 +91,8 @@ class BlockPool:
                     del cache[block.block_hash]
                     if removed is not None:
                         removed.append(block.block_hash)
+                    if self.on_evict is not None:
+                        self.on_evict(block, block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1

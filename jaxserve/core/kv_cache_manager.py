@@ -15,6 +15,17 @@ Typical use by the scheduler::
 After each allocation the manager records the request's *no-op end*: the ledger end up to which
 its table needs nothing from the manager. ``get_noop_ends()`` shows them read-only, so the
 scheduler skips ``allocate_slots`` for most decode steps.
+
+KV offloading (``cache_config.num_host_blocks > 0``, prefix caching on): a host tier
+(:class:`~jaxserve.core.host_block_pool.HostBlockPool`) sits behind the device pool. A cached
+device block evicted to be reused is offered to it (a *save*: device block -> host slot); the
+prefix lookup continues on the host after the device chain ends, and each host hit gets a fresh
+device block at admission (a *load*: host slot -> device block), registered in the device cache
+at once. A preempted request's freed blocks stay cached on the device and reach the host the
+same way when they are evicted, so on resume it loads what is left and recomputes the rest.
+``take_transfers`` hands the step's copies to the scheduler output; the runner executes all
+saves, then all loads, before the step's forward (a block evicted and reloaded in one step
+is saved before it is overwritten; a load never reads a slot the same step evicts).
 """
 
 from __future__ import annotations
@@ -23,10 +34,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from jaxserve.core.block_pool import BlockPool
+from jaxserve.core.host_block_pool import HostBlockPool
 from jaxserve.core.kv_cache_utils import (
     NONE_HASH,
+    BlockHash,
     KVCacheBlock,
     KVCacheStats,
+    KVTransfers,
     PrefixCacheStats,
     update_block_hashes,
 )
@@ -66,6 +80,16 @@ class KVCacheManager:
         # req_id -> its no-op end (see get_noop_ends); only requests holding blocks.
         self._noop_end: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # The host tier (KV offloading); None when off.
+        num_host = getattr(cache_config, "num_host_blocks", 0)
+        self.host_pool: HostBlockPool | None = None
+        if num_host and self.enable_caching:
+            self.host_pool = HostBlockPool(num_host)
+            self.block_pool.on_evict = self._offload
+        self._transfers = KVTransfers()
+        # req_id -> host hashes found by its latest get_computed_blocks (consumed at admission)
+        self._host_hits: dict[str, list[BlockHash]] = {}
+        self._num_stored = self._num_loaded = 0  # blocks, interval counters (make_stats)
 
     @property
     def max_num_tokens(self) -> int:
@@ -111,12 +135,27 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         lookup = self.block_pool.cached_block_hash_to_block.get
         hits: list[KVCacheBlock] = []
-        for i in range(min(max_blocks, len(hashes))):
+        num = min(max_blocks, len(hashes))
+        for i in range(num):
             block = lookup(hashes[i])
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        num_hit = len(hits)
+        host = self.host_pool
+        if host is not None:
+            # The device chain ended: the host tier may continue it (tests: host hits).
+            host_hits = []
+            for i in range(num_hit, num):
+                if host.lookup(hashes[i]) is None:
+                    break
+                host_hits.append(hashes[i])
+            if host_hits:
+                self._host_hits[request.request_id] = host_hits
+                num_hit += len(host_hits)
+            else:
+                self._host_hits.pop(request.request_id, None)
+        return hits, num_hit * self.block_size
 
     def allocate_slots(
         self,
@@ -211,6 +250,15 @@ class KVCacheManager:
         if first_allocation:
             blocks = []
         new_computed_blocks = new_computed_blocks or []
+        # Hit tokens beyond the device hits are host hits (from get_computed_blocks).
+        num_host = num_new_computed_tokens // self.block_size - len(new_computed_blocks)
+        host_hits = self._host_hits.pop(req_id, []) if num_host > 0 else []
+        if len(host_hits) < num_host:
+            raise ValueError(
+                f"request {req_id!r}: {num_host} host-hit blocks claimed, "
+                f"{len(host_hits)} found by get_computed_blocks"
+            )
+        host_hits = host_hits[:num_host]
         num_new_blocks = -(-end // self.block_size) - len(blocks) - len(new_computed_blocks)
         # Touching free cached hits takes them out of the free queue.
         available = self.block_pool.free_block_queue.num_free_blocks - sum(
@@ -233,13 +281,47 @@ class KVCacheManager:
                 stats.requests += 1
                 stats.queries += request.num_tokens
                 stats.hits += num_new_computed_tokens
+                stats.host_hits += len(host_hits) * self.block_size
+        # Pin the host hits first: the device evictions below may save into the host tier.
+        slots = [self.host_pool.load(h) for h in host_hits] if host_hits else []
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             self.num_cached_block[req_id] = len(blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        if slots:
+            cache = self.block_pool.cached_block_hash_to_block
+            transfers = self._transfers
+            for slot, block, block_hash in zip(slots, new_blocks, host_hits):
+                transfers.load_src.append(slot)
+                transfers.load_dst.append(block.block_id)
+                if block_hash not in cache:  # its K/V is loaded before any step reads it
+                    cache[block_hash] = block
+                    block.block_hash = block_hash
+            self._num_loaded += len(slots)
+            self.num_cached_block[req_id] = len(blocks) + len(slots)
         blocks.extend(new_blocks)
         return new_blocks
+
+    def _offload(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """The device pool's eviction hook: offers the evicted cached block to the host tier."""
+        slot = self.host_pool.store(block_hash)
+        if slot is not None:
+            self._transfers.save_src.append(block.block_id)
+            self._transfers.save_dst.append(slot)
+            self._num_stored += 1
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The copies the step being scheduled needs (saves, then loads), or None; resets them
+        and unpins the host tier's slots. The scheduler calls it once per ``schedule``."""
+        if self.host_pool is None:
+            return None
+        self.host_pool.end_step()
+        transfers = self._transfers
+        if not transfers.save_src and not transfers.load_src:
+            return None
+        self._transfers = KVTransfers()
+        return transfers
 
     def _cache_blocks(
         self, request: Request, blocks: list[KVCacheBlock], end: int, num_cached: int
@@ -265,6 +347,7 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        self._host_hits.pop(request.request_id, None)
         self._noop_end.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
@@ -274,8 +357,13 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets all cached prefixes; False (no-op) while any block is in use."""
-        return self.block_pool.reset_prefix_cache()
+        """Forgets all cached prefixes (both tiers); False (no-op) while any block is in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.host_pool is not None:
+            self.host_pool.reset()
+            self._host_hits.clear()
+        return True
 
     def make_stats(self) -> KVCacheStats:
         """Usage now plus prefix-cache and eviction counters since the previous call (resets them)."""
@@ -284,7 +372,11 @@ class KVCacheManager:
             num_free_blocks=self.num_free_blocks,
             prefix_cache=self.prefix_cache_stats,
             num_evictions=self.block_pool.num_evictions,
+            host_usage=self.host_pool.get_usage() if self.host_pool is not None else 0.0,
+            offload_stored_tokens=self._num_stored * self.block_size,
+            offload_loaded_tokens=self._num_loaded * self.block_size,
         )
+        self._num_stored = self._num_loaded = 0
         self.prefix_cache_stats = PrefixCacheStats()
         self.block_pool.num_evictions = 0
         return stats

@@ -358,7 +358,25 @@ class PrefixCacheStats:
 
     requests: int = 0
     queries: int = 0
-    hits: int = 0
+    hits: int = 0  # device and host hits together
+    host_hits: int = 0  # of ``hits``, tokens found in the host tier (KV offloading)
+
+
+@dataclasses.dataclass
+class KVTransfers:
+    """One step's KV copies between the device pool and the host tier (KV offloading).
+
+    The runner executes every save (device block ``save_src[i]`` -> host slot ``save_dst[i]``),
+    then every load (host slot ``load_src[i]`` -> device block ``load_dst[i]``), before the
+    step's forward. Within one step no host slot is written twice, no device block is loaded
+    twice, and a slot is never evicted after it was read or written; a slot saved this step
+    may be loaded this step (hence saves first).
+    """
+
+    save_src: list[int] = dataclasses.field(default_factory=list)
+    save_dst: list[int] = dataclasses.field(default_factory=list)
+    load_src: list[int] = dataclasses.field(default_factory=list)
+    load_dst: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -370,12 +388,18 @@ class KVCacheStats:
       num_free_blocks: blocks in the free queue (gauge).
       prefix_cache: queries and hits since the last ``make_stats`` (interval).
       num_evictions: cached blocks evicted since the last ``make_stats`` (interval).
+      host_usage: host-tier slots in use / all slots (gauge; 0.0 without offloading).
+      offload_stored_tokens, offload_loaded_tokens: tokens copied device -> host and host ->
+        device since the last ``make_stats`` (interval; whole blocks).
     """
 
     usage: float
     num_free_blocks: int
     prefix_cache: PrefixCacheStats
     num_evictions: int
+    host_usage: float = 0.0
+    offload_stored_tokens: int = 0
+    offload_loaded_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -17,8 +17,8 @@ one list slot per decode step and one tuple per chunk or preemption.
 Token accounting: tokens computed again after a preemption are *recomputed*, never prefix-cache
 hits. At re-admission the prefix cache may hand back blocks the request had computed before it
 was preempted; those tokens are *restored*, not hits; only hit tokens beyond everything the
-request ever computed count as device hits. ``host_hit_tokens`` is for a host KV tier
-(offloading); None while there is none.
+request ever computed count as device hits, and the same for ``host_hit_tokens`` (tokens
+loaded from the host KV tier; None when offloading is off).
 
 Times are ``time.monotonic()`` seconds; ``to_dict`` reports them as seconds since arrival and
 the arrival as Unix time.
@@ -49,7 +49,8 @@ class RequestLedger:
       preemptions: ``[step, time, tokens_discarded, resume_step, resume_time,
         tokens_restored, tokens_recomputed]`` per preemption (resume fields None until resumed).
       device_hit_tokens: prompt tokens served from the device prefix cache at admission(s).
-      host_hit_tokens: tokens loaded from a host KV tier; None (no offloading yet).
+      host_hit_tokens: prompt tokens loaded from the host KV tier at admission(s); None when
+        offloading is off.
       high_water: most tokens whose K/V it ever had (set at preemption); positions below it
         computed again are recomputed.
       request_id .. finish_reason: copied from the request by ``finished``.
@@ -91,15 +92,21 @@ class RequestLedger:
 
     # ------------------------------------------------------------------ scheduler events
 
-    def admitted(self, step: int, now: float, num_hit: int) -> None:
+    def admitted(self, step: int, now: float, num_hit: int, num_device: int | None = None) -> None:
         """Taken from the waiting queue with ``num_hit`` tokens (whole blocks) found in the
-        device prefix cache. Call ``scheduled`` for its first chunk after this."""
+        prefix cache: the first ``num_device`` on the device, the rest loaded from the host
+        tier (``num_device`` None: offloading is off, all on the device). Call ``scheduled``
+        for its first chunk after this."""
         hw = self.high_water
         if self.preemptions and self.preemptions[-1][3] is None:
             record = self.preemptions[-1]
             record[3], record[4] = step, now
             record[5] = min(num_hit, hw)
-        self.device_hit_tokens += max(0, num_hit - hw)
+        if num_device is None:
+            self.device_hit_tokens += max(0, num_hit - hw)
+            return
+        self.device_hit_tokens += max(0, num_device - hw)
+        self.host_hit_tokens = (self.host_hit_tokens or 0) + max(0, num_hit - max(num_device, hw))
 
     def scheduled(
         self, step: int, now: float, start: int, num_tokens: int, num_prompt: int

@@ -112,6 +112,10 @@ class SchedulerStats:
       prefix_cache_hits: of those, tokens found in the cache (interval).
       prefix_cache_requests: requests looked up (interval).
       num_evictions: cached blocks evicted to be reused (interval).
+      host_cache_hits: of prefix_cache_hits, tokens found in the host tier (interval).
+      host_kv_cache_usage: host-tier slots in use / all (gauge; 0.0 without offloading).
+      kv_offload_stored_tokens, kv_offload_loaded_tokens: tokens copied device -> host and
+        host -> device (interval).
       num_preemptions: preemptions (interval).
       num_scheduled_tokens: tokens scheduled (interval).
       num_steps: schedule() calls (interval).
@@ -125,6 +129,10 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     prefix_cache_requests: int = 0
     num_evictions: int = 0
+    host_cache_hits: int = 0
+    host_kv_cache_usage: float = 0.0
+    kv_offload_stored_tokens: int = 0
+    kv_offload_loaded_tokens: int = 0
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
     num_steps: int = 0

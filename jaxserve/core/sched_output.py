@@ -22,6 +22,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from jaxserve.core.kv_cache_utils import KVTransfers
     from jaxserve.sampling_params import SamplingParams
 
 
@@ -102,6 +103,8 @@ class SchedulerOutput:
       finished_req_ids: requests that finished or were aborted since the previous step; the
         runner drops their rows (it ignores ids it has no row for: a request aborted while
         waiting never reached it).
+      kv_transfers: KV offloading's copies for this step (saves, then loads), executed before
+        the step's forward; None when there are none (see ``KVTransfers``).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -110,6 +113,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: set[str]
     finished_req_ids: set[str]
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:

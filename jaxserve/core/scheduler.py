@@ -253,6 +253,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             preempted_req_ids=step.preempted,
             finished_req_ids=finished,
+            kv_transfers=self.kv_cache_manager.take_transfers(),
         )
         self._last_output, self._last_scheduled = output, step.scheduled
         return output
@@ -436,7 +437,12 @@ class Scheduler:
         if num_hit:
             step.prefix_hits.append((request, num_hit))
         ledger = request.ledger
-        ledger.admitted(step.index, step.now, num_hit)
+        ledger.admitted(
+            step.index,
+            step.now,
+            num_hit,
+            None if kv.host_pool is None else len(hit_blocks) * block_size,
+        )
         ledger.scheduled(step.index, step.now, num_hit, num_new, request.num_prompt_tokens)
         end = num_hit + num_new
         if end < num_tokens:
@@ -638,6 +644,10 @@ class Scheduler:
             prefix_cache_hits=kv_stats.prefix_cache.hits,
             prefix_cache_requests=kv_stats.prefix_cache.requests,
             num_evictions=kv_stats.num_evictions,
+            host_cache_hits=kv_stats.prefix_cache.host_hits,
+            host_kv_cache_usage=kv_stats.host_usage,
+            kv_offload_stored_tokens=kv_stats.offload_stored_tokens,
+            kv_offload_loaded_tokens=kv_stats.offload_loaded_tokens,
             num_preemptions=self._num_preemptions,
             num_scheduled_tokens=self._num_scheduled_tokens,
             num_steps=self._num_steps,

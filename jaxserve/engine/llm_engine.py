@@ -70,13 +70,16 @@ class EngineStats:
     Field names follow ``jaxserve.core.outputs.SchedulerStats`` where they overlap.
 
     Gauges (now): num_running_reqs, num_waiting_reqs (preempted included), kv_cache_usage (used
-    blocks / usable blocks, in [0, 1]), num_unfinished_reqs (parent requests not yet finished).
+    blocks / usable blocks, in [0, 1]), num_unfinished_reqs (parent requests not yet finished),
+    host_kv_cache_usage (KV offloading's host slots in use / all; 0.0 when off).
 
     Latest step (a caller reading once per step sums them): num_preemptions,
     prefix_cache_queries / prefix_cache_hits (prompt tokens looked up / found in the prefix
     cache; first admissions only), prefix_cache_requests, num_evictions, num_prompt_tokens
     (prompts of requests that produced their first token or finished prompt-only),
-    num_generation_tokens, num_scheduled_tokens, num_finished_reqs.
+    num_generation_tokens, num_scheduled_tokens, num_finished_reqs; KV offloading:
+    host_cache_hits (of prefix_cache_hits, tokens found in the host tier),
+    kv_offload_stored_tokens / kv_offload_loaded_tokens (tokens copied device -> host / back).
 
     Totals since start: the same with ``_total`` appended, plus num_steps_total.
 
@@ -89,6 +92,7 @@ class EngineStats:
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     num_unfinished_reqs: int = 0
+    host_kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -98,6 +102,9 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_scheduled_tokens: int = 0
     num_finished_reqs: int = 0
+    host_cache_hits: int = 0
+    kv_offload_stored_tokens: int = 0
+    kv_offload_loaded_tokens: int = 0
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
@@ -107,6 +114,9 @@ class EngineStats:
     num_generation_tokens_total: int = 0
     num_scheduled_tokens_total: int = 0
     num_finished_reqs_total: int = 0
+    host_cache_hits_total: int = 0
+    kv_offload_stored_tokens_total: int = 0
+    kv_offload_loaded_tokens_total: int = 0
     num_steps_total: int = 0
     schedule_s: float = 0.0
     runner_host_s: float = 0.0
@@ -123,6 +133,9 @@ class EngineStats:
         "num_generation_tokens",
         "num_scheduled_tokens",
         "num_finished_reqs",
+        "host_cache_hits",
+        "kv_offload_stored_tokens",
+        "kv_offload_loaded_tokens",
     )
 
 
@@ -234,8 +247,12 @@ class LLMEngine:
                 logger.warning("no tokenizer loaded (%s); prompts must be token ids", e)
         runner = ModelRunner(model, arch, config)
         spec = runner.initialize_kv_cache()
+        num_host = runner.initialize_host_kv_cache(config.cache.kv_offloading_size)
         config = dataclasses.replace(
-            config, cache=dataclasses.replace(config.cache, num_gpu_blocks=spec.num_blocks)
+            config,
+            cache=dataclasses.replace(
+                config.cache, num_gpu_blocks=spec.num_blocks, num_host_blocks=num_host
+            ),
         )
         if config.runner.warmup:
             runner.warmup()
@@ -449,6 +466,9 @@ class LLMEngine:
         st.num_preemptions = s.num_preemptions
         st.prefix_cache_queries, st.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
         st.prefix_cache_requests, st.num_evictions = s.prefix_cache_requests, s.num_evictions
+        st.host_cache_hits, st.host_kv_cache_usage = s.host_cache_hits, s.host_kv_cache_usage
+        st.kv_offload_stored_tokens = s.kv_offload_stored_tokens
+        st.kv_offload_loaded_tokens = s.kv_offload_loaded_tokens
         st.num_prompt_tokens = self.output_processor.num_prompt_tokens_step
         st.num_generation_tokens = self.output_processor.num_generation_tokens_step
         st.num_scheduled_tokens = num_scheduled

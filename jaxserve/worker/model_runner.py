@@ -63,6 +63,7 @@ from jaxserve.worker.compilation import (
     prompt_logprobs_step,
     sample_step,
 )
+from jaxserve.worker.kv_offload import HostKVCache, num_host_blocks
 from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 if TYPE_CHECKING:
@@ -162,6 +163,7 @@ class ModelRunner:
         self.warmup_sampling = warmup_sampling
         self.kv_spec: KVCacheSpec | None = None
         self.kv_caches: list | None = None
+        self.host_kv: HostKVCache | None = None  # KV offloading's host tier (None: off)
         self.timing = StepTiming()
         self.compile_seconds = 0.0
         self.warm_buckets: set[int] = set()  # token buckets compiled by warmup()
@@ -195,6 +197,32 @@ class ModelRunner:
           ValueError: the memory left holds fewer than 2 blocks.
         """
         return compilation.initialize_kv_cache(self)
+
+    def initialize_host_kv_cache(self, size_gib: float) -> int:
+        """Allocates the host tier of KV offloading, ``size_gib`` GiB of host memory (after
+        ``initialize_kv_cache``); returns its blocks (0: off, nothing allocated).
+
+        Raises:
+          ValueError: size_gib > 0 holds not even one block (names the block size in bytes).
+        """
+        if size_gib <= 0:
+            return 0
+        spec = self.kv_spec
+        block_bytes = spec.block_size * spec.bytes_per_token
+        n = num_host_blocks(size_gib, block_bytes)
+        if n < 1:
+            raise ValueError(
+                f"kv_offloading_size: {size_gib} GiB holds no KV block ({block_bytes} bytes each)"
+            )
+        self.host_kv = HostKVCache(n, self.kv_caches)
+        logger.info(
+            "KV offloading: %d host blocks (%.3f GiB, %d tokens) behind %d device blocks",
+            n,
+            n * block_bytes / 2**30,
+            n * spec.block_size,
+            spec.num_blocks,
+        )
+        return n
 
     def warmup(self, *, progress: bool = True) -> float:
         """Compiles every bucket before serving; returns the seconds spent
@@ -236,7 +264,12 @@ class ModelRunner:
             self._md_cache = None  # a row changed hands: its id may now name another request
         for req_id in sched.finished_req_ids:
             self._seeds.pop(req_id, None)
+        host_kv = self.host_kv if sched.kv_transfers is not None else None
+        if host_kv is not None:  # saves, then loads, before the forward reads or writes a block
+            self.kv_caches = host_kv.start(self.kv_caches, sched.kv_transfers)
         if sched.is_empty:
+            if host_kv is not None:
+                host_kv.finish()
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.builder.build(sched)
         if self.warm_buckets:
@@ -278,6 +311,8 @@ class ModelRunner:
                 if aot is not None
                 else prompt_logprobs_step(graph, self.state, hidden, targets)
             )
+        if host_kv is not None:
+            host_kv.finish()  # the save copies overlap the dispatched step
         sampled, plp = jax.device_get((sampled, plp))
         t2 = time.perf_counter()
 

@@ -755,6 +755,12 @@ def _startup_report(llm: Any, startup_s: float, args: argparse.Namespace | None 
         f"KV pool: {blocks} blocks x {size} tokens ({max(blocks - 1, 0) * size} usable tokens; "
         f"block 0 is the null block)"
     )
+    num_host = getattr(cfg.cache, "num_host_blocks", 0)
+    if num_host:
+        lines.append(
+            f"KV offloading: {num_host} host blocks ({num_host * size} tokens, "
+            f"{cfg.cache.kv_offloading_size} GiB, backend {cfg.cache.kv_offloading_backend})"
+        )
     compile_s = getattr(runner, "compile_seconds", None)
     if compile_s is not None:
         lines.append(f"compile time: {compile_s:.1f} s (startup {startup_s:.1f} s)")

@@ -1,0 +1,130 @@
+"""The runner's half of KV offloading: the host copy of offloaded blocks and the copies themselves.
+
+The KV manager decides (``jaxserve/core/kv_cache_manager.py``); each step's ``KVTransfers``
+names device blocks to save into host slots and host slots to load into device blocks. Here:
+
+* the host tier is one numpy array ``[num_host_blocks, num_layers, 2 (K, V), block_size,
+  num_kv_heads, head_dim]`` of the cache dtype (``--kv-offloading-backend native``); on a GPU
+  it is plain (pageable) host memory: pinned host buffers through JAX memory kinds are not
+  wired up and nothing here was measured on a GPU;
+* a save is one jitted gather of the named blocks of every layer (device -> a new device
+  array), dispatched before the step's forward, whose host copy is taken after the forward
+  is dispatched, so it overlaps the step (unless a load of the same step reads a slot it
+  writes: then it is finished first);
+* a load is one jitted scatter of the host rows into the named blocks of every layer, with
+  the KV caches donated (updated in place), dispatched after the saves and before the
+  forward, so the forward reads the loaded blocks.
+
+Block counts are padded to a power of two (padding reads and writes the null block 0, whose
+contents no attention reads), so few shapes are compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+if TYPE_CHECKING:
+    from jaxserve.core.kv_cache_utils import KVTransfers
+
+
+def num_host_blocks(size_gib: float, block_bytes: int) -> int:
+    """Host blocks that ``size_gib`` GiB hold, ``block_bytes`` bytes each (K and V of every
+    layer for ``block_size`` tokens); 0 when size_gib is 0."""
+    return int(size_gib * 2**30) // block_bytes
+
+
+@functools.partial(jax.jit)
+def _gather(kv_caches, ids):
+    """[n, L, 2, block_size, kv_heads, head_dim]: the blocks ``ids`` of every layer."""
+    return jnp.stack([jnp.stack([k[ids], v[ids]], axis=1) for k, v in kv_caches], axis=1)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter(kv_caches, ids, data):
+    """kv_caches with blocks ``ids`` of every layer set from ``data`` (as _gather returns)."""
+    return [
+        (k.at[ids].set(data[:, i, 0]), v.at[ids].set(data[:, i, 1]))
+        for i, (k, v) in enumerate(kv_caches)
+    ]
+
+
+def _padded(ids: list[int]) -> np.ndarray:
+    n = 1 << (len(ids) - 1).bit_length()
+    out = np.zeros(n, np.int32)
+    out[: len(ids)] = ids
+    return out
+
+
+@dataclasses.dataclass
+class OffloadTiming:
+    """Cumulative KV-offload copies (for the benchmark's copy bandwidth).
+
+    Attributes:
+      saved_blocks, loaded_blocks: blocks copied device -> host and host -> device.
+      save_s, load_s: host seconds spent waiting on the save copies and building / dispatching
+        the loads (the device-side load overlaps nothing here: the forward needs it).
+    """
+
+    saved_blocks: int = 0
+    loaded_blocks: int = 0
+    save_s: float = 0.0
+    load_s: float = 0.0
+
+
+class HostKVCache:
+    """The host tier's storage and the per-step copies.
+
+    Args:
+      num_blocks: host slots (from :func:`num_host_blocks`).
+      kv_caches: the device caches (their shapes and dtype are copied).
+    """
+
+    def __init__(self, num_blocks: int, kv_caches: list) -> None:
+        k0 = kv_caches[0][0]
+        _, block_size, heads, dim = k0.shape
+        self.data = np.zeros(
+            (num_blocks, len(kv_caches), 2, block_size, heads, dim), dtype=np.dtype(k0.dtype)
+        )
+        self.block_bytes = self.data[0].nbytes
+        self.timing = OffloadTiming()
+        self._pending: tuple | None = None  # (host slots, device array) of unfinished saves
+
+    def start(self, kv_caches: list, transfers: KVTransfers) -> list:
+        """Dispatches the step's saves and loads; returns the caches the forward must use.
+
+        Call :meth:`finish` after the forward is dispatched (and before the next ``start``).
+        """
+        t0 = time.perf_counter()
+        timing = self.timing
+        if transfers.save_src:
+            gathered = _gather(kv_caches, _padded(transfers.save_src))
+            self._pending = (np.asarray(transfers.save_dst), gathered)
+            timing.saved_blocks += len(transfers.save_src)
+            if transfers.load_src and not set(transfers.save_dst).isdisjoint(transfers.load_src):
+                self.finish()  # a load reads a slot this step saves
+        if transfers.load_src:
+            n = len(transfers.load_src)
+            dst = _padded(transfers.load_dst)
+            rows = np.zeros((len(dst), *self.data.shape[1:]), self.data.dtype)
+            rows[:n] = self.data[transfers.load_src]
+            kv_caches = _scatter(kv_caches, dst, rows)
+            timing.loaded_blocks += n
+        timing.load_s += time.perf_counter() - t0
+        return kv_caches
+
+    def finish(self) -> None:
+        """Waits for the pending saves and writes them into the host array."""
+        if self._pending is None:
+            return
+        t0 = time.perf_counter()
+        slots, gathered = self._pending
+        self._pending = None
+        self.data[slots] = np.asarray(gathered)[: len(slots)]
+        self.timing.save_s += time.perf_counter() - t0

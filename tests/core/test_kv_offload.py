@@ -1,0 +1,133 @@
+"""KV offloading's bookkeeping: the host block pool and the KV manager's saves / loads.
+
+Exact host slot and device block ids, like test_block_pool.py / test_prefix_caching.py. Block
+size 16; device blocks 1..N-1 (0 is the null block); host slots 0..H-1.
+"""
+
+import dataclasses
+
+import pytest
+
+from jaxserve.config import CacheConfig
+from jaxserve.core.host_block_pool import HostBlockPool
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from tests.core.test_prefix_caching import B, free_ids, req, schedule
+
+
+def offload_manager(num_blocks=5, num_host=4):
+    return KVCacheManager(
+        CacheConfig(block_size=B, num_host_blocks=num_host), num_gpu_blocks=num_blocks
+    )
+
+
+def transfers(kv):
+    t = kv.take_transfers()
+    return None if t is None else dataclasses.astuple(t)
+
+
+def check_host_invariants(pool: HostBlockPool):
+    slots = list(pool.cached.values())
+    assert len(set(slots)) == len(slots)
+    assert sorted(slots + pool.free) == list(range(pool.num_blocks))
+
+
+# ---------------------------------------------------------------- host pool
+
+
+def test_host_pool_store_lru_pin_and_reset():
+    pool = HostBlockPool(3)
+    assert [pool.store(h) for h in ("a", "b", "c")] == [0, 1, 2]
+    assert pool.store("a") is None  # held already: touched, nothing to copy
+    assert pool.get_usage() == 1.0
+    assert pool.store("d") is None  # every slot pinned this step: dropped
+    pool.end_step()
+    assert pool.store("d") == 1  # LRU is b (a was touched)
+    assert pool.lookup("b") is None and pool.lookup("d") == 1 and pool.num_evictions == 1
+    assert pool.load("c") == 2  # a hit: most recently used and pinned
+    assert pool.store("e") == 0  # evicts a; c and d are pinned
+    assert pool.store("f") is None
+    pool.end_step()
+    assert list(pool.cached) == ["d", "c", "e"]
+    check_host_invariants(pool)
+    with pytest.raises(KeyError):
+        pool.load("a")
+    pool.reset()
+    assert pool.get_usage() == 0.0 and pool.store("x") == 0
+    check_host_invariants(pool)
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        HostBlockPool(0)
+
+
+# ---------------------------------------------------------------- manager
+
+
+def test_evicted_cached_block_is_saved_then_reloaded_as_host_hit():
+    kv = offload_manager()  # device blocks 1..4
+    a = req("a", list(range(33)))  # 2 full blocks + 1 token -> blocks 1, 2, 3
+    assert schedule(kv, a) == ([], [1, 2, 3])
+    kv.free(a)
+    assert transfers(kv) is None
+    b = req("b", list(range(1000, 1064)))  # 4 blocks: evicts a's cached 1 and 2 (3 is uncached)
+    assert schedule(kv, b) == ([], [4, 3, 2, 1])
+    assert transfers(kv) == ([2, 1], [0, 1], [], [])  # saves: last block first, as evicted
+    kv.free(b)  # its 4 full blocks are cached; free queue: 1, 2, 3, 4 (its last block first)
+    a2 = req("a2", list(range(33)))  # same prompt as a: 2 host hits
+    hits, num_hit = kv.get_computed_blocks(a2)
+    assert hits == [] and num_hit == 2 * B
+    assert schedule(kv, a2) == ([], [1, 2, 3])
+    # Evicting b's blocks 1, 2, 3 saves two of them into free slots 2, 3; the third is dropped
+    # (slots 0 and 1 are pinned: this step loads them into the first two new blocks).
+    assert transfers(kv) == ([1, 2], [2, 3], [1, 0], [1, 2])
+    assert kv.block_pool.get_cached_block(a2.block_hashes[0]).block_id == 1
+    stats = kv.make_stats()
+    assert stats.prefix_cache.hits == stats.prefix_cache.host_hits == 2 * B
+    assert stats.offload_stored_tokens == 4 * B and stats.offload_loaded_tokens == 2 * B
+    assert stats.host_usage == 1.0
+    kv.free(a2)
+    assert kv.usage == 0.0 and len(free_ids(kv)) == 4
+    check_host_invariants(kv.host_pool)
+
+
+def test_device_chain_then_host_chain_and_salts_never_share():
+    kv = offload_manager(num_blocks=5, num_host=8)
+    prompt = list(range(49))  # 3 full blocks + 1
+    a = req("a", prompt)
+    schedule(kv, a)  # blocks 1, 2, 3, 4
+    kv.free(a)  # free order: 4, 3, 2, 1 (prefix evicted last)
+    # A 2-block request evicts 4 (uncached) and 3 (a's third block) -> 3 is saved.
+    c = req("c", list(range(500, 517)))
+    schedule(kv, c)
+    assert transfers(kv) == ([3], [0], [], [])
+    a2 = req("a2", prompt)
+    hits, num_hit = kv.get_computed_blocks(a2)
+    assert [b.block_id for b in hits] == [1, 2] and num_hit == 3 * B  # device 2 + host 1
+    salted = req("s", prompt, salt="other")
+    assert kv.get_computed_blocks(salted) == ([], 0)  # the salt is in every hash
+    kv.free(c)  # free queue: 2, 1, 3, 4 -> after a2 touches its hits: 3, 4
+    assert schedule(kv, a2) == ([1, 2], [3, 4])
+    # c's cached first block (4) is saved; slot 0 is loaded into 3, the first new block.
+    assert transfers(kv) == ([4], [1], [0], [3])
+    kv.free(a2)
+    kv.free(salted)
+    assert kv.usage == 0.0 and not kv._host_hits
+
+
+def test_reset_prefix_cache_clears_the_host_tier():
+    kv = offload_manager()
+    a = req("a", list(range(33)))
+    schedule(kv, a)
+    kv.free(a)
+    schedule(kv, b := req("b", list(range(1000, 1064))))
+    kv.take_transfers()
+    kv.free(b)
+    assert kv.reset_prefix_cache()
+    assert kv.host_pool.get_usage() == 0.0
+    assert kv.get_computed_blocks(req("a2", list(range(33)))) == ([], 0)
+
+
+def test_offloading_is_off_by_default_and_without_prefix_caching():
+    assert KVCacheManager(CacheConfig(block_size=B), 5).host_pool is None
+    kv = KVCacheManager(
+        CacheConfig(block_size=B, enable_prefix_caching=False, num_host_blocks=4), 5
+    )
+    assert kv.host_pool is None and kv.take_transfers() is None
