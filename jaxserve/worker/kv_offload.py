@@ -96,6 +96,19 @@ class HostKVCache:
         self.timing = OffloadTiming()
         self._pending: tuple | None = None  # (host slots, device array) of unfinished saves
 
+    def warmup(self, kv_caches: list, max_blocks: int) -> list:
+        """Compiles the gather and scatter for every padded count up to ``max_blocks`` (copying
+        the null block onto itself); returns the caches to use afterwards."""
+        n = 1
+        while True:
+            ids = np.zeros(n, np.int32)
+            kv_caches = _scatter(kv_caches, ids, _gather(kv_caches, ids))
+            if n >= max_blocks:
+                break
+            n *= 2
+        jax.block_until_ready(kv_caches)
+        return kv_caches
+
     def start(self, kv_caches: list, transfers: KVTransfers) -> list:
         """Dispatches the step's saves and loads; returns the caches the forward must use.
 

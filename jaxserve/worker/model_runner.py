@@ -215,6 +215,8 @@ class ModelRunner:
                 f"kv_offloading_size: {size_gib} GiB holds no KV block ({block_bytes} bytes each)"
             )
         self.host_kv = HostKVCache(n, self.kv_caches)
+        if self.config.runner.warmup:  # larger (rarer) copy counts compile on first use
+            self.kv_caches = self.host_kv.warmup(self.kv_caches, min(spec.num_blocks, 256))
         logger.info(
             "KV offloading: %d host blocks (%.3f GiB, %d tokens) behind %d device blocks",
             n,

@@ -1,0 +1,178 @@
+"""KV offloading benchmark: a multi-turn chat workload whose working set is ~4x the device pool,
+with the host tier off and on.
+
+Workload: ``--conversations`` conversations of ``--turns`` turns each. Turn k's prompt is the
+conversation so far (every earlier prompt and answer) plus ``--user-tokens`` new tokens; the
+answer is ``--output-tokens`` greedy tokens. Turns are issued round-robin over the
+conversations (c0t0, c1t0, ..., c0t1, ...) with ``--concurrency`` requests in flight, so
+between two turns of one conversation the others' turns push its history out of a small
+device pool (``--num-gpu-blocks``). With offloading the evicted blocks wait on the host and
+come back as host hits.
+
+Printed per mode: prefix hit rate (hit tokens / prompt tokens, device + host), host hits,
+TTFT mean / p50 / p99, throughput (prompt + output tokens / wall second), preemptions, and with
+offloading the in-workload copy rate (bytes copied / host seconds spent in the copy calls,
+which on a busy CPU includes waiting for the step the copy is queued behind), then the copy
+bandwidth of one isolated batched copy each way.
+
+Run:  .venv/bin/python benchmarks/bench_kv_offload.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineArgs
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.model import default_model_path
+from jaxserve.sampling_params import SamplingParams
+
+
+def make_engine(args, offload_gib: float) -> LLMEngine:
+    return LLMEngine.from_engine_args(
+        EngineArgs(
+            model=args.model,
+            dtype="float32",
+            num_gpu_blocks_override=args.num_gpu_blocks,
+            kv_offloading_size=offload_gib,
+            max_num_batched_tokens=args.budget,
+            token_buckets=args.token_buckets,
+            max_num_seqs=args.concurrency,
+            max_model_len=1024,
+        )
+    )
+
+
+def run_workload(engine: LLMEngine, args, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
+    history = [[1] for _ in range(args.conversations)]
+    order = [(t, c) for t in range(args.turns) for c in range(args.conversations)]
+    arrival: dict[str, float] = {}
+    ttft: list[float] = []
+    in_flight: set[str] = set()
+    prompt_tokens = output_tokens = cached = 0
+    stats0 = engine.get_stats()
+    t0 = time.perf_counter()
+    while order or in_flight:
+        while order and len(in_flight) < args.concurrency:
+            turn, conv = order.pop(0)
+            user = rng.integers(3, 4000, size=args.user_tokens).tolist()
+            prompt = history[conv] + user
+            history[conv] = prompt
+            rid = f"c{conv}t{turn}"
+            arrival[rid] = time.perf_counter()
+            engine.add_request(rid, prompt, params)
+            in_flight.add(rid)
+            prompt_tokens += len(prompt)
+        for out in engine.step():
+            rid = out.request_id
+            if rid in arrival:
+                ttft.append(time.perf_counter() - arrival.pop(rid))
+            if out.finished:
+                in_flight.discard(rid)
+                tokens = out.outputs[0].token_ids
+                output_tokens += len(tokens)
+                cached += out.num_cached_tokens
+                history[int(rid[1 : rid.index("t")])] += list(tokens)
+    wall = time.perf_counter() - t0
+    st = engine.get_stats()
+    ttft.sort()
+    res = {
+        "hit_rate": cached / prompt_tokens,
+        "host_hit_tokens": st.host_cache_hits_total - stats0.host_cache_hits_total,
+        "ttft_mean_ms": 1e3 * statistics.fmean(ttft),
+        "ttft_p50_ms": 1e3 * ttft[len(ttft) // 2],
+        "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "tok_s": (prompt_tokens + output_tokens) / wall,
+        "preemptions": st.num_preemptions_total - stats0.num_preemptions_total,
+        "prompt_tokens": prompt_tokens,
+    }
+    host_kv = engine.runner.host_kv
+    if host_kv is not None:
+        t = host_kv.timing
+        copied = (t.saved_blocks + t.loaded_blocks) * host_kv.block_bytes
+        res["copy_rate_GBps"] = copied / 1e9 / max(t.save_s + t.load_s, 1e-9)
+        res["copied_MB"] = copied / 1e6
+    return res
+
+
+def copy_bandwidth(engine: LLMEngine, num_blocks: int) -> tuple[float, float]:
+    """(device -> host, host -> device) GB/s of one batched copy of ``num_blocks`` blocks
+    through the runner's own gather / scatter (blocks 1..n copied out and written back
+    unchanged), medians of 5, each waited for."""
+    from jaxserve.worker.kv_offload import _gather, _padded, _scatter
+
+    runner = engine.runner
+    host_kv = runner.host_kv
+    ids = _padded(list(range(1, num_blocks + 1)))
+    nbytes = len(ids) * host_kv.block_bytes
+    d2h, h2d = [], []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        rows = np.asarray(_gather(runner.kv_caches, ids))
+        t1 = time.perf_counter()
+        runner.kv_caches = _scatter(runner.kv_caches, ids, rows)
+        jax.block_until_ready(runner.kv_caches)
+        t2 = time.perf_counter()
+        d2h.append(t1 - t0)
+        h2d.append(t2 - t1)
+    return nbytes / 1e9 / statistics.median(d2h[1:]), nbytes / 1e9 / statistics.median(h2d[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=default_model_path())
+    ap.add_argument("--num-gpu-blocks", type=int, default=33, help="device pool, blocks of 16")
+    ap.add_argument("--offload-gib", type=float, default=0.05)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--user-tokens", type=int, default=48)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
+    ap.add_argument("--token-buckets", default="16,32,64,128,256")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved off/on runs")
+    args = ap.parse_args()
+    engines = {"off": make_engine(args, 0.0), "on": make_engine(args, args.offload_gib)}
+    working_set = args.conversations * (1 + args.turns * (args.user_tokens + args.output_tokens))
+    pool = (args.num_gpu_blocks - 1) * 16
+    print(
+        f"working set {working_set} tokens over a device pool of {pool} tokens "
+        f"({working_set / pool:.1f}x); host tier {engines['on'].config.cache.num_host_blocks} blocks"
+    )
+    results: dict[str, list[dict]] = {"off": [], "on": []}
+    for rep in range(args.repeats):
+        for mode, engine in engines.items():
+            engine.scheduler.kv_cache_manager.reset_prefix_cache()
+            results[mode].append(run_workload(engine, args, seed=rep))
+    keys = list(results["on"][0])
+    print(f"{'metric':>16} " + " ".join(f"{m:>10}" for m in ("off", "on")) + "   (medians)")
+    med = {}
+    for k in keys:
+        row = []
+        for mode in ("off", "on"):
+            vals = [r[k] for r in results[mode] if k in r]
+            med[mode, k] = statistics.median(vals) if vals else float("nan")
+            row.append(f"{med[mode, k]:10.3f}")
+        print(f"{k:>16} " + " ".join(row))
+    d2h, h2d = copy_bandwidth(engines["on"], min(32, args.num_gpu_blocks - 1))
+    print(
+        f"copy bandwidth, one batch of {min(32, args.num_gpu_blocks - 1)} blocks "
+        f"({engines['on'].runner.host_kv.block_bytes} bytes each): device -> host {d2h:.2f} GB/s, "
+        f"host -> device {h2d:.2f} GB/s"
+    )
+    print(
+        f"hit rate x{med['on', 'hit_rate'] / max(med['off', 'hit_rate'], 1e-9):.2f}, "
+        f"mean TTFT x{med['on', 'ttft_mean_ms'] / med['off', 'ttft_mean_ms']:.2f}, "
+        f"throughput x{med['on', 'tok_s'] / med['off', 'tok_s']:.2f} (on / off)"
+    )
+
+
+if __name__ == "__main__":
+    main()
