@@ -203,10 +203,16 @@ class ModelRunner:
         ``initialize_kv_cache``); returns its blocks (0: off, nothing allocated).
 
         Raises:
-          ValueError: size_gib > 0 holds not even one block (names the block size in bytes).
+          ValueError: size_gib > 0 holds not even one block (names the block size in bytes), or
+            several processes form the mesh.
         """
         if size_gib <= 0:
             return 0
+        if jax.process_count() > 1:
+            raise ValueError(
+                "kv_offloading_size: KV offloading runs in one process only (the host copies "
+                "gather every shard to this host); not with --num-processes > 1"
+            )
         spec = self.kv_spec
         block_bytes = spec.block_size * spec.bytes_per_token
         n = num_host_blocks(size_gib, block_bytes)
