@@ -21,6 +21,7 @@ Run:  .venv/bin/python benchmarks/bench_kv_offload.py [--repeats 3]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -37,7 +38,9 @@ def make_engine(args, offload_gib: float) -> LLMEngine:
     return LLMEngine.from_engine_args(
         EngineArgs(
             model=args.model,
-            dtype="float32",
+            dtype=args.dtype,
+            load_format=args.load_format,
+            attention_backend=args.attention_backend,
             num_gpu_blocks_override=args.num_gpu_blocks,
             kv_offloading_size=offload_gib,
             max_num_batched_tokens=args.budget,
@@ -58,6 +61,8 @@ def run_workload(engine: LLMEngine, args, seed: int) -> dict:
     in_flight: set[str] = set()
     prompt_tokens = output_tokens = cached = 0
     stats0 = engine.get_stats()
+    host_kv = engine.runner.host_kv
+    copies0 = dataclasses.replace(host_kv.timing) if host_kv is not None else None
     t0 = time.perf_counter()
     while order or in_flight:
         while order and len(in_flight) < args.concurrency:
@@ -93,11 +98,12 @@ def run_workload(engine: LLMEngine, args, seed: int) -> dict:
         "preemptions": st.num_preemptions_total - stats0.num_preemptions_total,
         "prompt_tokens": prompt_tokens,
     }
-    host_kv = engine.runner.host_kv
     if host_kv is not None:
-        t = host_kv.timing
-        copied = (t.saved_blocks + t.loaded_blocks) * host_kv.block_bytes
-        res["copy_rate_GBps"] = copied / 1e9 / max(t.save_s + t.load_s, 1e-9)
+        t, t0c = host_kv.timing, copies0
+        blocks = t.saved_blocks + t.loaded_blocks - t0c.saved_blocks - t0c.loaded_blocks
+        seconds = t.save_s + t.load_s - t0c.save_s - t0c.load_s
+        copied = blocks * host_kv.block_bytes
+        res["copy_rate_GBps"] = copied / 1e9 / max(seconds, 1e-9)
         res["copied_MB"] = copied / 1e6
     return res
 
@@ -128,6 +134,9 @@ def copy_bandwidth(engine: LLMEngine, num_blocks: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=default_model_path())
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights (8B shapes)")
+    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--num-gpu-blocks", type=int, default=33, help="device pool, blocks of 16")
     ap.add_argument("--offload-gib", type=float, default=0.05)
     ap.add_argument("--conversations", type=int, default=8)

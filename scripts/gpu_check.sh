@@ -25,6 +25,12 @@ timeout -k 10 "${OFFLINE_BUDGET:-240}" "$PY" benchmarks/bench_offline.py --model
     2>&1 | tee "$OUT/offline_8b.log"
 echo "offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/offline_8b.log"
 
+echo "== KV offloading: multi-turn hit rate / TTFT off vs on, and host <-> device GB/s (budget ${OFFLOAD_BUDGET:-150}s)"
+timeout -k 10 "${OFFLOAD_BUDGET:-150}" "$PY" benchmarks/bench_kv_offload.py --model llama-3.1-8b \
+    --load-format dummy --dtype bfloat16 --num-gpu-blocks 65 --offload-gib 4 --repeats 1 \
+    --attention-backend "$backend" 2>&1 | grep -v compiling | tee "$OUT/kv_offload.log"
+echo "kv offload exit: ${PIPESTATUS[0]}" | tee -a "$OUT/kv_offload.log"
+
 echo "== structured outputs: mask cost and step overhead at 256 requests (budget ${STRUCTURED_BUDGET:-120}s)"
 timeout -k 10 "${STRUCTURED_BUDGET:-120}" "$PY" benchmarks/bench_structured.py --num-reqs 256 \
     --steps 30 --rounds 2 2>&1 | tail -3 | tee "$OUT/structured.log"
