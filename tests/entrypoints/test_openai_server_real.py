@@ -49,6 +49,7 @@ def server():
         max_model_len=MAX_MODEL_LEN,
         num_gpu_blocks_override=NUM_BLOCKS,
         long_prefill_token_threshold=0,
+        kv_offloading_size=0.01,  # ~109 host blocks behind the 64 device blocks
     )
     with running_server(args) as srv:
         yield srv
@@ -401,6 +402,27 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
     )
 
 
+def test_prefix_evicted_from_the_device_comes_back_from_the_host_tier(client):
+    """KV offloading end to end: a 4-block prefix pushed out of the 64-block device pool by
+    ~80 blocks of other prompts is a host hit the next time, with the same greedy text."""
+    prompt = [1] + [(11 * i) % 3000 + 17 for i in range(64)]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    first = client.post(COMPL, json=body).json()
+    for k in range(6):  # 6 x 13 blocks of other prompts
+        filler = [1] + [(13 * i + 101 * k) % 3000 + 5 for i in range(200)]
+        assert client.post(COMPL, json={"prompt": filler, "max_tokens": 1}).status_code == 200
+    before = metric_values(client)
+    second = client.post(COMPL, json=body).json()
+    after = metric_values(client)
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    host_hits = "jaxserve:host_prefix_cache_hits_total"
+    assert after[host_hits] - before[host_hits] == 64
+    loaded = "jaxserve:kv_offload_loaded_tokens_total"
+    assert after[loaded] - before[loaded] == 64
+    assert after["jaxserve:kv_offload_stored_tokens_total"] > 0
+
+
 def test_top_p_boundaries_on_the_model(client):
     """Case top-p-boundaries: top_p 0 keeps only the most probable token (greedy); top_p 1 is off."""
     greedy = _greedy(client, 8)
@@ -426,7 +448,8 @@ def test_ledger_in_the_body_and_by_id(client):
     hits = led["prefix_cache_hit_tokens"]["device"]
     assert led["request_id"] == r["id"] + "-0"
     assert led["num_prompt_tokens"] == prompt_tokens and led["num_output_tokens"] == 5
-    assert led["finish_reason"] == "length" and led["prefix_cache_hit_tokens"]["host"] is None
+    assert led["finish_reason"] == "length"
+    assert led["prefix_cache_hit_tokens"]["host"] == 0  # offloading is on in this module
     assert sum(e["tokens"] for e in led["steps"]) == prompt_tokens + 5 - 1 - hits
     assert 0 <= led["queued_s"] <= led["first_token_s"] <= led["finished_s"]
     for rid in (r["id"], r["id"] + "-0"):  # the response id or the engine request id
