@@ -112,8 +112,11 @@ class HostKVCache:
     def start(self, kv_caches: list, transfers: KVTransfers) -> list:
         """Dispatches the step's saves and loads; returns the caches the forward must use.
 
-        Call :meth:`finish` after the forward is dispatched (and before the next ``start``).
+        Call :meth:`finish` after the forward is dispatched; a runner that collects a step
+        later (async scheduling) may leave it to the next ``start``, which finishes any
+        pending saves first.
         """
+        self.finish()  # an earlier step's saves land before this step's loads may read them
         t0 = time.perf_counter()
         timing = self.timing
         if transfers.save_src:
