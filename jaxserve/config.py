@@ -145,6 +145,8 @@ class SchedulerConfig:
       policy: "fcfs" or "priority" (by (priority, arrival time); smaller priority is more urgent).
       max_model_len: longest sequence (prompt + output) in tokens.
       max_waiting_requests: the server answers 503 above this many waiting requests (0 = no cap).
+      async_scheduling: plan and dispatch step N+1 while step N runs on the device (the
+        engine's outputs come one step behind; see ``LLMEngine.step``).
 
     Raises:
       ValueError: max_num_batched_tokens, max_num_seqs or max_model_len < 1,
@@ -159,6 +161,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     max_model_len: int = 2048
     max_waiting_requests: int = 0
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -413,6 +416,10 @@ class EngineArgs:
     max_waiting_requests: int = dataclasses.field(
         default=0, metadata=_meta("answer 503 above this many waiting requests (0: no cap)")
     )
+    async_scheduling: bool = dataclasses.field(
+        default=True,
+        metadata=_meta("plan and dispatch step N+1 while step N runs (outputs one step behind)"),
+    )
     attention_backend: str = dataclasses.field(
         default="auto",
         metadata=_meta(
@@ -618,6 +625,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 max_model_len=max_len,
                 max_waiting_requests=self.max_waiting_requests,
+                async_scheduling=self.async_scheduling,
             ),
             runner=RunnerConfig(
                 attention_backend=self.attention_backend,

@@ -102,6 +102,10 @@ class Request:
         (stop_token_ids, plus eos_token_id unless ignore_eos).
       ledger: the request's RequestLedger (steps, prefix hits, preemptions), filled by the
         scheduler; it outlives the request (the engine keeps finished ones).
+      num_output_placeholders: tokens scheduled to be sampled whose ids are not known yet
+        (async scheduling; 0 between steps of the synchronous loop).
+      needs_output_history: its sampling reads the output so far (penalties, structured
+        outputs, bad_words), so it is not scheduled while a token of it is in flight.
     """
 
     __slots__ = (
@@ -129,6 +133,8 @@ class Request:
         "sort_key",
         "stop_token_set",
         "ledger",
+        "num_output_placeholders",
+        "needs_output_history",
     )
 
     def __init__(
@@ -172,6 +178,20 @@ class Request:
             stop.add(eos_token_id)
         self.stop_token_set = frozenset(stop)
         self.ledger = RequestLedger()
+        # Async scheduling: tokens scheduled to be sampled whose ids have not reached the host
+        # yet (at most 2: one in the step in flight, one in the step being planned).
+        self.num_output_placeholders = 0
+        # Its next token's distribution reads its output so far on the host (penalties, a
+        # grammar's matcher, bad_words): with a token in flight it waits for it instead of being
+        # scheduled (async scheduling stays exact).
+        p = sampling_params
+        self.needs_output_history = (
+            p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+            or p.repetition_penalty != 1.0
+            or p.structured_outputs is not None
+            or bool(p.bad_words)
+        )
 
     @property
     def num_tokens(self) -> int:

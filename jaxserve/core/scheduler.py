@@ -48,6 +48,7 @@ logprobs) and it finishes with "length" and no tokens.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import time
 from collections.abc import Iterable
@@ -90,6 +91,7 @@ class _Step:
     # not hand them out (see Scheduler._try_admit).
     pending_blocks: int = 0
     admit: bool = True  # False once the waiting queue is blocked for this step
+    samples: list[bool] = dataclasses.field(default_factory=list)  # per scheduled: samples a token
 
 
 class Scheduler:
@@ -130,10 +132,11 @@ class Scheduler:
         self._num_scheduled_tokens = 0
         self._num_steps = 0
         self._step_index = 0  # steps scheduled so far (never reset): the ledgers' step numbers
-        # The latest SchedulerOutput and its requests in num_scheduled_tokens order, so that
-        # update_from_output needs no id lookups in the usual schedule -> update sequence.
-        self._last_output: SchedulerOutput | None = None
-        self._last_scheduled: list[Request] = []
+        # The SchedulerOutputs not yet updated (one, or two under async scheduling), each with
+        # its requests in num_scheduled_tokens order, so update_from_output needs no id lookups.
+        self._in_flight: collections.deque[tuple[SchedulerOutput, list[Request], list[bool]]] = (
+            collections.deque()
+        )
 
     def add_request(self, request: Request) -> None:
         """Queues a request after checking that it can ever run.
@@ -255,7 +258,10 @@ class Scheduler:
             finished_req_ids=finished,
             kv_transfers=self.kv_cache_manager.take_transfers(),
         )
-        self._last_output, self._last_scheduled = output, step.scheduled
+        in_flight = self._in_flight
+        if len(in_flight) >= 2:  # a caller that never updates: forget the oldest
+            in_flight.popleft()
+        in_flight.append((output, step.scheduled, step.samples))
         return output
 
     def _schedule_running(self, step: _Step, budget: int) -> int:
@@ -292,20 +298,28 @@ class Scheduler:
             req_id = request.request_id
             num_computed = request.num_computed_tokens
             token_ids = request.all_token_ids
-            if len(token_ids) == num_computed + 1 and num_computed < noop_end[req_id]:
+            num_tokens = len(token_ids)
+            placeholders = request.num_output_placeholders
+            if placeholders:  # async scheduling: a token of it is still in flight
+                if (
+                    len(request.output_token_ids) + placeholders >= request.max_tokens
+                    or request.needs_output_history
+                ):
+                    continue  # it ends with that token, or its sampler needs to see it first
+                num_tokens += placeholders
+            if num_tokens == num_computed + 1 and num_computed < noop_end[req_id]:
                 # Decode with room in the block table: the general case below, minus the checks
                 # that cannot fire (one token fits any budget > 0 and needs no allocation).
                 add_req(request)
                 add_id(req_id)
                 add_blocks(no_blocks)
                 add_computed(num_computed)
-                add_tokens([token_ids[num_computed]])
+                add_tokens(token_ids[num_computed : num_computed + 1])  # [] while in flight
                 num_scheduled[req_id] = 1
                 request.ledger.decode_steps.append(step_index)
                 budget -= 1
                 continue
             # Catch up, in chunks, under the budget.
-            num_tokens = len(token_ids)
             num_new = num_tokens - num_computed
             if num_new > chunk_limit:
                 num_new = chunk_limit
@@ -470,11 +484,19 @@ class Scheduler:
     def _update_after_schedule(step: _Step) -> None:
         """The one place ledgers advance: by the prefix-cache hit of each admitted request and by
         the tokens scheduled (vLLM's ``_update_after_schedule``). The runner computes them in
-        this step; a request preempted later goes back to 0 in ``_preempt``."""
+        this step; a request preempted later goes back to 0 in ``_preempt``. A request brought
+        to its full length samples a token this step: a placeholder until it lands."""
         for request, num_hit in step.prefix_hits:
             request.num_computed_tokens += num_hit
+        samples = step.samples
         for request, num_new in zip(step.scheduled, step.num_scheduled.values()):
-            request.num_computed_tokens += num_new
+            num_computed = request.num_computed_tokens + num_new
+            request.num_computed_tokens = num_computed
+            if num_computed == len(request.all_token_ids) + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+                samples.append(True)
+            else:
+                samples.append(False)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -490,7 +512,7 @@ class Scheduler:
         Returns:
           One EngineCoreOutput per request with new tokens, prompt logprobs, or a finish.
         """
-        scheduled, sampled = self._align_runner_output(scheduler_output, runner_output)
+        scheduled, samples, sampled = self._align_runner_output(scheduler_output, runner_output)
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs_dict or None
         # Without any logprobs, one sampled token that ends nothing takes the lean update.
@@ -502,22 +524,35 @@ class Scheduler:
         update_one = self._update_request
         new_output = object.__new__
         running_status = _RUNNING
-        for request, tokens in zip(scheduled, sampled):
-            if request.status is not running_status:
+        for request, sample, tokens in zip(scheduled, samples, sampled):
+            status = request.status
+            if sample:  # the step brought it to its length: its placeholder lands
+                request.num_output_placeholders -= 1
+            else:
+                tokens = ()  # a partial prompt chunk: whatever the runner drew is not kept
+            if status is not running_status:
+                if tokens and status is RequestStatus.PREEMPTED:  # preempted while it ran
+                    j = (
+                        None
+                        if logprobs is None
+                        else runner_output.req_id_to_index.get(request.request_id)
+                    )
+                    self._update_preempted(
+                        request, tokens, None if j is None else logprobs[j], now, emit
+                    )
                 continue  # finished or aborted after it was scheduled
             if lean and len(tokens) == 1:
                 token = tokens[0]
                 if (
-                    request.num_computed_tokens == len(request.all_token_ids)
-                    and len(request.output_token_ids) + 1 < request.max_tokens
+                    len(request.output_token_ids) + 1 < request.max_tokens
                     and token not in request.stop_token_set
                 ):
                     request.append_output_token(token)
                     if request.first_token_time is None:
                         request.first_token_time = now
                     # EngineCoreOutput(req_id, tokens, None, None, None, None, num_cached_tokens)
-                    # without the dataclass __init__ call; test_scheduler_fast_paths.py compares
-                    # it with the general path's output, field by field.
+                    # without the dataclass __init__ call; test_scheduler_fast_paths.py
+                    # compares it with the general path's output, field by field.
                     out = new_output(EngineCoreOutput)
                     out.req_id = request.request_id
                     out.new_token_ids = tokens  # the runner's list: [token]
@@ -548,26 +583,51 @@ class Scheduler:
                 running[:] = [r for r in running if r.status is running_status]
         return outputs
 
+    def _update_preempted(
+        self, request: Request, tokens: list[int], logprobs: list | None, now: float, emit
+    ) -> None:
+        """A token sampled for a request that async scheduling preempted while the token's step
+        ran: kept, as the synchronous loop would have appended it before preempting. If it ends
+        the request, the request leaves the waiting queue finished."""
+        request.status = _RUNNING  # what _update_request's stop checks expect
+        out = self._update_request(request, tokens, logprobs, None, now, free=False)
+        if request.status is _RUNNING:
+            request.status = RequestStatus.PREEMPTED
+        else:
+            self.waiting.remove(request)
+            self._free_request(request, now)
+        if out is not None:
+            emit(out)
+
     def _align_runner_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> tuple[list[Request], list]:
-        """The step's requests still known, with the runner's sampled tokens in the same order
-        (empty for a request the runner did not return)."""
+    ) -> tuple[list[Request], list[bool], list]:
+        """The step's requests (still known or not), whether each samples a token this step, and
+        the runner's sampled tokens in the same order (empty for a request it did not return)."""
         num_scheduled = scheduler_output.num_scheduled_tokens
         sampled = runner_output.sampled_token_ids
-        if scheduler_output is self._last_output:
-            scheduled = self._last_scheduled  # in num_scheduled order
+        in_flight = self._in_flight
+        while in_flight and in_flight[0][0] is not scheduler_output:
+            if not any(entry[0] is scheduler_output for entry in in_flight):
+                break
+            in_flight.popleft()  # an older output that was never updated
+        if in_flight and in_flight[0][0] is scheduler_output:
+            _, scheduled, samples = in_flight.popleft()  # in num_scheduled order
             aligned = runner_output.req_ids == list(num_scheduled)
-        else:  # an older step's output (or a caller-built one): look the requests up
+        else:  # a caller-built output of a synchronous step: look the requests up
             get = self.requests.get
             scheduled = [r for r in map(get, num_scheduled) if r is not None]
+            samples = [
+                r.num_output_placeholders > 0
+                and r.num_computed_tokens == len(r.all_token_ids) + r.num_output_placeholders - 1
+                for r in scheduled
+            ]
             aligned = False
-        self._last_output, self._last_scheduled = None, []
         if not aligned:
             index = runner_output.req_id_to_index
             order = [index.get(r.request_id) for r in scheduled]
             sampled = [() if j is None else sampled[j] for j in order]
-        return scheduled, sampled
+        return scheduled, samples, sampled
 
     def _update_request(
         self,
@@ -576,11 +636,13 @@ class Scheduler:
         logprobs: list | None,
         plp: list | None,
         now: float,
+        free: bool = True,
     ) -> EngineCoreOutput | None:
         """update_from_output for one scheduled, running request (any case): appends ``tokens``
-        up to a stop, frees the request if it finished, and returns its news (None if none)."""
+        up to a stop, frees the request if it finished (unless ``free`` is False), and returns
+        its news (None if none)."""
         req_id = request.request_id
-        if request.num_computed_tokens < request.num_tokens:  # a partial prompt chunk
+        if not tokens:  # a partial prompt chunk samples nothing
             return (
                 EngineCoreOutput(req_id, [], None, None, None, plp, request.num_cached_tokens)
                 if plp
@@ -621,7 +683,8 @@ class Scheduler:
             return EngineCoreOutput(
                 req_id, new_tokens, None, None, new_logprobs, plp, request.num_cached_tokens
             )
-        self._free_request(request, now)
+        if free:
+            self._free_request(request, now)
         return EngineCoreOutput(
             req_id,
             new_tokens,

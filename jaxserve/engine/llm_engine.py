@@ -175,6 +175,9 @@ class LLMEngine:
         self.token_masks = TokenMaskManager(tokenizer)
         self.eos_token_id, self.extra_eos_token_ids = _eos_ids(tokenizer, generation_config, arch)
         self._stats = EngineStats()
+        self.async_scheduling = config.scheduler.async_scheduling
+        # Async scheduling: the dispatched step not yet collected (SchedulerOutput, PendingStep).
+        self._in_flight: tuple | None = None
         self.kv_event_publisher = self._start_kv_events(config)
 
     def _start_kv_events(self, config: EngineConfig) -> Any:
@@ -424,24 +427,45 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one model step; returns a RequestOutput per parent request that
-        progressed (only finished ones for ``final_only`` requests)."""
+        """Runs one engine step; returns a RequestOutput per parent request that progressed
+        (only finished ones for ``final_only`` requests).
+
+        Synchronous loop: schedule step N, run it, wait for its tokens, update. Async scheduling
+        (``async_scheduling``, the default): schedule and dispatch step N+1 while step N runs on
+        the device, then wait for step N's tokens and update: the outputs returned are step N's,
+        one call behind the dispatch. A request that finishes on a token of step N (EOS, a stop
+        token or string) may already be in step N+1; that step's token for it is dropped, and
+        its KV blocks, freed at step N's update, are reused only by steps that run after step
+        N+1 on the device (each step takes the KV pool its predecessor returned), so nothing in
+        flight writes into a block after its new owner. Requests that reach ``max_tokens`` with
+        step N's token are not scheduled in step N+1 at all.
+        """
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
         token_mask = self.token_masks.step_mask(sched_out, self.scheduler.requests)
         timing = self.runner.timing
         host0, dev0 = timing.host_s, timing.device_s
-        runner_out = self.runner.execute_model(sched_out, token_mask)
+        if self.async_scheduling:
+            pending = self.runner.dispatch(sched_out, token_mask)
+            done, self._in_flight = self._in_flight, (sched_out, pending)
+            if done is None:
+                runner_out, done_sched = None, None
+            else:
+                done_sched, runner_out = done[0], self.runner.collect(done[1])
+        else:
+            done_sched, runner_out = sched_out, self.runner.execute_model(sched_out, token_mask)
         t2 = time.perf_counter()
-        tokens_time = time.monotonic()  # the step's tokens are on the host
-        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        outputs, stopped = self.output_processor.process_outputs(core_outputs, tokens_time)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        for out in outputs:
-            if out.finished:
-                self.ledger_history.add(out.request_id, out.ledgers)
+        outputs: list[RequestOutput] = []
+        if runner_out is not None:
+            tokens_time = time.monotonic()  # the step's tokens are on the host
+            core_outputs = self.scheduler.update_from_output(done_sched, runner_out)
+            outputs, stopped = self.output_processor.process_outputs(core_outputs, tokens_time)
+            if stopped:
+                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            for out in outputs:
+                if out.finished:
+                    self.ledger_history.add(out.request_id, out.ledgers)
         if len(self.token_masks):  # finished this step: their matchers go now, not next step
             self.token_masks.drop(self.scheduler.finished_req_ids)
         t3 = time.perf_counter()

@@ -260,6 +260,8 @@ class BatchBuilder:
         self.batch = input_batch
         self.token_buckets = tuple(token_buckets)
         self.max_num_seqs = max_num_seqs
+        self.max_seq_bucket = seq_bucket(self.token_buckets[-1], max_num_seqs)
+        self._no_prev = np.zeros(self.max_seq_bucket, np.int32)  # prev_tokens when none is pending
 
     def update_states(self, sched: SchedulerOutput) -> None:
         """Drops finished/preempted rows, adds new ones, appends new block ids and the step's
@@ -278,10 +280,16 @@ class BatchBuilder:
             if cached.new_token_ids:
                 batch.write_tokens(row, cached.num_computed_tokens[i], cached.new_token_ids[i])
 
-    def build(self, sched: SchedulerOutput) -> StepBatch:
+    def build(
+        self,
+        sched: SchedulerOutput,
+        prev_index: dict[str, int] | None = None,
+        prev_tokens: np.ndarray | None = None,
+    ) -> StepBatch:
         """The padded inputs of the step ``sched`` describes (call ``update_states`` first).
 
-        Sequences are in the order of ``sched.num_scheduled_tokens``.
+        Sequences are in the order of ``sched.num_scheduled_tokens``. ``prev_index`` and
+        ``prev_tokens``: see ``build_from_arrays``.
         """
         batch = self.batch
         req_ids = list(sched.num_scheduled_tokens)
@@ -300,17 +308,28 @@ class BatchBuilder:
         if cached.req_ids:
             start[[order[r] for r in cached.req_ids]] = cached.num_computed_tokens
         assert np.all(start >= 0), "a scheduled request is neither new nor cached"
-        return self.build_from_arrays(req_ids, rows, start, n_sched)
+        return self.build_from_arrays(req_ids, rows, start, n_sched, prev_index, prev_tokens)
 
     def build_from_arrays(
-        self, req_ids: list[str], rows: np.ndarray, start: np.ndarray, n_sched: np.ndarray
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        start: np.ndarray,
+        n_sched: np.ndarray,
+        prev_index: dict[str, int] | None = None,
+        prev_tokens: np.ndarray | None = None,
     ) -> StepBatch:
         """``build`` on explicit arrays: ``rows``, ``start`` (num_computed_tokens) and
         ``n_sched`` (tokens this step), each integer ``[num_reqs]``, in ``req_ids`` order.
 
+        Async scheduling: a request may be scheduled one token past its known tokens, the token
+        the step in flight samples for it. ``prev_index`` maps such a request to its sequence
+        index in that step, whose sampled tokens ``prev_tokens`` (``[S_max]`` int32, a device
+        array) holds; the jitted step reads the token from there.
+
         Raises:
-          AssertionError: a request is scheduled past its known tokens, or no token bucket
-            holds ``n_sched.sum()`` tokens.
+          AssertionError: a request is scheduled past its known tokens (by more than the one
+            token in flight), or no token bucket holds ``n_sched.sum()`` tokens.
         """
         batch = self.batch
         num_reqs = len(req_ids)
@@ -319,7 +338,15 @@ class BatchBuilder:
         S = seq_bucket(T, self.max_num_seqs)
         bs = batch.block_size
         end = start + n_sched
-        assert np.all(end <= batch.num_tokens[rows]), "scheduled past the known tokens of a request"
+        known = batch.num_tokens[rows]
+        pending = end > known  # the last token is the one the step in flight samples
+        prev_idx = np.full(T, -1, np.int32)
+        if pending.any():
+            assert prev_index is not None and np.all(end[pending] == known[pending] + 1), (
+                "scheduled past the known tokens of a request"
+            )
+            seqs = np.nonzero(pending)[0]
+            prev_idx[np.cumsum(n_sched)[seqs] - 1] = [prev_index[req_ids[i]] for i in seqs]
 
         cu = np.cumsum(n_sched)
         seq_of_tok = np.repeat(np.arange(num_reqs), n_sched)  # [total]
@@ -328,7 +355,7 @@ class BatchBuilder:
         block_ids = batch.block_table[row_of_tok, positions // bs]
 
         input_ids = np.zeros(T, np.int32)
-        input_ids[:total] = batch.token_ids[row_of_tok, positions]
+        input_ids[:total] = batch.token_ids[row_of_tok, positions]  # pending ones: from prev_idx
         pos_pad = np.zeros(T, np.int32)
         pos_pad[:total] = positions
         slot_mapping = np.full(T, -1, np.int32)
@@ -365,6 +392,8 @@ class BatchBuilder:
             query_start_loc=query_start_loc,
             num_seqs=np.asarray(num_reqs, np.int32),
             logits_indices=logits_indices,
+            prev_index=prev_idx,
+            prev_tokens=self._no_prev if prev_tokens is None else prev_tokens,
         )
         return StepBatch(
             inputs=inputs,
@@ -372,7 +401,7 @@ class BatchBuilder:
             rows=rows,
             num_scheduled=n_sched,
             start_positions=start,
-            sample_mask=end >= batch.num_tokens[rows],
+            sample_mask=end >= known,
             token_bucket=T,
             seq_bucket=S,
             num_tokens=total,

@@ -65,6 +65,7 @@ class StepGraph:
     Attributes:
       graphdef: the model's nnx graphdef (its state is passed to each call).
       backend: the attention backend (``jaxserve.model.attention.ATTENTION_BACKENDS``).
+      max_seqs: the largest sequence bucket (the fixed shape of ``StepInputs.prev_tokens``).
       interpret: run the Pallas kernel in Pallas interpret mode (``--pallas-interpret``).
       mesh: the tensor-parallel mesh when it has more than one device (attention per shard
         under shard_map, logits gathered before the sampler), else None.
@@ -73,6 +74,7 @@ class StepGraph:
 
     graphdef: nnx.GraphDef
     backend: str
+    max_seqs: int  # the largest sequence bucket: sample_step pads its tokens to it
     interpret: bool = False
     mesh: Mesh | None = None
     traces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -94,16 +96,24 @@ def forward_step(graph: StepGraph, state: nnx.State, kv_caches: list, inputs: St
         interpret=graph.interpret,
         mesh=graph.mesh,
     )
-    hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, metadata)  # [T, E]
+    # Async scheduling: tokens sampled by the previous step come straight from its output.
+    prev = inputs.prev_index  # [T]
+    input_ids = jnp.where(prev >= 0, inputs.prev_tokens[jnp.maximum(prev, 0)], inputs.input_ids)
+    hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, metadata)  # [T, E]
     logits = gather_logits(model.compute_logits(hidden[inputs.logits_indices]), graph.mesh)
     return logits, hidden, kv_caches
 
 
 @functools.partial(jax.jit, static_argnames="graph")
 def sample_step(graph: StepGraph, logits: jax.Array, md: SamplingMetadata):
-    """:func:`jaxserve.worker.sampler.sample`, one executable per sampler variant."""
+    """:func:`jaxserve.worker.sampler.sample`, one executable per sampler variant.
+
+    Returns ``(SamplerOutput, tokens [graph.max_seqs] int32)``: the second is the sampled
+    tokens padded to the fixed shape the next step's ``StepInputs.prev_tokens`` has."""
     graph.traces["sampler"] += 1
-    return sample(logits, md)
+    out = sample(logits, md)
+    padded = jnp.zeros(graph.max_seqs, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+    return out, padded
 
 
 @functools.partial(jax.jit, static_argnames="graph")
@@ -172,6 +182,7 @@ def padding_inputs(runner: ModelRunner, token_bucket: int) -> StepInputs:
         token_bucket,
         seq_bucket(token_bucket, runner.max_num_seqs),
         runner.input_batch.max_blocks_per_req,
+        runner.graph.max_seqs,
     )
 
 

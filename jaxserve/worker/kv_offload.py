@@ -112,9 +112,8 @@ class HostKVCache:
     def start(self, kv_caches: list, transfers: KVTransfers) -> list:
         """Dispatches the step's saves and loads; returns the caches the forward must use.
 
-        Call :meth:`finish` after the forward is dispatched; a runner that collects a step
-        later (async scheduling) may leave it to the next ``start``, which finishes any
-        pending saves first.
+        Call :meth:`finish` once the step's results are in; async scheduling dispatches the
+        next step first, and this finishes any pending saves before anything else.
         """
         self.finish()  # an earlier step's saves land before this step's loads may read them
         t0 = time.perf_counter()

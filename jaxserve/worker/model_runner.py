@@ -24,8 +24,12 @@ for KV sizing, warm-up) lives in ``jaxserve.worker.compilation``. After warm-up 
 unknown bucket is a bug (assertion); rarer sampler variants (penalties, logit bias, logprobs
 widths) compile on first use and are logged.
 
-Not done: overlapping the host work of step N+1 with the device work of step N (vLLM's async
-scheduling). The host waits for each step's tokens before scheduling the next.
+Async scheduling (the engine's default) splits a step into ``dispatch`` (steps 1-3, returning at
+once) and ``collect`` (step 4). The engine dispatches step N+1 before it collects step N, so the
+host's scheduling, batch building and output processing overlap the device's work. A request's
+token sampled by step N is then unknown to the host when step N+1 is built: its input comes from
+step N's sampled tokens on the device (``StepInputs.prev_index`` / ``prev_tokens``), and
+``collect`` writes it into the persistent batch once it lands.
 """
 
 from __future__ import annotations
@@ -85,13 +89,32 @@ def _uses_penalties(params: SamplingParams) -> bool:
 
 
 @dataclasses.dataclass
+class PendingStep:
+    """A dispatched step whose results are still on (or coming from) the device.
+
+    Attributes:
+      batch: the step's StepBatch.
+      sampled: the sampler's output (device arrays, copying to the host).
+      plp: prompt-logprob tensors or None.
+      params: ``[num_reqs]`` each sequence's SamplingParams, captured at dispatch (rows may
+        change hands before ``collect``).
+    """
+
+    batch: StepBatch
+    sampled: object
+    plp: object
+    params: list[SamplingParams]
+
+
+@dataclasses.dataclass
 class StepTiming:
     """Cumulative seconds of the runner's steps (for benchmarks and metrics).
 
     Attributes:
       num_steps: steps that ran the model.
-      host_s: host time before dispatch (row updates, batch build, sampling metadata).
-      device_s: dispatch until the results are on the host (device work + transfer).
+      host_s: host time of ``dispatch`` (row updates, batch build, sampling metadata, launch).
+      device_s: time ``collect`` waits for the results (device work + transfer not hidden
+        behind host work).
       output_s: turning the results into the ModelRunnerOutput.
     """
 
@@ -145,7 +168,18 @@ class ModelRunner:
         self.kv_head_dim = cache_head_dim(self.backend, arch.head_dim)
         compilation.configure_compilation_cache(config.runner.compilation_cache_dir)
         self.graphdef, self.state = nnx.split(model)
-        self.graph = StepGraph(self.graphdef, self.backend, self.interpret, self.step_mesh)
+        self.graph = StepGraph(
+            self.graphdef,
+            self.backend,
+            seq_bucket(
+                resolve_token_buckets(
+                    config.runner.token_buckets, config.scheduler.max_num_batched_tokens
+                )[-1],
+                config.scheduler.max_num_seqs,
+            ),
+            self.interpret,
+            self.step_mesh,
+        )
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_num_seqs = sched.max_num_seqs
@@ -173,6 +207,10 @@ class ModelRunner:
         self._seeds: dict[str, int] = {}
         self._md_cache: tuple | None = None  # ((req_ids, S), SamplingMetadata) of a steady batch
         self._rng = np.random.default_rng(config.model.seed)
+        # The last dispatched step's sampled tokens ([S_max] int32, on the device) and each
+        # sampling request's index in them: the inputs of tokens still in flight.
+        self._prev_tokens: jax.Array | None = None
+        self._prev_index: dict[str, int] = {}
         logger.info(
             "model runner: attention backend %s%s, KV head dim %d, token buckets %s, "
             "sequence buckets %s",
@@ -244,6 +282,7 @@ class ModelRunner:
             self.input_batch.remove_request(req_id)
         self._seeds.clear()
         self._md_cache = None
+        self._prev_index = {}
 
     def compile_counts(self) -> dict[str, int]:
         """Executables this runner has traced per step function (a test checks serving adds
@@ -256,7 +295,8 @@ class ModelRunner:
     def execute_model(
         self, sched: SchedulerOutput, token_mask: StepTokenMask | None = None
     ) -> ModelRunnerOutput:
-        """Runs one scheduled step and returns the sampled tokens (see the module docstring).
+        """Runs one scheduled step and returns the sampled tokens (see the module docstring):
+        ``collect(dispatch(sched, token_mask))``.
 
         ``token_mask``: the step's token masks of constrained requests (structured outputs,
         allowed_token_ids, bad_words), from ``TokenMaskManager.step_mask``; the sampler only
@@ -265,6 +305,20 @@ class ModelRunner:
         Raises:
           AssertionError: the step needs a token bucket that was not warmed up (only when
             warm-up ran), or the scheduler output disagrees with the persistent batch.
+        """
+        return self.collect(self.dispatch(sched, token_mask))
+
+    def dispatch(
+        self, sched: SchedulerOutput, token_mask: StepTokenMask | None = None
+    ) -> PendingStep | None:
+        """Applies ``sched`` to the persistent batch and launches its jitted step without
+        waiting for it; returns the handle ``collect`` takes (None for an empty step).
+
+        Async scheduling calls this for step N+1 before ``collect`` of step N: a request's token
+        sampled by step N then feeds step N+1 on the device (``StepInputs.prev_tokens``).
+
+        Raises:
+          AssertionError: as ``execute_model``.
         """
         t0 = time.perf_counter()
         self.builder.update_states(sched)
@@ -278,14 +332,13 @@ class ModelRunner:
         if sched.is_empty:
             if host_kv is not None:
                 host_kv.finish()
-            return EMPTY_MODEL_RUNNER_OUTPUT
-        batch = self.builder.build(sched)
+            return None
+        batch = self.builder.build(sched, self._prev_index, self._prev_tokens)
         if self.warm_buckets:
             assert batch.token_bucket in self.warm_buckets, (
                 f"bucket {batch.token_bucket} was not compiled"
             )
         md = self._sampling_metadata(batch, token_mask)
-        t1 = time.perf_counter()
 
         graph = self.graph
         aot = self.aot_forward.get(batch.token_bucket)
@@ -296,7 +349,7 @@ class ModelRunner:
                 graph, self.state, self.kv_caches, batch.inputs
             )
         num_variants = graph.traces["sampler"]
-        sampled = sample_step(graph, logits, md)
+        sampled, self._prev_tokens = sample_step(graph, logits, md)
         if graph.traces["sampler"] != num_variants:
             logger.info(
                 "compiled a sampler variant on first use: S=%d greedy=%s penalties=%s logit_bias=%s "
@@ -319,16 +372,40 @@ class ModelRunner:
                 if aot is not None
                 else prompt_logprobs_step(graph, self.state, hidden, targets)
             )
-        if host_kv is not None:
-            host_kv.finish()  # the save copies overlap the dispatched step
-        sampled, plp = jax.device_get((sampled, plp))
+        for x in jax.tree.leaves((sampled, plp)):
+            x.copy_to_host_async()
+        mask = batch.sample_mask
+        self._prev_index = {r: i for i, r in enumerate(batch.req_ids) if mask[i]}
+        ib = self.input_batch
+        params = [ib.params[row] for row in batch.rows.tolist()]
         t2 = time.perf_counter()
+        self.timing.host_s += t2 - t0
+        return PendingStep(batch, sampled, plp, params)
 
-        output = self._make_output(batch, sampled, plp)
+    def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
+        """Waits for a dispatched step's results and returns its ModelRunnerOutput; records the
+        sampled tokens in the persistent batch (rows still held by the same request)."""
+        if pending is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = pending.batch
+        t1 = time.perf_counter()
+        sampled, plp = jax.device_get((pending.sampled, pending.plp))
+        if self.host_kv is not None:
+            self.host_kv.finish()  # the step's KV saves ran before it: no wait left
+        t2 = time.perf_counter()
+        output = self._make_output(pending, sampled, plp)
+        ib = self.input_batch
+        get_row, row_ids, known = ib.req_id_to_row.get, ib.row_req_ids, ib.num_tokens
+        ends = (batch.start_positions + batch.num_scheduled).tolist()
+        for i, (req_id, tokens) in enumerate(zip(batch.req_ids, output.sampled_token_ids)):
+            row = get_row(req_id)
+            if tokens and row is not None and known[row] == ends[i] and row_ids[row] == req_id:
+                if ends[i] < ib.max_model_len:
+                    ib.token_ids[row, ends[i]] = tokens[0]
+                    known[row] = ends[i] + 1
         t3 = time.perf_counter()
         timing = self.timing
         timing.num_steps += 1
-        timing.host_s += t1 - t0
         timing.device_s += t2 - t1
         timing.output_s += t3 - t2
         return output
@@ -367,7 +444,11 @@ class ModelRunner:
         ib = self.input_batch
         n = batch.num_reqs
         step_index = np.zeros(batch.seq_bucket, np.int32)
-        step_index[:n] = ib.num_tokens[batch.rows] - ib.num_prompt_tokens[batch.rows]
+        # the output index of the token each row samples (counts a token still in flight; a
+        # partial prompt chunk samples nothing: 0)
+        step_index[:n] = np.maximum(
+            batch.start_positions + batch.num_scheduled - ib.num_prompt_tokens[batch.rows], 0
+        )
         bitmask = self._token_bitmask(batch, token_mask)
         key = (tuple(batch.req_ids), batch.seq_bucket)
         if self._md_cache is not None and self._md_cache[0] == key:
@@ -403,8 +484,8 @@ class ModelRunner:
         self._md_cache = (key, md) if stable else None
         return md
 
-    def _make_output(self, batch: StepBatch, sampled, plp) -> ModelRunnerOutput:
-        ib = self.input_batch
+    def _make_output(self, pending: PendingStep, sampled, plp) -> ModelRunnerOutput:
+        batch, params = pending.batch, pending.params
         n = batch.num_reqs
         tokens = sampled.token_ids[:n].tolist()
         mask = batch.sample_mask.tolist()
@@ -413,8 +494,8 @@ class ModelRunner:
         if sampled.logprobs is not None:
             lp = sampled.logprobs
             logprobs = []
-            for i, row in enumerate(batch.rows.tolist()):
-                k = ib.params[row].logprobs
+            for i in range(n):
+                k = params[i].logprobs
                 if k is None or not mask[i]:
                     logprobs.append([])
                     continue
@@ -432,8 +513,8 @@ class ModelRunner:
         if plp is not None:
             targets = batch.prompt_logprob_targets
             starts = np.concatenate([[0], np.cumsum(batch.num_scheduled)[:-1]])
-            for i, row in enumerate(batch.rows.tolist()):
-                k = ib.params[row].prompt_logprobs
+            for i in range(n):
+                k = params[i].prompt_logprobs
                 if k is None:
                     continue
                 lo = int(starts[i])

@@ -23,6 +23,10 @@ class StepInputs:
       num_seqs: ``[]`` real sequences.
       logits_indices: ``[S]`` index into the step's tokens of each sequence's last token (the
         one whose logits are sampled); 0 for padding sequences.
+      prev_index: ``[T]`` for a token the host does not know yet (async scheduling: sampled by
+        the step still in flight), its row in ``prev_tokens``; -1 elsewhere.
+      prev_tokens: ``[S_max]`` the previous step's sampled tokens, padded to the largest
+        sequence bucket; a device array, so they never visit the host before this step.
     """
 
     input_ids: np.ndarray
@@ -33,9 +37,13 @@ class StepInputs:
     query_start_loc: np.ndarray
     num_seqs: np.ndarray
     logits_indices: np.ndarray
+    prev_index: np.ndarray
+    prev_tokens: np.ndarray | jax.Array
 
     @classmethod
-    def padding(cls, token_bucket: int, seq_bucket: int, max_blocks_per_req: int) -> StepInputs:
+    def padding(
+        cls, token_bucket: int, seq_bucket: int, max_blocks_per_req: int, max_seq_bucket: int
+    ) -> StepInputs:
         """All-padding inputs of a ``[T = token_bucket, S = seq_bucket]`` step: one sequence of
         one token whose slot is -1 (it writes nothing); for compiling and profiling."""
         query_start_loc = np.ones(seq_bucket + 1, np.int32)
@@ -51,4 +59,6 @@ class StepInputs:
             query_start_loc=query_start_loc,
             num_seqs=np.asarray(1, np.int32),
             logits_indices=np.zeros(seq_bucket, np.int32),
+            prev_index=np.full(token_bucket, -1, np.int32),
+            prev_tokens=np.zeros(max_seq_bucket, np.int32),
         )
