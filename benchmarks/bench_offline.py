@@ -21,6 +21,9 @@ collectives and the per-shard attention cost, not a speed-up (they share the sam
 ``--time-limit-s`` stops the run (aborting what is left) and reports the figures so far, so a
 short GPU slot always yields numbers; progress lines are printed every ``--report-every-s``. The
 last line is a JSON summary (also written to ``--json-out`` when given).
+
+``--compare-sync R`` runs the workload 2R times on one runner, alternating the synchronous loop
+and async scheduling, and prints the medians and the share of host time hidden under device time.
 """
 
 from __future__ import annotations
@@ -54,6 +57,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--report-every-s", type=float, default=10.0)
     parser.add_argument("--json-out", default="", help="also write the JSON summary here")
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument(
+        "--compare-sync",
+        type=int,
+        default=0,
+        metavar="R",
+        help="run the workload 2R times on one runner, alternating the synchronous loop and "
+        "async scheduling, and print each run, the medians and the share of host time hidden",
+    )
     args = parser.parse_args(argv)
     if args.max_model_len is None:
         args.max_model_len = args.input_len + args.output_len
@@ -66,10 +77,8 @@ def main(argv=None) -> dict:
     for noisy in ("absl", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     import jax
-    import numpy as np
 
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
@@ -86,6 +95,20 @@ def main(argv=None) -> dict:
         f"start-up {startup_s:.1f} s (compile/warm-up {runner.compile_seconds:.1f} s)", flush=True
     )
 
+    if args.compare_sync:
+        return compare_sync(engine, args, startup_s)
+    return run_workload(engine, args, startup_s)
+
+
+def run_workload(engine, args: argparse.Namespace, startup_s: float) -> dict:
+    """Queues the random prompts, steps the engine until they finish (or the time limit) and
+    prints/returns the JSON summary."""
+    import jax
+    import numpy as np
+
+    from jaxserve.sampling_params import SamplingParams
+
+    runner = engine.runner
     rng = np.random.default_rng(args.bench_seed)
     vocab = engine.vocab_size
     params = SamplingParams(
@@ -155,6 +178,7 @@ def main(argv=None) -> dict:
             "wall": round(1e3 * elapsed / max(steps, 1), 3),
         },
         "compiles_after_warmup": runner.compile_counts(),
+        "async_scheduling": engine.async_scheduling,
     }
     ms = summary["ms_per_step"]
     print(
@@ -171,6 +195,56 @@ def main(argv=None) -> dict:
         with open(args.json_out, "a") as f:
             f.write(line + "\n")
     return summary
+
+
+def compare_sync(engine, args: argparse.Namespace, startup_s: float) -> dict:
+    """``--compare-sync R``: the workload 2R times on one runner, sync and async alternating.
+
+    Hidden host share of an async run = (H + D - W) / H, with H its host work per step
+    (schedule + runner host + output), W its wall time per step and D the device time per step,
+    taken from the synchronous runs (where the host waits for every step: D = their "device").
+    """
+    import dataclasses
+    import statistics
+
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    base = engine.config
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(args.compare_sync):
+        for on in (False, True):
+            engine.runner.reset_requests()
+            config = dataclasses.replace(
+                base, scheduler=dataclasses.replace(base.scheduler, async_scheduling=on)
+            )
+            e = LLMEngine(
+                config, engine.runner, engine.arch, engine.tokenizer, engine.generation_config
+            )
+            runs[on].append(run_workload(e, args, startup_s))
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    host = lambda r: sum(r["ms_per_step"][k] for k in ("schedule", "runner_host", "output"))  # noqa: E731
+    device = med([r["ms_per_step"]["device"] for r in runs[False]])
+    result = {}
+    for on, label in ((False, "sync"), (True, "async")):
+        rs = runs[on]
+        result[label] = {
+            "output_tok_per_s": med([r["output_tok_per_s"] for r in rs]),
+            "host_ms_per_step": round(med([host(r) for r in rs]), 3),
+            "wall_ms_per_step": round(med([r["ms_per_step"]["wall"] for r in rs]), 3),
+        }
+    h, w = result["async"]["host_ms_per_step"], result["async"]["wall_ms_per_step"]
+    result["hidden_host_share"] = round(max(0.0, min(1.0, (h + device - w) / h)), 3) if h else 0.0
+    result["async_over_sync_tok_per_s"] = round(
+        result["async"]["output_tok_per_s"] / result["sync"]["output_tok_per_s"], 3
+    )
+    print(
+        f"\nmedians over {args.compare_sync} alternating pairs: sync {result['sync']}, "
+        f"async {result['async']}; async/sync output tok/s {result['async_over_sync_tok_per_s']}; "
+        f"share of the async run's host time hidden under device time "
+        f"{100 * result['hidden_host_share']:.0f}%"
+    )
+    print(json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":

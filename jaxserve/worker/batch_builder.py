@@ -174,6 +174,9 @@ class InputBatch:
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
         self.row_req_ids: list[str | None] = [None] * max_num_reqs
+        # Bumped each time a row is handed out: a step's results still in flight are written
+        # back (ModelRunner.collect) only to rows that did not change hands meanwhile.
+        self.row_epoch = np.zeros(max_num_reqs, np.int64)
         self.req_id_to_row: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() hands out the lowest row
 
@@ -193,6 +196,7 @@ class InputBatch:
         assert new.req_id not in self.req_id_to_row, f"request {new.req_id} already has a row"
         assert self._free_rows, f"no free row (max_num_reqs={self.max_num_reqs})"
         row = self._free_rows.pop()
+        self.row_epoch[row] += 1
         n_prompt, n_out = len(new.prompt_token_ids), len(new.output_token_ids)
         n = n_prompt + n_out
         assert n <= self.max_model_len, (

@@ -98,12 +98,14 @@ class PendingStep:
       plp: prompt-logprob tensors or None.
       params: ``[num_reqs]`` each sequence's SamplingParams, captured at dispatch (rows may
         change hands before ``collect``).
+      row_epochs: ``[num_reqs]`` int64, ``InputBatch.row_epoch`` of the rows at dispatch.
     """
 
     batch: StepBatch
     sampled: object
     plp: object
     params: list[SamplingParams]
+    row_epochs: np.ndarray
 
 
 @dataclasses.dataclass
@@ -375,12 +377,14 @@ class ModelRunner:
         for x in jax.tree.leaves((sampled, plp)):
             x.copy_to_host_async()
         mask = batch.sample_mask
-        self._prev_index = {r: i for i, r in enumerate(batch.req_ids) if mask[i]}
+        self._prev_index = dict(
+            zip(np.asarray(batch.req_ids)[mask].tolist(), np.nonzero(mask)[0].tolist())
+        )
         ib = self.input_batch
         params = [ib.params[row] for row in batch.rows.tolist()]
         t2 = time.perf_counter()
         self.timing.host_s += t2 - t0
-        return PendingStep(batch, sampled, plp, params)
+        return PendingStep(batch, sampled, plp, params, ib.row_epoch[batch.rows])
 
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         """Waits for a dispatched step's results and returns its ModelRunnerOutput; records the
@@ -394,15 +398,19 @@ class ModelRunner:
             self.host_kv.finish()  # the step's KV saves ran before it: no wait left
         t2 = time.perf_counter()
         output = self._make_output(pending, sampled, plp)
+        # The sampled tokens join their rows, unless the row changed hands or moved on.
         ib = self.input_batch
-        get_row, row_ids, known = ib.req_id_to_row.get, ib.row_req_ids, ib.num_tokens
-        ends = (batch.start_positions + batch.num_scheduled).tolist()
-        for i, (req_id, tokens) in enumerate(zip(batch.req_ids, output.sampled_token_ids)):
-            row = get_row(req_id)
-            if tokens and row is not None and known[row] == ends[i] and row_ids[row] == req_id:
-                if ends[i] < ib.max_model_len:
-                    ib.token_ids[row, ends[i]] = tokens[0]
-                    known[row] = ends[i] + 1
+        rows, ends = batch.rows, batch.start_positions + batch.num_scheduled
+        keep = (
+            batch.sample_mask
+            & (ib.row_epoch[rows] == pending.row_epochs)
+            & (ib.num_tokens[rows] == ends)
+            & (ends < ib.max_model_len)
+        )
+        if keep.any():
+            rows, ends = rows[keep], ends[keep]
+            ib.token_ids[rows, ends] = sampled.token_ids[: batch.num_reqs][keep]
+            ib.num_tokens[rows] = ends + 1
         t3 = time.perf_counter()
         timing = self.timing
         timing.num_steps += 1
