@@ -239,7 +239,7 @@ def calibrate_engine(
     cfg = sched.scheduler_config
     shapes = Shapes(cfg.max_num_batched_tokens, cfg.max_num_seqs, engine.runner.token_buckets)
     runner = engine.runner
-    real_execute = runner.execute_model
+    real_execute = runner.dispatch  # every step goes through it, async scheduling or not
     seen: list[tuple[int, int, int]] = []
 
     def execute(out, *args, **kwargs):
@@ -250,7 +250,7 @@ def calibrate_engine(
         return real_execute(out, *args, **kwargs)
 
     samples: list[StepSample] = []
-    runner.execute_model = execute
+    runner.dispatch = execute
     try:
         k = 0
         for group in groups:
@@ -268,7 +268,7 @@ def calibrate_engine(
                     tb, sb = shapes.of(tokens)
                     samples.append(StepSample(tokens, seqs, ctx, tb, sb, dt))
     finally:
-        runner.execute_model = real_execute
+        runner.dispatch = real_execute
     return samples
 
 
@@ -293,7 +293,7 @@ class StepRecorder:
 
     def __enter__(self) -> StepRecorder:
         engine, runner = self.engine, self.engine.runner
-        self._step, self._execute = engine.step, runner.execute_model
+        self._step, self._execute = engine.step, runner.dispatch
         sched = engine.scheduler
 
         def execute(out, *args, **kwargs):
@@ -321,11 +321,11 @@ class StepRecorder:
                 self._pending = (*self._seen[0], now)
             return outputs
 
-        engine.step, runner.execute_model = step, execute
+        engine.step, runner.dispatch = step, execute
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.engine.step, self.engine.runner.execute_model = self._step, self._execute
+        self.engine.step, self.engine.runner.dispatch = self._step, self._execute
 
 
 def calibrate_served(
