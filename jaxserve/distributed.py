@@ -29,6 +29,7 @@ it and the workers' reads fail, so they exit non-zero.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import pickle
@@ -159,23 +160,40 @@ class LeaderRunner:
 
     def execute_model(self, sched, token_mask=None):
         """Publishes ``(sched, token_mask)`` then runs the step (see
-        ``ModelRunner.execute_model``).
+        ``ModelRunner.execute_model``): ``collect(dispatch(sched, token_mask))``.
 
         Raises:
           RuntimeError: the step failed on the mesh, most likely because another process died
             (the message says so; the original error is chained).
         """
+        return self.collect(self.dispatch(sched, token_mask))
+
+    def dispatch(self, sched, token_mask=None):
+        """Publishes ``(sched, token_mask)`` then launches the step (``ModelRunner.dispatch``;
+        async scheduling publishes step N+1 before it collects step N). Raises as
+        ``execute_model``."""
         self._publisher.publish((sched, token_mask))
-        try:
-            out = self._runner.execute_model(sched, token_mask)
-        except Exception as e:
-            _fail(f"a step failed on the multi-process mesh (did another process die?): {e}")
-            raise RuntimeError(
-                f"a step failed on the multi-process mesh (did another process die?): {e}"
-            ) from e
-        if not sched.is_empty:
+        with _mesh_errors():
+            return self._runner.dispatch(sched, token_mask)
+
+    def collect(self, pending):
+        """Waits for a dispatched step (``ModelRunner.collect``); once it ran, every process has
+        read its step, so older keys go. Raises as ``execute_model``."""
+        with _mesh_errors():
+            out = self._runner.collect(pending)
+        if pending is not None:
             self._publisher.synced()
         return out
+
+
+@contextlib.contextmanager
+def _mesh_errors():
+    try:
+        yield
+    except Exception as e:
+        msg = f"a step failed on the multi-process mesh (did another process die?): {e}"
+        _fail(msg)
+        raise RuntimeError(msg) from e
 
 
 _failed = threading.Event()
