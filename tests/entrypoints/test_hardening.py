@@ -356,3 +356,13 @@ def test_serve_flags_in_help_and_startup_report(server):
     report = _startup_report(server.llm, 1.0, build_parser(argv).parse_args(argv))
     assert "'step_timeout_s': 5.0" in report and "'shutdown_timeout_s': 2.0" in report
     assert "'request_header_timeout_s': 30.0" in report and "'api_key': None" in report
+
+
+def test_cached_probe_rereads_after_ttl():
+    from jaxserve.entrypoints.openai.common import cached_probe
+
+    calls = []
+    probe = cached_probe(lambda: calls.append(1) or len(calls), ttl_s=0.05)
+    assert probe() == 1 and probe() == 1  # one read serves the burst
+    time.sleep(0.06)
+    assert probe() == 2
