@@ -472,24 +472,21 @@ def test_ledger_in_the_last_streamed_chunk(client):
 
 
 def test_preempted_request_ledger_shows_recompute(server, client):
-    """Four long requests outgrow the 63-block pool as they decode: somebody is preempted,
-    and its ledger (body and GET) shows the discarded and the recomputed tokens."""
-
-    async def run():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
-            bodies = [
-                {  # lengths apart mod 16: a victim's last block is part-filled (recomputed)
-                    "prompt": [1 + (7 * i + j) % 200 for j in range(190 + 5 * i)],
-                    "max_tokens": 66 - 5 * i,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "include_ledger": True,
-                }
-                for i in range(4)
-            ]
-            return await asyncio.gather(*(c.post(COMPL, json=b) for b in bodies))
-
-    responses = [r.json() for r in asyncio.run(run())]
+    """Five long prompts, queued together in one request, outgrow the 64-block pool as they
+    decode (78 blocks at the end): somebody is preempted, and its ledger (body and GET) shows
+    the discarded and the recomputed tokens. One request, so they run together whatever the
+    machine's speed (separate ones could finish one by one)."""
+    body = {
+        # lengths apart mod 16: a victim's last block is part-filled (recomputed)
+        "prompt": [[1 + (7 * i + j) % 200 for j in range(150 + 5 * i)] for i in range(5)],
+        "max_tokens": 80,  # the longest: 170 + 80 <= max_model_len 256
+        "temperature": 0,
+        "ignore_eos": True,
+        "include_ledger": True,
+    }
+    r = client.post(COMPL, json=body)
+    assert r.status_code == 200, r.text
+    responses = [{"ledger": led} for led in r.json()["ledger"]["prompts"]]
     preempted = [r["ledger"] for r in responses if r["ledger"]["num_preemptions"]]
     assert preempted, [r["ledger"]["num_preemptions"] for r in responses]
     assert any(led["num_recomputed_tokens"] > 0 for led in preempted)

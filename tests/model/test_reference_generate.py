@@ -10,6 +10,7 @@ import pytest
 from model_testing import dense_logits, golden_path
 
 import jaxserve.tokenizer
+from jaxserve.model import preflight
 from jaxserve.model.loader import load_model
 from jaxserve.reference_generate import add_generate_parser, bucket_len, generate_dense
 
@@ -72,6 +73,12 @@ class _ByteTokenizer:
 
 def test_generate_command(model, monkeypatch, capsys):
     monkeypatch.setattr(jaxserve.tokenizer, "get_tokenizer", lambda path: _ByteTokenizer())
+    # The fixture has no tokenizer files (the byte tokenizer above stands in for one): the
+    # start-up check must not ask for them.
+    check = preflight.check_model_path
+    monkeypatch.setattr(
+        preflight, "check_model_path", lambda p, f, need_tokenizer=False: check(p, f, False)
+    )
     parser = argparse.ArgumentParser()
     add_generate_parser(parser.add_subparsers())
     args = parser.parse_args(
