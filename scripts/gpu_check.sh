@@ -2,9 +2,13 @@
 # The whole prepared GPU session (one H200, jax 0.11.2 CUDA 13, nothing installed): the kernel
 # check (compiled kernel tests + attention benchmark, scripts/gpu_kernel_check.sh) and the
 # offline engine at Llama-3.1-8B shapes with dummy bf16 weights, with the Pallas kernel when its
-# compiled tests passed, else the XLA reference. About 10 minutes; logs in $OUT.
+# compiled tests passed, else the XLA reference; then KV offloading, async scheduling and
+# structured outputs at the same shapes. Logs in $OUT.
 #
-#   OUT=/path/to/out bash scripts/gpu_check.sh
+# The whole script is ~15 minutes, more than one 10-minute device call: run it as two calls,
+#   PART=1 OUT=... bash scripts/gpu_check.sh   # kernel tests + attention bench + 8B offline (~9 min)
+#   PART=2 OUT=... bash scripts/gpu_check.sh   # offloading, async on/off, structured (~7 min)
+# (PART=2 uses BACKEND, default pallas, since part 1's test log is not there.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -12,18 +16,22 @@ PY=${PYTHON:-python3}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 
-TEST_BUDGET=${TEST_BUDGET:-150} BENCH_BUDGET=${BENCH_BUDGET:-200} OUT="$OUT" bash scripts/gpu_kernel_check.sh
+PART=${PART:-all}
+backend=${BACKEND:-pallas}
+if [ "$PART" != 2 ]; then
+TEST_BUDGET=${TEST_BUDGET:-150} BENCH_BUDGET=${BENCH_BUDGET:-160} OUT="$OUT" bash scripts/gpu_kernel_check.sh
 
-backend=pallas
 grep -q "tests exit: 0" "$OUT/tests.log" || backend=reference
-echo "== 3. offline engine, Llama-3.1-8B shapes, bf16, attention backend $backend (budget ${OFFLINE_BUDGET:-240}s)"
-timeout -k 10 "${OFFLINE_BUDGET:-240}" "$PY" benchmarks/bench_offline.py --model llama-3.1-8b \
+echo "== 3. offline engine, Llama-3.1-8B shapes, bf16, attention backend $backend (budget ${OFFLINE_BUDGET:-200}s)"
+timeout -k 10 "${OFFLINE_BUDGET:-200}" "$PY" benchmarks/bench_offline.py --model llama-3.1-8b \
     --load-format dummy --dtype bfloat16 --max-num-seqs 256 --max-num-batched-tokens 8192 \
     --token-buckets 256,8192 --temperature 1.0 --compilation-cache-dir /tmp/jaxserve-xla \
     --attention-backend "$backend" --report-every-s 10 --json-out "$OUT/offline.jsonl" \
     --num-prompts 1000 --input-len 1000 --output-len 1000 --time-limit-s "${OFFLINE_GEN_S:-90}" \
     2>&1 | tee "$OUT/offline_8b.log"
 echo "offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/offline_8b.log"
+fi
+[ "$PART" = 1 ] && exit 0
 
 echo "== KV offloading: multi-turn hit rate / TTFT off vs on, and host <-> device GB/s (budget ${OFFLOAD_BUDGET:-150}s)"
 timeout -k 10 "${OFFLOAD_BUDGET:-150}" "$PY" benchmarks/bench_kv_offload.py --model llama-3.1-8b \
