@@ -170,18 +170,6 @@ class ModelRunner:
         self.kv_head_dim = cache_head_dim(self.backend, arch.head_dim)
         compilation.configure_compilation_cache(config.runner.compilation_cache_dir)
         self.graphdef, self.state = nnx.split(model)
-        self.graph = StepGraph(
-            self.graphdef,
-            self.backend,
-            seq_bucket(
-                resolve_token_buckets(
-                    config.runner.token_buckets, config.scheduler.max_num_batched_tokens
-                )[-1],
-                config.scheduler.max_num_seqs,
-            ),
-            self.interpret,
-            self.step_mesh,
-        )
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_num_seqs = sched.max_num_seqs
@@ -193,6 +181,10 @@ class ModelRunner:
         )
         self.seq_buckets = tuple(
             sorted({seq_bucket(t, self.max_num_seqs) for t in self.token_buckets})
+        )
+        # max_seqs: the largest sequence bucket, the fixed shape of StepInputs.prev_tokens
+        self.graph = StepGraph(
+            self.graphdef, self.backend, self.seq_buckets[-1], self.interpret, self.step_mesh
         )
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
         self.builder = BatchBuilder(self.input_batch, self.token_buckets, self.max_num_seqs)
