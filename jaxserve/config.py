@@ -93,6 +93,11 @@ class CacheConfig:
       kv_offloading_size: GiB of host memory for the host KV tier (KV offloading); 0 = off.
       kv_offloading_backend: how the host tier is kept: "native" (our own host block pool).
       num_host_blocks: resolved host-tier size in blocks (set by the runner); 0 = off.
+      offload_load_s_per_call, offload_load_s_per_block, offload_recompute_s_per_token: the
+        resume cost model, seconds, measured by the runner's start-up probe after warm-up
+        (``ModelRunner.measure_offload_costs``): a resumed preempted request loads its host
+        blocks when ``per_call + n * per_block <= n * block_size * per_token``, else
+        recomputes them. All 0 = unmeasured (it always loads).
 
     Raises:
       ValueError: block_size not in (8, 16, 32, 64, 128), gpu_memory_utilization outside
@@ -109,6 +114,9 @@ class CacheConfig:
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
     num_host_blocks: int = 0
+    offload_load_s_per_call: float = 0.0
+    offload_load_s_per_block: float = 0.0
+    offload_recompute_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -63,6 +63,8 @@ METRIC_NAMES = (
     "host_prefix_cache_hits",
     "kv_offload_stored_tokens",
     "kv_offload_loaded_tokens",
+    "kv_offload_resumed_loaded_tokens",
+    "kv_offload_resumed_recomputed_tokens",
     "host_kv_cache_usage_perc",
     "prompt_tokens",
     "generation_tokens",
@@ -273,6 +275,18 @@ class EngineMetrics:
             labels,
             registry=reg,
         ).labels(model_name)
+        self.kv_offload_resumed_loaded_tokens = Counter(
+            prefix + "kv_offload_resumed_loaded_tokens",
+            "Host-tier tokens of resumed preempted requests loaded back (cheaper than recompute).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self.kv_offload_resumed_recomputed_tokens = Counter(
+            prefix + "kv_offload_resumed_recomputed_tokens",
+            "Host-tier tokens of resumed preempted requests recomputed (cheaper than a load).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.host_kv_cache_usage_perc = Gauge(
             prefix + "host_kv_cache_usage_perc",
             "Host KV tier usage, fraction of host blocks holding a block (0 when off).",
@@ -412,6 +426,11 @@ class EngineMetrics:
             ("host_cache_hits_total", self.host_prefix_cache_hits),
             ("kv_offload_stored_tokens_total", self.kv_offload_stored_tokens),
             ("kv_offload_loaded_tokens_total", self.kv_offload_loaded_tokens),
+            ("kv_offload_resumed_loaded_tokens_total", self.kv_offload_resumed_loaded_tokens),
+            (
+                "kv_offload_resumed_recomputed_tokens_total",
+                self.kv_offload_resumed_recomputed_tokens,
+            ),
             ("num_preemptions_total", self.num_preemptions),
             ("prefix_cache_queries_total", self.prefix_cache_queries),
             ("prefix_cache_hits_total", self.prefix_cache_hits),

@@ -21,8 +21,13 @@ KV offloading (``cache_config.num_host_blocks > 0``, prefix caching on): a host 
 device block evicted to be reused is offered to it (a *save*: device block -> host slot); the
 prefix lookup continues on the host after the device chain ends, and each host hit gets a fresh
 device block at admission (a *load*: host slot -> device block), registered in the device cache
-at once. A preempted request's freed blocks stay cached on the device and reach the host the
-same way when they are evicted, so on resume it loads what is left and recomputes the rest.
+at once. A preempted request's freed full blocks are offered to the host tier at once
+(``free(request, preempted=True)``), not only when the device evicts them; on resume it takes
+what is still cached on the device, then either loads what the host tier still holds or
+recomputes it, whichever the start-up cost probe says is cheaper for that many blocks
+(``CacheConfig.offload_load_s_per_call`` / ``offload_load_s_per_block`` against
+``offload_recompute_s_per_token``; the choice goes to the ledger and to the
+``resumed_*_tokens`` counters).
 ``take_transfers`` hands the step's copies to the scheduler output; the runner executes all
 saves, then all loads, before the step's forward (a block evicted and reloaded in one step
 is saved before it is overwritten; a load never reads a slot the same step evicts).
@@ -42,6 +47,7 @@ from jaxserve.core.kv_cache_utils import (
     KVCacheStats,
     KVTransfers,
     PrefixCacheStats,
+    load_beats_recompute,
     update_block_hashes,
 )
 
@@ -90,6 +96,15 @@ class KVCacheManager:
         # req_id -> host hashes found by its latest get_computed_blocks (consumed at admission)
         self._host_hits: dict[str, list[BlockHash]] = {}
         self._num_stored = self._num_loaded = 0  # blocks, interval counters (make_stats)
+        # The resume cost model (seconds; 0 everywhere = unmeasured: a resume always loads).
+        self.load_s_per_call: float = getattr(cache_config, "offload_load_s_per_call", 0.0)
+        self.load_s_per_block: float = getattr(cache_config, "offload_load_s_per_block", 0.0)
+        self.recompute_s_per_token: float = getattr(
+            cache_config, "offload_recompute_s_per_token", 0.0
+        )
+        # req_id -> (loads?, host-hit tokens) of a resumed request's latest lookup
+        self._resume_choice: dict[str, tuple[bool, int]] = {}
+        self._resumed_loaded = self._resumed_recomputed = 0  # tokens, interval counters
 
     @property
     def max_num_tokens(self) -> int:
@@ -150,12 +165,32 @@ class KVCacheManager:
                 if host.lookup(hashes[i]) is None:
                     break
                 host_hits.append(hashes[i])
+            if host_hits and request.num_preemptions > 0:
+                # A resumed request: load its host blocks only if that is the cheaper way back.
+                loads = self.resume_loads(len(host_hits))
+                self._resume_choice[request.request_id] = (
+                    loads,
+                    len(host_hits) * self.block_size,
+                )
+                if not loads:
+                    host_hits = []
             if host_hits:
                 self._host_hits[request.request_id] = host_hits
                 num_hit += len(host_hits)
             else:
                 self._host_hits.pop(request.request_id, None)
         return hits, num_hit * self.block_size
+
+    def resume_loads(self, num_blocks: int) -> bool:
+        """True when loading ``num_blocks`` host blocks costs no more than recomputing their
+        tokens, by the start-up probe's figures (:func:`load_beats_recompute`)."""
+        return load_beats_recompute(
+            num_blocks,
+            self.block_size,
+            self.load_s_per_call,
+            self.load_s_per_block,
+            self.recompute_s_per_token,
+        )
 
     def allocate_slots(
         self,
@@ -272,6 +307,14 @@ class KVCacheManager:
         if first_allocation:
             self.req_to_blocks[req_id] = blocks
             self.num_cached_block[req_id] = 0
+            choice = self._resume_choice.pop(req_id, None)
+            if choice is not None:
+                loads, num_tokens = choice
+                if loads:
+                    self._resumed_loaded += num_tokens
+                else:
+                    self._resumed_recomputed += num_tokens
+                request.ledger.resumed_from_host(loads, num_tokens)
             if (
                 self.enable_caching
                 and request.num_preemptions == 0
@@ -340,16 +383,40 @@ class KVCacheManager:
         self.num_cached_block[request.request_id] = num_full
         return num_full
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, preempted: bool = False) -> None:
         """Releases the request's blocks, last block first (so its prefix is evicted last).
 
-        Cached blocks keep their hash in the free queue and can still be hit. Idempotent.
+        Cached blocks keep their hash in the free queue and can still be hit. First, blocks
+        that ``num_computed_tokens`` fills but that were not registered yet are registered:
+        under async scheduling a block completed by a token still in flight when it was
+        scheduled cannot be hashed then, and a request that ends on the next token would
+        otherwise take that block (and the chain after it) out of the prefix cache. With
+        ``preempted`` and offloading on, each cached block this frees (no other request holds
+        it) is also saved to the host tier now, last block first (so its prefix is the host
+        tier's most recently used). Idempotent.
         """
-        blocks = self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_block.pop(request.request_id, None)
-        self._host_hits.pop(request.request_id, None)
-        self._noop_end.pop(request.request_id, None)
+        req_id = request.request_id
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks and self.enable_caching:
+            num_cached = self.num_cached_block[req_id]
+            if request.num_computed_tokens // self.block_size > num_cached:
+                self._cache_blocks(request, blocks, request.num_computed_tokens, num_cached)
+        self.req_to_blocks.pop(req_id, None)
+        self.num_cached_block.pop(req_id, None)
+        self._host_hits.pop(req_id, None)
+        self._noop_end.pop(req_id, None)
+        self._resume_choice.pop(req_id, None)
         if blocks:
+            if preempted and self.host_pool is not None:
+                cache = self.block_pool.cached_block_hash_to_block
+                for block in reversed(blocks):
+                    block_hash = block.block_hash
+                    if (
+                        block.ref_cnt == 1
+                        and block_hash is not None
+                        and cache.get(block_hash) is block
+                    ):
+                        self._offload(block, block_hash)
             self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -375,8 +442,11 @@ class KVCacheManager:
             host_usage=self.host_pool.get_usage() if self.host_pool is not None else 0.0,
             offload_stored_tokens=self._num_stored * self.block_size,
             offload_loaded_tokens=self._num_loaded * self.block_size,
+            resumed_loaded_tokens=self._resumed_loaded,
+            resumed_recomputed_tokens=self._resumed_recomputed,
         )
         self._num_stored = self._num_loaded = 0
+        self._resumed_loaded = self._resumed_recomputed = 0
         self.prefix_cache_stats = PrefixCacheStats()
         self.block_pool.num_evictions = 0
         return stats

@@ -362,6 +362,15 @@ class PrefixCacheStats:
     host_hits: int = 0  # of ``hits``, tokens found in the host tier (KV offloading)
 
 
+def load_beats_recompute(
+    num_blocks: int, block_size: int, per_call: float, per_block: float, per_token: float
+) -> bool:
+    """The resume cost model of KV offloading: True when loading ``num_blocks`` host blocks
+    (``per_call + num_blocks * per_block`` seconds) costs no more than recomputing their
+    ``num_blocks * block_size`` tokens (``per_token`` seconds each). All 0: True."""
+    return per_call + num_blocks * per_block <= num_blocks * block_size * per_token
+
+
 @dataclasses.dataclass
 class KVTransfers:
     """One step's KV copies between the device pool and the host tier (KV offloading).
@@ -391,6 +400,8 @@ class KVCacheStats:
       host_usage: host-tier slots in use / all slots (gauge; 0.0 without offloading).
       offload_stored_tokens, offload_loaded_tokens: tokens copied device -> host and host ->
         device since the last ``make_stats`` (interval; whole blocks).
+      resumed_loaded_tokens, resumed_recomputed_tokens: host-hit tokens of resumed (preempted)
+        requests that the cost model chose to load / to recompute (interval).
     """
 
     usage: float
@@ -400,6 +411,8 @@ class KVCacheStats:
     host_usage: float = 0.0
     offload_stored_tokens: int = 0
     offload_loaded_tokens: int = 0
+    resumed_loaded_tokens: int = 0
+    resumed_recomputed_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -47,7 +47,10 @@ class RequestLedger:
         num_tokens)``, of which the first ``recomputed`` had been computed before a preemption
         (a "recompute" chunk may run on past them into new positions).
       preemptions: ``[step, time, tokens_discarded, resume_step, resume_time,
-        tokens_restored, tokens_recomputed]`` per preemption (resume fields None until resumed).
+        tokens_restored, tokens_recomputed, resumed_by, host_tokens]`` per preemption (resume
+        fields None until resumed). With offloading, ``resumed_by`` is "load" or "recompute":
+        the cost model's choice for the ``host_tokens`` tokens found in the host tier at the
+        resume (None: none were found).
       device_hit_tokens: prompt tokens served from the device prefix cache at admission(s).
       host_hit_tokens: prompt tokens loaded from the host KV tier at admission(s); None when
         offloading is off.
@@ -129,9 +132,16 @@ class RequestLedger:
 
     def preempted(self, step: int, now: float, num_computed: int) -> None:
         """Evicted by recompute in step ``step``, throwing away ``num_computed`` tokens of K/V."""
-        self.preemptions.append([step, now, num_computed, None, None, 0, 0])
+        self.preemptions.append([step, now, num_computed, None, None, 0, 0, None, 0])
         if num_computed > self.high_water:
             self.high_water = num_computed
+
+    def resumed_from_host(self, loads: bool, num_tokens: int) -> None:
+        """At a resume (before ``admitted``): ``num_tokens`` tokens were found in the host KV
+        tier, and the cost model chose to load them (``loads``) or to recompute them."""
+        if self.preemptions:
+            record = self.preemptions[-1]
+            record[7], record[8] = ("load" if loads else "recompute"), num_tokens
 
     def finished(self, request: Request) -> None:
         """Copies the request's times, counts and finish reason (call when it is freed)."""
@@ -181,8 +191,20 @@ class RequestLedger:
                 "resumed_t_s": rel(resume_t),
                 "tokens_restored_from_cache": restored,
                 "tokens_recomputed": recomputed,
+                "resumed_by": resumed_by,
+                "host_tokens": host_tokens,
             }
-            for step, t, discarded, resume_step, resume_t, restored, recomputed in self.preemptions
+            for (
+                step,
+                t,
+                discarded,
+                resume_step,
+                resume_t,
+                restored,
+                recomputed,
+                resumed_by,
+                host_tokens,
+            ) in self.preemptions
         ]
         ttft = rel(self.first_token_time)
         return {

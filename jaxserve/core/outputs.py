@@ -116,6 +116,9 @@ class SchedulerStats:
       host_kv_cache_usage: host-tier slots in use / all (gauge; 0.0 without offloading).
       kv_offload_stored_tokens, kv_offload_loaded_tokens: tokens copied device -> host and
         host -> device (interval).
+      kv_offload_resumed_loaded_tokens, kv_offload_resumed_recomputed_tokens: host-hit tokens
+        of resumed (preempted) requests loaded / recomputed by the cost model's choice
+        (interval).
       num_preemptions: preemptions (interval).
       num_scheduled_tokens: tokens scheduled (interval).
       num_steps: schedule() calls (interval).
@@ -133,6 +136,8 @@ class SchedulerStats:
     host_kv_cache_usage: float = 0.0
     kv_offload_stored_tokens: int = 0
     kv_offload_loaded_tokens: int = 0
+    kv_offload_resumed_loaded_tokens: int = 0
+    kv_offload_resumed_recomputed_tokens: int = 0
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
     num_steps: int = 0

@@ -470,7 +470,7 @@ class Scheduler:
             "a request scheduled this step cannot be preempted"
         )
         self.running.pop()
-        self.kv_cache_manager.free(victim)
+        self.kv_cache_manager.free(victim, preempted=True)  # offloading: saved to the host
         victim.ledger.preempted(step.index, step.now, victim.num_computed_tokens)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -711,6 +711,8 @@ class Scheduler:
             host_kv_cache_usage=kv_stats.host_usage,
             kv_offload_stored_tokens=kv_stats.offload_stored_tokens,
             kv_offload_loaded_tokens=kv_stats.offload_loaded_tokens,
+            kv_offload_resumed_loaded_tokens=kv_stats.resumed_loaded_tokens,
+            kv_offload_resumed_recomputed_tokens=kv_stats.resumed_recomputed_tokens,
             num_preemptions=self._num_preemptions,
             num_scheduled_tokens=self._num_scheduled_tokens,
             num_steps=self._num_steps,

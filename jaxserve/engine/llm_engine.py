@@ -79,7 +79,9 @@ class EngineStats:
     (prompts of requests that produced their first token or finished prompt-only),
     num_generation_tokens, num_scheduled_tokens, num_finished_reqs; KV offloading:
     host_cache_hits (of prefix_cache_hits, tokens found in the host tier),
-    kv_offload_stored_tokens / kv_offload_loaded_tokens (tokens copied device -> host / back).
+    kv_offload_stored_tokens / kv_offload_loaded_tokens (tokens copied device -> host / back),
+    kv_offload_resumed_loaded_tokens / kv_offload_resumed_recomputed_tokens (host-hit tokens of
+    resumed preempted requests that the start-up cost probe chose to load / to recompute).
 
     Totals since start: the same with ``_total`` appended, plus num_steps_total.
 
@@ -105,6 +107,8 @@ class EngineStats:
     host_cache_hits: int = 0
     kv_offload_stored_tokens: int = 0
     kv_offload_loaded_tokens: int = 0
+    kv_offload_resumed_loaded_tokens: int = 0
+    kv_offload_resumed_recomputed_tokens: int = 0
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
@@ -117,6 +121,8 @@ class EngineStats:
     host_cache_hits_total: int = 0
     kv_offload_stored_tokens_total: int = 0
     kv_offload_loaded_tokens_total: int = 0
+    kv_offload_resumed_loaded_tokens_total: int = 0
+    kv_offload_resumed_recomputed_tokens_total: int = 0
     num_steps_total: int = 0
     schedule_s: float = 0.0
     runner_host_s: float = 0.0
@@ -136,6 +142,8 @@ class EngineStats:
         "host_cache_hits",
         "kv_offload_stored_tokens",
         "kv_offload_loaded_tokens",
+        "kv_offload_resumed_loaded_tokens",
+        "kv_offload_resumed_recomputed_tokens",
     )
 
 
@@ -251,14 +259,20 @@ class LLMEngine:
         runner = ModelRunner(model, arch, config)
         spec = runner.initialize_kv_cache()
         num_host = runner.initialize_host_kv_cache(config.cache.kv_offloading_size)
+        if config.runner.warmup:
+            runner.warmup()
+        load_call, load_block, recompute_token = runner.measure_offload_costs()
         config = dataclasses.replace(
             config,
             cache=dataclasses.replace(
-                config.cache, num_gpu_blocks=spec.num_blocks, num_host_blocks=num_host
+                config.cache,
+                num_gpu_blocks=spec.num_blocks,
+                num_host_blocks=num_host,
+                offload_load_s_per_call=load_call,
+                offload_load_s_per_block=load_block,
+                offload_recompute_s_per_token=recompute_token,
             ),
         )
-        if config.runner.warmup:
-            runner.warmup()
         if parallel.num_processes > 1:
             if parallel.process_id != 0:
                 sys.exit(distributed.run_worker(runner))
@@ -493,6 +507,8 @@ class LLMEngine:
         st.host_cache_hits, st.host_kv_cache_usage = s.host_cache_hits, s.host_kv_cache_usage
         st.kv_offload_stored_tokens = s.kv_offload_stored_tokens
         st.kv_offload_loaded_tokens = s.kv_offload_loaded_tokens
+        st.kv_offload_resumed_loaded_tokens = s.kv_offload_resumed_loaded_tokens
+        st.kv_offload_resumed_recomputed_tokens = s.kv_offload_resumed_recomputed_tokens
         st.num_prompt_tokens = self.output_processor.num_prompt_tokens_step
         st.num_generation_tokens = self.output_processor.num_generation_tokens_step
         st.num_scheduled_tokens = num_scheduled

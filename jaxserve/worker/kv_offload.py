@@ -109,6 +109,29 @@ class HostKVCache:
         jax.block_until_ready(kv_caches)
         return kv_caches
 
+    def probe_load(self, kv_caches: list, num_blocks: int) -> tuple[list, float, float]:
+        """Times the load path (host rows gathered with numpy, then the scatter) for 1 and
+        ``num_blocks`` blocks, written into the null block 0 (no attention reads it); medians
+        of 3 after one untimed call each. Needs the scatter compiled (``warmup``).
+
+        Returns:
+          (the caches to use afterwards, seconds per call, seconds per block): the line
+          through the two timings, each at least 0.
+        """
+        times = []
+        for n in (1, num_blocks):
+            ids = np.zeros(n, np.int32)
+            slots = np.arange(n) % len(self.data)
+            runs = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                kv_caches = _scatter(kv_caches, ids, self.data[slots])
+                jax.block_until_ready(kv_caches)
+                runs.append(time.perf_counter() - t0)
+            times.append(sorted(runs[1:])[1])
+        per_block = max(0.0, (times[1] - times[0]) / max(num_blocks - 1, 1))
+        return kv_caches, max(0.0, times[0] - per_block), per_block
+
     def start(self, kv_caches: list, transfers: KVTransfers) -> list:
         """Dispatches the step's saves and loads; returns the caches the forward must use.
 
@@ -120,6 +143,7 @@ class HostKVCache:
         timing = self.timing
         if transfers.save_src:
             gathered = _gather(kv_caches, _padded(transfers.save_src))
+            gathered.copy_to_host_async()  # a GPU starts the device -> host copy at once
             self._pending = (np.asarray(transfers.save_dst), gathered)
             timing.saved_blocks += len(transfers.save_src)
             if transfers.load_src and not set(transfers.save_dst).isdisjoint(transfers.load_src):
@@ -134,12 +158,17 @@ class HostKVCache:
         timing.load_s += time.perf_counter() - t0
         return kv_caches
 
-    def finish(self) -> None:
-        """Waits for the pending saves and writes them into the host array."""
+    def finish(self, wait: bool = True) -> None:
+        """Writes the pending saves into the host array, waiting for them; with ``wait``
+        False only if they are ready already (``collect`` of step N under async scheduling:
+        the pending saves are step N+1's, queued behind step N, and nothing needs them before
+        the next ``start``)."""
         if self._pending is None:
             return
         t0 = time.perf_counter()
         slots, gathered = self._pending
+        if not wait and not gathered.is_ready():
+            return
         self._pending = None
         self.data[slots] = np.asarray(gathered)[: len(slots)]
         self.timing.save_s += time.perf_counter() - t0

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.core.kv_cache_utils import load_beats_recompute
 from jaxserve.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from jaxserve.model.attention import (
     cache_head_dim,
@@ -264,6 +265,56 @@ class ModelRunner:
         )
         return n
 
+    def measure_offload_costs(self) -> tuple[float, float, float]:
+        """KV offloading's resume cost model, timed on this machine after ``warmup`` (about
+        ten small calls: well under a second on CPU at the bundled model's shapes).
+
+        Recompute: one prefill of a single T-token sequence from position 0 (T: the largest
+        warm token bucket <= 512 that fits max_model_len) through the warm forward, writing
+        nothing (every slot -1; its attention reads the null block), median of 3 after one
+        untimed run, divided by T; a lower bound for a resume's chunks, which start deeper
+        in the context. Load: :meth:`HostKVCache.probe_load` with up to 16 blocks.
+
+        Returns:
+          (load seconds per call, load seconds per block, recompute seconds per token); all 0
+          when offloading is off or warm-up did not run (nothing to time without compiling).
+        """
+        host_kv = self.host_kv
+        warm = sorted(self.aot_forward)
+        if host_kv is None or not warm:
+            return 0.0, 0.0, 0.0
+        fits = [t for t in warm if t <= min(512, self.max_model_len)]
+        size = fits[-1] if fits else warm[0]
+        inputs = compilation.padding_inputs(self, size)
+        n = min(size, self.max_model_len, self.input_batch.max_blocks_per_req * self.block_size)
+        inputs.positions[:n] = np.arange(n, dtype=np.int32)
+        inputs.query_start_loc[1:] = n
+        inputs.context_lens[0] = n
+        inputs.logits_indices[0] = n - 1
+        fwd = self.aot_forward[size]
+        runs = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            logits, _, self.kv_caches = fwd(self.state, self.kv_caches, inputs)
+            jax.block_until_ready((logits, self.kv_caches))
+            runs.append(time.perf_counter() - t0)
+        per_token = sorted(runs[1:])[1] / n
+        num_blocks = min(16, 1 << (self.kv_spec.num_blocks.bit_length() - 1))  # compiled
+        self.kv_caches, per_call, per_block = host_kv.probe_load(self.kv_caches, num_blocks)
+        costs = (self.block_size, per_call, per_block, per_token)
+        min_load = next((k for k in range(1, 4097) if load_beats_recompute(k, *costs)), None)
+        logger.info(
+            "KV offloading cost probe: load %.1f us per call + %.1f us per block (%.2f GB/s), "
+            "recompute %.2f us per token (T=%d): a resume loads %s",
+            per_call * 1e6,
+            per_block * 1e6,
+            host_kv.block_bytes / per_block / 1e9 if per_block else float("inf"),
+            per_token * 1e6,
+            n,
+            "never" if min_load is None else f"{min_load}+ host blocks (recomputes fewer)",
+        )
+        return per_call, per_block, per_token
+
     def warmup(self, *, progress: bool = True) -> float:
         """Compiles every bucket before serving; returns the seconds spent
         (:func:`jaxserve.worker.compilation.warmup`). Requires ``initialize_kv_cache`` first."""
@@ -387,7 +438,9 @@ class ModelRunner:
         t1 = time.perf_counter()
         sampled, plp = jax.device_get((pending.sampled, pending.plp))
         if self.host_kv is not None:
-            self.host_kv.finish()  # the step's KV saves ran before it: no wait left
+            # This step's saves ran before it; under async scheduling the pending ones may be
+            # the next step's: not waited for here (the next start() finishes them).
+            self.host_kv.finish(wait=False)
         t2 = time.perf_counter()
         output = self._make_output(pending, sampled, plp)
         # The sampled tokens join their rows, unless the row changed hands or moved on.

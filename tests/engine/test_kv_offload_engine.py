@@ -4,6 +4,8 @@ evicted from the device comes back as a host hit; both tiers empty out (no leaks
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from conftest import MAX_TOKENS
 
@@ -104,3 +106,67 @@ def test_host_hit_cached_tokens_and_salt_isolation(offload_engine, prompts, orac
     }
     assert engine.ledger_history.get("salted")["prefix_cache_hit_tokens"]["host"] == 0
     assert kv.usage == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dear_loads", [False, True], ids=["cheap-loads", "dear-loads"])
+def test_preemption_storm_resumes_by_load_or_by_recompute(
+    offload_engine, prompts, oracle, dear_loads
+):
+    # 40 device blocks (624 tokens) for all prompts at once (~2,000 tokens): requests are
+    # preempted as the running ones grow, their blocks go to the host tier at once, and the
+    # device reuses them before the resumes. The cost model is forced: loads (nearly) free,
+    # or a load dearer than any recompute.
+    costs = {"offload_recompute_s_per_token": 1e-6}
+    costs["offload_load_s_per_call" if dear_loads else "offload_load_s_per_block"] = (
+        1.0 if dear_loads else 1e-9
+    )
+    engine = offload_engine(256, num_gpu_blocks=40, long_prefill_token_threshold=64, **costs)
+    kv = engine.scheduler.kv_cache_manager
+    order = range(len(prompts))
+    for i in order:
+        engine.add_request(f"r{i}", prompts[i], GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert {i: done[f"r{i}"].outputs[0].token_ids for i in order} == {i: oracle[i] for i in order}
+    stats = engine.get_stats()
+    assert stats.num_preemptions_total > 0
+    loaded = stats.kv_offload_resumed_loaded_tokens_total
+    recomputed = stats.kv_offload_resumed_recomputed_tokens_total
+    records = [
+        p
+        for i in order
+        for p in engine.ledger_history.get(f"r{i}")["preemptions"]
+        if p["resumed_by"] is not None
+    ]
+    by = {"load": 0, "recompute": 0}
+    for p in records:
+        by[p["resumed_by"]] += p["host_tokens"]
+    assert (by["load"], by["recompute"]) == (loaded, recomputed)
+    if dear_loads:
+        assert recomputed > 0 and loaded == 0
+    else:
+        assert loaded > 0 and recomputed == 0
+        assert stats.kv_offload_loaded_tokens_total >= loaded
+    assert kv.usage == 0.0 and not kv._host_hits and not kv._resume_choice
+    assert not kv.host_pool.pinned
+    assert kv.reset_prefix_cache() and kv.host_pool.get_usage() == 0.0
+
+
+def test_start_up_cost_probe_is_quick_and_measures_both_paths(base):
+    runner = base.runner
+    runner.host_kv = HostKVCache(8, runner.kv_caches)
+    try:
+        runner.kv_caches = runner.host_kv.warmup(runner.kv_caches, 16)
+        t0 = time.perf_counter()
+        per_call, per_block, per_token = runner.measure_offload_costs()
+        took = time.perf_counter() - t0
+    finally:
+        runner.host_kv = None
+    assert per_token > 0.0 and per_call >= 0.0 and per_block >= 0.0 < per_call + per_block
+    assert took < 5.0, took  # ~0.1 s on a quiet 2-core box; slack for a loaded one
+    runner.host_kv = None
+    assert runner.measure_offload_costs() == (0.0, 0.0, 0.0)  # offloading off: nothing timed

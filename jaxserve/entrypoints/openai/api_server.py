@@ -759,7 +759,10 @@ def _startup_report(llm: Any, startup_s: float, args: argparse.Namespace | None 
     if num_host:
         lines.append(
             f"KV offloading: {num_host} host blocks ({num_host * size} tokens, "
-            f"{cfg.cache.kv_offloading_size} GiB, backend {cfg.cache.kv_offloading_backend})"
+            f"{cfg.cache.kv_offloading_size} GiB, backend {cfg.cache.kv_offloading_backend}); "
+            f"resume cost probe: load {cfg.cache.offload_load_s_per_call * 1e6:.1f} us per call "
+            f"+ {cfg.cache.offload_load_s_per_block * 1e6:.1f} us per block, recompute "
+            f"{cfg.cache.offload_recompute_s_per_token * 1e6:.2f} us per token"
         )
     compile_s = getattr(runner, "compile_seconds", None)
     if compile_s is not None:
