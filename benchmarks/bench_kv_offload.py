@@ -15,13 +15,18 @@ offloading the in-workload copy rate (bytes copied / host seconds spent in the c
 which on a busy CPU includes waiting for the step the copy is queued behind), then the copy
 bandwidth of one isolated batched copy each way.
 
-Run:  .venv/bin/python benchmarks/bench_kv_offload.py [--repeats 3]
+``--async-scheduling both`` (the default) runs each mode with async scheduling on and off
+(four engines, runs interleaved: off/on with async, then off/on without, per repeat) and
+prints one table per loop, with the box's 1-minute load average around each run.
+
+Run:  .venv/bin/python benchmarks/bench_kv_offload.py [--repeats 3] [--async-scheduling both]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 
@@ -34,7 +39,7 @@ from jaxserve.model import default_model_path
 from jaxserve.sampling_params import SamplingParams
 
 
-def make_engine(args, offload_gib: float) -> LLMEngine:
+def make_engine(args, offload_gib: float, async_scheduling: bool = True) -> LLMEngine:
     return LLMEngine.from_engine_args(
         EngineArgs(
             model=args.model,
@@ -47,6 +52,7 @@ def make_engine(args, offload_gib: float) -> LLMEngine:
             token_buckets=args.token_buckets,
             max_num_seqs=args.concurrency,
             max_model_len=1024,
+            async_scheduling=async_scheduling,
         )
     )
 
@@ -63,6 +69,7 @@ def run_workload(engine: LLMEngine, args, seed: int) -> dict:
     stats0 = engine.get_stats()
     host_kv = engine.runner.host_kv
     copies0 = dataclasses.replace(host_kv.timing) if host_kv is not None else None
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     while order or in_flight:
         while order and len(in_flight) < args.concurrency:
@@ -97,6 +104,7 @@ def run_workload(engine: LLMEngine, args, seed: int) -> dict:
         "tok_s": (prompt_tokens + output_tokens) / wall,
         "preemptions": st.num_preemptions_total - stats0.num_preemptions_total,
         "prompt_tokens": prompt_tokens,
+        "load_avg": (load0 + os.getloadavg()[0]) / 2,
     }
     if host_kv is not None:
         t, t0c = host_kv.timing, copies0
@@ -147,39 +155,61 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
     ap.add_argument("--token-buckets", default="16,32,64,128,256")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved off/on runs")
+    ap.add_argument(
+        "--async-scheduling",
+        choices=["on", "off", "both"],
+        default="both",
+        help="the engine loop: async scheduling on, off, or both (interleaved)",
+    )
     args = ap.parse_args()
-    engines = {"off": make_engine(args, 0.0), "on": make_engine(args, args.offload_gib)}
+    loops = {"on": [True], "off": [False], "both": [True, False]}[args.async_scheduling]
+    engines = {
+        (loop, mode): make_engine(args, gib, loop)
+        for loop in loops
+        for mode, gib in (("off", 0.0), ("on", args.offload_gib))
+    }
     working_set = args.conversations * (1 + args.turns * (args.user_tokens + args.output_tokens))
     pool = (args.num_gpu_blocks - 1) * 16
+    on_engine = engines[loops[0], "on"]
     print(
         f"working set {working_set} tokens over a device pool of {pool} tokens "
-        f"({working_set / pool:.1f}x); host tier {engines['on'].config.cache.num_host_blocks} blocks"
+        f"({working_set / pool:.1f}x); host tier {on_engine.config.cache.num_host_blocks} blocks"
     )
-    results: dict[str, list[dict]] = {"off": [], "on": []}
+    cache = on_engine.config.cache
+    print(
+        f"resume cost probe: load {cache.offload_load_s_per_call * 1e6:.1f} us per call + "
+        f"{cache.offload_load_s_per_block * 1e6:.1f} us per block, recompute "
+        f"{cache.offload_recompute_s_per_token * 1e6:.2f} us per token; copies staged through "
+        f"{on_engine.runner.host_kv.memory_kind or 'numpy'}"
+    )
+    results: dict[tuple, list[dict]] = {key: [] for key in engines}
     for rep in range(args.repeats):
-        for mode, engine in engines.items():
+        for key, engine in engines.items():
             engine.scheduler.kv_cache_manager.reset_prefix_cache()
-            results[mode].append(run_workload(engine, args, seed=rep))
-    keys = list(results["on"][0])
-    print(f"{'metric':>16} " + " ".join(f"{m:>10}" for m in ("off", "on")) + "   (medians)")
-    med = {}
-    for k in keys:
-        row = []
-        for mode in ("off", "on"):
-            vals = [r[k] for r in results[mode] if k in r]
-            med[mode, k] = statistics.median(vals) if vals else float("nan")
-            row.append(f"{med[mode, k]:10.3f}")
-        print(f"{k:>16} " + " ".join(row))
-    d2h, h2d = copy_bandwidth(engines["on"], min(32, args.num_gpu_blocks - 1))
+            results[key].append(run_workload(engine, args, seed=rep))
+    for loop in loops:
+        name = "async scheduling" if loop else "synchronous loop (--no-async-scheduling)"
+        print(f"\n{name}")
+        keys = list(results[loop, "on"][0])
+        print(f"{'metric':>16} " + " ".join(f"{m:>10}" for m in ("off", "on")) + "   (medians)")
+        med = {}
+        for k in keys:
+            row = []
+            for mode in ("off", "on"):
+                vals = [r[k] for r in results[loop, mode] if k in r]
+                med[mode, k] = statistics.median(vals) if vals else float("nan")
+                row.append(f"{med[mode, k]:10.3f}")
+            print(f"{k:>16} " + " ".join(row))
+        print(
+            f"hit rate x{med['on', 'hit_rate'] / max(med['off', 'hit_rate'], 1e-9):.2f}, "
+            f"mean TTFT x{med['on', 'ttft_mean_ms'] / med['off', 'ttft_mean_ms']:.2f}, "
+            f"throughput x{med['on', 'tok_s'] / med['off', 'tok_s']:.2f} (on / off)"
+        )
+    n = min(32, args.num_gpu_blocks - 1)
+    d2h, h2d = copy_bandwidth(on_engine, n)
     print(
-        f"copy bandwidth, one batch of {min(32, args.num_gpu_blocks - 1)} blocks "
-        f"({engines['on'].runner.host_kv.block_bytes} bytes each): device -> host {d2h:.2f} GB/s, "
-        f"host -> device {h2d:.2f} GB/s"
-    )
-    print(
-        f"hit rate x{med['on', 'hit_rate'] / max(med['off', 'hit_rate'], 1e-9):.2f}, "
-        f"mean TTFT x{med['on', 'ttft_mean_ms'] / med['off', 'ttft_mean_ms']:.2f}, "
-        f"throughput x{med['on', 'tok_s'] / med['off', 'tok_s']:.2f} (on / off)"
+        f"copy bandwidth, one batch of {n} blocks ({on_engine.runner.host_kv.block_bytes} "
+        f"bytes each): device -> host {d2h:.2f} GB/s, host -> device {h2d:.2f} GB/s"
     )
 
 

@@ -34,9 +34,12 @@ fi
 [ "$PART" = 1 ] && exit 0
 
 echo "== KV offloading: multi-turn hit rate / TTFT off vs on, and host <-> device GB/s (budget ${OFFLOAD_BUDGET:-150}s)"
+# Two 8B engines (async scheduling, the default loop; 'both' would build four); the copies go
+# through pinned host buffers on the GPU (the "resume cost probe ... copies staged through"
+# line says so, with the probe's load / recompute figures).
 timeout -k 10 "${OFFLOAD_BUDGET:-150}" "$PY" benchmarks/bench_kv_offload.py --model llama-3.1-8b \
     --load-format dummy --dtype bfloat16 --num-gpu-blocks 65 --offload-gib 4 --repeats 1 \
-    --attention-backend "$backend" 2>&1 | grep -v compiling | tee "$OUT/kv_offload.log"
+    --async-scheduling on --attention-backend "$backend" 2>&1 | grep -v compiling | tee "$OUT/kv_offload.log"
 echo "kv offload exit: ${PIPESTATUS[0]}" | tee -a "$OUT/kv_offload.log"
 
 echo "== 4. async scheduling: batch-8 decode step (32 in / 128 out), sync vs async alternating (budget ${ASYNC_BUDGET:-150}s)"

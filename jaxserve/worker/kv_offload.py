@@ -4,9 +4,13 @@ The KV manager decides (``jaxserve/core/kv_cache_manager.py``); each step's ``KV
 names device blocks to save into host slots and host slots to load into device blocks. Here:
 
 * the host tier is one numpy array ``[num_host_blocks, num_layers, 2 (K, V), block_size,
-  num_kv_heads, head_dim]`` of the cache dtype (``--kv-offloading-backend native``); on a GPU
-  it is plain (pageable) host memory: pinned host buffers through JAX memory kinds are not
-  wired up and nothing here was measured on a GPU;
+  num_kv_heads, head_dim]`` of the cache dtype (``--kv-offloading-backend native``). On an
+  accelerator whose device offers the ``pinned_host`` memory kind (GPU, TPU), copies are
+  staged through pinned host buffers (JAX memory kinds): a save lands in a pinned buffer by
+  DMA and is copied into the array when finished; a load's rows go into a pinned buffer,
+  then to the device by DMA. On CPU the copies go straight between numpy and the device
+  (``memory_kind=None``; the pinned path runs on CPU too, in tests). Nothing here was
+  measured on a GPU;
 * a save is one jitted gather of the named blocks of every layer (device -> a new device
   array), dispatched before the step's forward, whose host copy is taken after the forward
   is dispatched, so it overlaps the step (unless a load of the same step reads a slot it
@@ -38,6 +42,18 @@ def num_host_blocks(size_gib: float, block_bytes: int) -> int:
     """Host blocks that ``size_gib`` GiB hold, ``block_bytes`` bytes each (K and V of every
     layer for ``block_size`` tokens); 0 when size_gib is 0."""
     return int(size_gib * 2**30) // block_bytes
+
+
+def staging_memory_kind(device) -> str | None:
+    """ "pinned_host" when ``device`` is an accelerator offering that memory kind (the host
+    tier's copies are then staged through pinned buffers), else None (CPU: plain numpy)."""
+    if device.platform == "cpu":
+        return None
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # a backend without memory kinds
+        return None
+    return "pinned_host" if "pinned_host" in kinds else None
 
 
 @functools.partial(jax.jit)
@@ -84,9 +100,11 @@ class HostKVCache:
     Args:
       num_blocks: host slots (from :func:`num_host_blocks`).
       kv_caches: the device caches (their shapes and dtype are copied).
+      memory_kind: "pinned_host" to stage the copies through pinned host buffers, or None
+        (numpy straight to / from the device; :func:`staging_memory_kind` picks).
     """
 
-    def __init__(self, num_blocks: int, kv_caches: list) -> None:
+    def __init__(self, num_blocks: int, kv_caches: list, memory_kind: str | None = None) -> None:
         k0 = kv_caches[0][0]
         _, block_size, heads, dim = k0.shape
         self.data = np.zeros(
@@ -95,6 +113,15 @@ class HostKVCache:
         self.block_bytes = self.data[0].nbytes
         self.timing = OffloadTiming()
         self._pending: tuple | None = None  # (host slots, device array) of unfinished saves
+        self.memory_kind = memory_kind
+        self._sharding = None  # the gathered rows' device sharding (set by the first gather)
+
+    def _stage_in(self, rows: np.ndarray):
+        """Host rows for the scatter: numpy as is, or through a pinned buffer to the device."""
+        if self.memory_kind is None:
+            return rows
+        pinned = jax.device_put(rows, self._sharding.with_memory_kind(self.memory_kind))
+        return jax.device_put(pinned, self._sharding)
 
     def warmup(self, kv_caches: list, max_blocks: int) -> list:
         """Compiles the gather and scatter for every padded count up to ``max_blocks`` (copying
@@ -102,7 +129,9 @@ class HostKVCache:
         n = 1
         while True:
             ids = np.zeros(n, np.int32)
-            kv_caches = _scatter(kv_caches, ids, _gather(kv_caches, ids))
+            gathered = _gather(kv_caches, ids)
+            self._sharding = gathered.sharding
+            kv_caches = _scatter(kv_caches, ids, self._stage_in(np.asarray(gathered)))
             if n >= max_blocks:
                 break
             n *= 2
@@ -123,9 +152,11 @@ class HostKVCache:
             ids = np.zeros(n, np.int32)
             slots = np.arange(n) % len(self.data)
             runs = []
+            if self._sharding is None:
+                self._sharding = _gather(kv_caches, ids).sharding
             for _ in range(4):
                 t0 = time.perf_counter()
-                kv_caches = _scatter(kv_caches, ids, self.data[slots])
+                kv_caches = _scatter(kv_caches, ids, self._stage_in(self.data[slots]))
                 jax.block_until_ready(kv_caches)
                 runs.append(time.perf_counter() - t0)
             times.append(sorted(runs[1:])[1])
@@ -143,7 +174,13 @@ class HostKVCache:
         timing = self.timing
         if transfers.save_src:
             gathered = _gather(kv_caches, _padded(transfers.save_src))
-            gathered.copy_to_host_async()  # a GPU starts the device -> host copy at once
+            self._sharding = gathered.sharding
+            if self.memory_kind is None:
+                gathered.copy_to_host_async()  # starts the device -> host copy at once
+            else:  # DMA into a pinned host buffer
+                gathered = jax.device_put(
+                    gathered, gathered.sharding.with_memory_kind(self.memory_kind)
+                )
             self._pending = (np.asarray(transfers.save_dst), gathered)
             timing.saved_blocks += len(transfers.save_src)
             if transfers.load_src and not set(transfers.save_dst).isdisjoint(transfers.load_src):
@@ -153,7 +190,9 @@ class HostKVCache:
             dst = _padded(transfers.load_dst)
             rows = np.zeros((len(dst), *self.data.shape[1:]), self.data.dtype)
             rows[:n] = self.data[transfers.load_src]
-            kv_caches = _scatter(kv_caches, dst, rows)
+            if self.memory_kind is not None and self._sharding is None:
+                self._sharding = _gather(kv_caches, dst[:1]).sharding
+            kv_caches = _scatter(kv_caches, dst, self._stage_in(rows))
             timing.loaded_blocks += n
         timing.load_s += time.perf_counter() - t0
         return kv_caches

@@ -68,7 +68,7 @@ from jaxserve.worker.compilation import (
     prompt_logprobs_step,
     sample_step,
 )
-from jaxserve.worker.kv_offload import HostKVCache, num_host_blocks
+from jaxserve.worker.kv_offload import HostKVCache, num_host_blocks, staging_memory_kind
 from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 if TYPE_CHECKING:
@@ -253,15 +253,17 @@ class ModelRunner:
             raise ValueError(
                 f"kv_offloading_size: {size_gib} GiB holds no KV block ({block_bytes} bytes each)"
             )
-        self.host_kv = HostKVCache(n, self.kv_caches)
+        self.host_kv = HostKVCache(n, self.kv_caches, staging_memory_kind(self.device))
         if self.config.runner.warmup:  # larger (rarer) copy counts compile on first use
             self.kv_caches = self.host_kv.warmup(self.kv_caches, min(spec.num_blocks, 256))
         logger.info(
-            "KV offloading: %d host blocks (%.3f GiB, %d tokens) behind %d device blocks",
+            "KV offloading: %d host blocks (%.3f GiB, %d tokens) behind %d device blocks; "
+            "copies staged through %s",
             n,
             n * block_bytes / 2**30,
             n * spec.block_size,
             spec.num_blocks,
+            self.host_kv.memory_kind or "numpy (no pinned host memory kind on this device)",
         )
         return n
 

@@ -21,8 +21,8 @@ def offload_engine(base, make_engine):
     """make_offload(num_host_blocks, **knobs): an engine whose runner has a host tier."""
     made = []
 
-    def make(num_host_blocks, **knobs):
-        base.runner.host_kv = HostKVCache(num_host_blocks, base.runner.kv_caches)
+    def make(num_host_blocks, memory_kind=None, **knobs):
+        base.runner.host_kv = HostKVCache(num_host_blocks, base.runner.kv_caches, memory_kind)
         engine = make_engine(num_host_blocks=num_host_blocks, **knobs)
         made.append(engine)
         return engine
@@ -121,7 +121,15 @@ def test_preemption_storm_resumes_by_load_or_by_recompute(
     costs["offload_load_s_per_call" if dear_loads else "offload_load_s_per_block"] = (
         1.0 if dear_loads else 1e-9
     )
-    engine = offload_engine(256, num_gpu_blocks=40, long_prefill_token_threshold=64, **costs)
+    # The cheap-loads run stages its copies through pinned host buffers (the GPU path; on CPU
+    # the pinned_host memory kind exists too).
+    engine = offload_engine(
+        256,
+        "pinned_host" if not dear_loads else None,
+        num_gpu_blocks=40,
+        long_prefill_token_threshold=64,
+        **costs,
+    )
     kv = engine.scheduler.kv_cache_manager
     order = range(len(prompts))
     for i in order:
