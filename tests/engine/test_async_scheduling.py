@@ -125,3 +125,19 @@ def test_outputs_lag_one_step_and_no_step_is_lost(make_engine, prompts):
         for out in ref_engine.step():
             ref = out.outputs[0].token_ids
     assert list(tokens) == list(ref)
+
+
+def test_a_block_completed_by_the_last_computed_token_stays_cached(make_engine, run):
+    """A 20-token prompt with 13 output tokens: the step that samples the last token computes
+    position 31, filling block 2 with a token that was still in flight when it was scheduled.
+    The follow-up turn (prompt + 12 outputs + more) hits both blocks, as without async."""
+    prompt = list(range(100, 120))
+    params = SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)
+    hits = []
+    for on in (True, False):
+        engine = make_engine(async_scheduling=on)
+        first = run(engine, [("a", prompt, params)])["a"].outputs[0].token_ids
+        turn = prompt + list(first[:12]) + [7, 8, 9]
+        hits.append(run(engine, [("b", turn, GREEDY)])["b"].num_cached_tokens)
+        _assert_idle(engine)
+    assert hits == [32, 32]
