@@ -10,8 +10,9 @@ device pool (``--num-gpu-blocks``). With offloading the evicted blocks wait on t
 come back as host hits.
 
 Printed per mode: prefix hit rate (hit tokens / prompt tokens, device + host), host hits,
-TTFT mean / p50 / p99, throughput (prompt + output tokens / wall second), preemptions, and with
-offloading the in-workload copy rate (bytes copied / host seconds spent in the copy calls,
+TTFT mean / p50 / p99, throughput (prompt + output tokens / wall second), preemptions (with
+``--concurrency`` high enough to overrun the pool) and the host-tier tokens their resumes
+loaded or recomputed by the start-up cost probe's choice, and with offloading the in-workload copy rate (bytes copied / host seconds spent in the copy calls,
 which on a busy CPU includes waiting for the step the copy is queued behind), then the copy
 bandwidth of one isolated batched copy each way.
 
@@ -103,6 +104,10 @@ def run_workload(engine: LLMEngine, args, seed: int) -> dict:
         "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
         "tok_s": (prompt_tokens + output_tokens) / wall,
         "preemptions": st.num_preemptions_total - stats0.num_preemptions_total,
+        "resumed_loaded": st.kv_offload_resumed_loaded_tokens_total
+        - stats0.kv_offload_resumed_loaded_tokens_total,
+        "resumed_recomputed": st.kv_offload_resumed_recomputed_tokens_total
+        - stats0.kv_offload_resumed_recomputed_tokens_total,
         "prompt_tokens": prompt_tokens,
         "load_avg": (load0 + os.getloadavg()[0]) / 2,
     }
