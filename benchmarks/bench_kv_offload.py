@@ -205,8 +205,10 @@ def main() -> None:
                 med[mode, k] = statistics.median(vals) if vals else float("nan")
                 row.append(f"{med[mode, k]:10.3f}")
             print(f"{k:>16} " + " ".join(row))
+        off_hits = med["off", "hit_rate"]
+        hit_ratio = f"x{med['on', 'hit_rate'] / off_hits:.2f}" if off_hits else "from 0"
         print(
-            f"hit rate x{med['on', 'hit_rate'] / max(med['off', 'hit_rate'], 1e-9):.2f}, "
+            f"hit rate {hit_ratio}, "
             f"mean TTFT x{med['on', 'ttft_mean_ms'] / med['off', 'ttft_mean_ms']:.2f}, "
             f"throughput x{med['on', 'tok_s'] / med['off', 'tok_s']:.2f} (on / off)"
         )
