@@ -12,9 +12,10 @@ names device blocks to save into host slots and host slots to load into device b
   (``memory_kind=None``; the pinned path runs on CPU too, in tests). Nothing here was
   measured on a GPU;
 * a save is one jitted gather of the named blocks of every layer (device -> a new device
-  array), dispatched before the step's forward, whose host copy is taken after the forward
-  is dispatched, so it overlaps the step (unless a load of the same step reads a slot it
-  writes: then it is finished first);
+  array), dispatched before the step's forward, whose host copy is written into the host
+  array once it has landed (checked at the next ``collect`` / ``start``), so it overlaps the
+  step and, under async scheduling, the step in flight; it is waited for only when a load
+  reads a slot it writes (or two steps' saves are pending);
 * a load is one jitted scatter of the host rows into the named blocks of every layer, with
   the KV caches donated (updated in place), dispatched after the saves and before the
   forward, so the forward reads the loaded blocks.
@@ -25,6 +26,7 @@ contents no attention reads), so few shapes are compiled.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -112,7 +114,8 @@ class HostKVCache:
         )
         self.block_bytes = self.data[0].nbytes
         self.timing = OffloadTiming()
-        self._pending: tuple | None = None  # (host slots, device array) of unfinished saves
+        # (host slots, device array) per step of unfinished saves, oldest first (at most 2)
+        self._pending: collections.deque[tuple[np.ndarray, jax.Array]] = collections.deque()
         self.memory_kind = memory_kind
         self._sharding = None  # the gathered rows' device sharding (set by the first gather)
 
@@ -166,10 +169,14 @@ class HostKVCache:
     def start(self, kv_caches: list, transfers: KVTransfers) -> list:
         """Dispatches the step's saves and loads; returns the caches the forward must use.
 
-        Call :meth:`finish` once the step's results are in; async scheduling dispatches the
-        next step first, and this finishes any pending saves before anything else.
+        Earlier steps' saves are written into the host array when they have landed; they are
+        waited for only when this step loads a slot one of them writes, or when two steps'
+        saves are still pending (under async scheduling the previous step's saves are queued behind the
+        step in flight: waiting for them would wait for that step).
         """
-        self.finish()  # an earlier step's saves land before this step's loads may read them
+        self.finish(wait=False)
+        if len(self._pending) > 1:
+            self.finish()
         t0 = time.perf_counter()
         timing = self.timing
         if transfers.save_src:
@@ -181,11 +188,13 @@ class HostKVCache:
                 gathered = jax.device_put(
                     gathered, gathered.sharding.with_memory_kind(self.memory_kind)
                 )
-            self._pending = (np.asarray(transfers.save_dst), gathered)
+            self._pending.append((np.asarray(transfers.save_dst), gathered))
             timing.saved_blocks += len(transfers.save_src)
-            if transfers.load_src and not set(transfers.save_dst).isdisjoint(transfers.load_src):
-                self.finish()  # a load reads a slot this step saves
         if transfers.load_src:
+            if self._pending:
+                reads = set(transfers.load_src)
+                if any(not reads.isdisjoint(slots.tolist()) for slots, _ in self._pending):
+                    self.finish()  # a load reads a slot a pending save writes
             n = len(transfers.load_src)
             dst = _padded(transfers.load_dst)
             rows = np.zeros((len(dst), *self.data.shape[1:]), self.data.dtype)
@@ -198,16 +207,15 @@ class HostKVCache:
         return kv_caches
 
     def finish(self, wait: bool = True) -> None:
-        """Writes the pending saves into the host array, waiting for them; with ``wait``
-        False only if they are ready already (``collect`` of step N under async scheduling:
-        the pending saves are step N+1's, queued behind step N, and nothing needs them before
-        the next ``start``)."""
-        if self._pending is None:
-            return
+        """Writes the pending saves into the host array, oldest first, waiting for them; with
+        ``wait`` False only those that have landed already (stopping at the first that has
+        not, so a slot saved twice ends with the newer block)."""
+        pending = self._pending
         t0 = time.perf_counter()
-        slots, gathered = self._pending
-        if not wait and not gathered.is_ready():
-            return
-        self._pending = None
-        self.data[slots] = np.asarray(gathered)[: len(slots)]
+        while pending:
+            slots, gathered = pending[0]
+            if not wait and not gathered.is_ready():
+                break
+            pending.popleft()
+            self.data[slots] = np.asarray(gathered)[: len(slots)]
         self.timing.save_s += time.perf_counter() - t0
