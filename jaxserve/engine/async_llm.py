@@ -10,10 +10,12 @@ engine core in a thread instead of a process, JetStream's orchestrator threads):
    it starts a response.
 2. The engine thread sleeps on the condition while it has neither inbox items nor unfinished
    requests (no busy loop). Between steps it drains the inbox in order (adds, then any aborts
-   sent after them), runs ``LLMEngine.step()``, and hands each ``RequestOutput`` to its
-   request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe`` (no polling). The event loop
-   never waits on the engine: a step runs while the loop serves other clients.
-3. The consumer iterates the :class:`RequestStream`; the last output has ``finished=True``.
+   sent after them), runs ``LLMEngine.step()``, and hands the step's ``RequestOutput``s to their
+   request streams in one ``loop.call_soon_threadsafe`` (one wake-up of the loop per step, not
+   per request; no polling). The event loop never waits on the engine: a step runs while the
+   loop serves other clients.
+3. The consumer iterates the :class:`RequestStream`; the last output has ``finished=True``. A
+   consumer that lags gets the outputs it missed merged into one (``merge_outputs``).
    If the consumer goes away first (client disconnect: the handler is cancelled or closes the
    stream), the stream sends an "abort" item; the engine thread aborts the request (all ``n``
    samples) before its next step, which frees its KV blocks.
@@ -61,13 +63,43 @@ DEFAULT_STEP_TIMEOUT_S = 300.0
 """Generous on purpose: a first-use compile of a sampler variant can take tens of seconds."""
 
 
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output standing for two consecutive outputs of a request that no consumer read in
+    between (vLLM V1's ``RequestOutputCollector``): ``newer``'s cumulative fields, and each
+    sample's ``delta_*`` fields joined (``older``'s first), so the consumer sees the same
+    text, tokens and logprobs as if it had read both. ``newer`` is updated in place and
+    returned; a sample only ``older`` lists is kept as it was.
+    """
+    old_by_index = {c.index: c for c in older.outputs}
+    for completion in newer.outputs:
+        old = old_by_index.pop(completion.index, None)
+        if old is None:
+            continue
+        if old.delta_text:
+            completion.delta_text = old.delta_text + completion.delta_text
+        if old.delta_token_ids:
+            completion.delta_token_ids = old.delta_token_ids + completion.delta_token_ids
+        if old.delta_logprobs is not None:
+            completion.delta_logprobs = old.delta_logprobs + (completion.delta_logprobs or [])
+    if old_by_index:  # a sample the newer output left out (not the engine's case, see outputs)
+        newer.outputs = sorted([*newer.outputs, *old_by_index.values()], key=lambda c: c.index)
+    if newer.prompt_logprobs is None:
+        newer.prompt_logprobs = older.prompt_logprobs
+    return newer
+
+
 class RequestStream:
-    """The outputs of one request, delivered from the engine thread into an ``asyncio.Queue``.
+    """The outputs of one request, delivered from the engine thread to the consumer's loop.
 
     Iterate it with ``async for``; it ends after the output with ``finished=True`` and raises
     :class:`EngineDeadError` if the engine dies meanwhile. ``abort()`` (idempotent) asks the
     engine to drop the request; leaving an ``async for`` early does not abort by itself, so
     consumers wrap iteration in ``try/finally: stream.abort()`` (as ``AsyncLLM.generate`` does).
+
+    At most one output waits to be read: when the consumer lags behind the engine, a new output
+    is merged into the waiting one (:func:`merge_outputs`: the latest cumulative state, the
+    deltas joined), so a slow consumer does one read, one SSE chunk and one socket write per
+    turn of the event loop instead of one per engine step.
 
     Attributes:
       request_id: the engine request id.
@@ -83,31 +115,47 @@ class RequestStream:
         self.finished = False
         self._llm = llm
         self._loop = loop
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending: RequestOutput | None = None  # not yet read (merged while unread)
+        self._error: BaseException | None = None  # raised after the pending output is read
+        self._waiter: asyncio.Future[None] | None = None
         self._accepted: asyncio.Future[None] = loop.create_future()
         self._aborted = False
 
-    # Engine-thread side ------------------------------------------------------------------
+    # Consumer's loop side (called there by the engine thread's batched deliveries) --------------
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        """Stores an output (merged into an unread one) or the engine's error; wakes the reader."""
+        if isinstance(item, BaseException):
+            self._error = item
+        elif self._pending is None:
+            self._pending = item
+        else:
+            self._pending = merge_outputs(self._pending, item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _deliver(self, item: Any) -> bool:
         """Schedules ``item`` (a RequestOutput or an exception) onto the consumer's loop."""
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._put, item)
             return True
         except RuntimeError:  # the consumer's loop is closed: nobody will read this
             return False
 
-    def _resolve_accept(self, error: BaseException | None) -> bool:
-        def resolve() -> None:
-            if self._accepted.done():
-                return
-            if error is None:
-                self._accepted.set_result(None)
-            else:
-                self._accepted.set_exception(error)
+    def _resolve_accept_now(self, error: BaseException | None) -> None:
+        if self._accepted.done():
+            return
+        if error is None:
+            self._accepted.set_result(None)
+        else:
+            self._accepted.set_exception(error)
 
+    def _resolve_accept(self, error: BaseException | None) -> bool:
         try:
-            self._loop.call_soon_threadsafe(resolve)
+            self._loop.call_soon_threadsafe(self._resolve_accept_now, error)
             return True
         except RuntimeError:
             return False
@@ -120,13 +168,20 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        while self._pending is None and self._error is None:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        output = self._pending
+        if output is None:
             self.finished = True
-            raise item
-        if item.finished:
+            raise self._error  # type: ignore[misc]
+        self._pending = None
+        if output.finished:
             self.finished = True
-        return item
+        return output
 
     def abort(self) -> None:
         """Asks the engine to abort this request unless it already finished (thread-safe)."""
@@ -134,6 +189,40 @@ class RequestStream:
             return
         self._aborted = True
         self._llm.abort(self.request_id)
+
+
+class _Handoff:
+    """Calls for the consumers' event loops gathered on the engine thread during one turn of its
+    loop, then handed over with one ``call_soon_threadsafe`` per loop (one wake-up of the server's
+    loop per step, not one per request: each wake-up is a self-pipe write and a loop turn)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[asyncio.AbstractEventLoop, list[tuple[Any, ...]]] = {}
+
+    def add(self, stream: RequestStream, fn: Callable[..., None], arg: Any) -> None:
+        """Queues ``fn(arg)`` for ``stream``'s loop."""
+        calls = self._calls.get(stream._loop)
+        if calls is None:
+            calls = self._calls[stream._loop] = []
+        calls.append((fn, arg, stream))
+
+    def flush(self) -> list[RequestStream]:
+        """Hands the queued calls over; returns the streams whose loop is closed (nobody will
+        read them)."""
+        calls, self._calls = self._calls, {}
+        lost: list[RequestStream] = []
+        for loop, batch in calls.items():
+            try:
+                loop.call_soon_threadsafe(_run_batch, batch)
+            except RuntimeError:  # the consumer's loop is closed
+                lost.extend(stream for _, _, stream in batch)
+        return lost
+
+
+def _run_batch(batch: list[tuple[Any, ...]]) -> None:
+    """Runs a batch of calls handed over from the engine thread (on the consumer's loop)."""
+    for fn, arg, _ in batch:
+        fn(arg)
 
 
 class AsyncLLM:
@@ -181,6 +270,7 @@ class AsyncLLM:
         self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # monotonic start of the step in flight
         self._kv_cache_usage = 0.0
+        self._handoff = _Handoff()  # engine thread only
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
         if step_timeout_s > 0:
@@ -402,10 +492,11 @@ class AsyncLLM:
                     stream._resolve_accept(exc)
                     continue
                 self._streams[stream.request_id] = stream
-                if not stream._resolve_accept(None):
-                    self._abort_in_engine(stream.request_id)
+                self._handoff.add(stream, stream._resolve_accept_now, None)
             else:
                 self._abort_in_engine(payload)
+        for stream in self._handoff.flush():  # before the step: the handlers start meanwhile
+            self._abort_in_engine(stream.request_id)
         if num_adds:
             # The adds leave the inbox count and enter the scheduler's waiting count at once, so
             # ``num_waiting_requests`` (the 503 check) never misses them during the next step.
@@ -427,13 +518,17 @@ class AsyncLLM:
             self._pending_ids.discard(request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hands the step's outputs to their streams: one hand-over per consumer loop."""
+        streams = self._streams
+        handoff = self._handoff
         for output in outputs:
-            stream = self._streams[output.request_id]
+            stream = streams[output.request_id]
             if output.finished:
-                del self._streams[output.request_id]
+                del streams[output.request_id]
                 self._forget(output.request_id)
-            if not stream._deliver(output) and not output.finished:
-                self._abort_in_engine(output.request_id)
+            handoff.add(stream, stream._put, output)
+        for stream in handoff.flush():  # the consumer's loop is gone (no-op once finished)
+            self._abort_in_engine(stream.request_id)
 
     def _record(self, outputs: list[RequestOutput]) -> None:
         stats = self.engine.get_stats()

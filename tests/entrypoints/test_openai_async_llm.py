@@ -119,3 +119,49 @@ def test_engine_death_fails_pending_and_new_requests():
     assert late == seen
     with pytest.raises(EngineDeadError):
         llm.check_health()
+
+
+def test_lagging_consumer_gets_outputs_merged(llm):
+    # The consumer blocks its loop for a while after each output, so several engine steps land
+    # in its stream before it reads again: it gets fewer outputs than tokens, and their deltas
+    # still join into exactly the final cumulative text, token ids and logprobs of every sample.
+    params = SamplingParams(max_tokens=40, n=2, logprobs=2, ignore_eos=True)
+
+    async def main():
+        outs = []
+        async for out in llm.generate("Hello", params, "slow"):
+            outs.append(out)
+            time.sleep(0.02)
+        return outs
+
+    outs = asyncio.run(main())
+    final = outs[-1]
+    assert final.finished and len(outs) < 40
+    for k in range(2):
+        sample = final.outputs[k]
+        assert len(sample.token_ids) == 40
+        assert "".join(o.outputs[k].delta_text for o in outs) == sample.text
+        assert [t for o in outs for t in o.outputs[k].delta_token_ids] == sample.token_ids
+        joined = [lp for o in outs for lp in (o.outputs[k].delta_logprobs or [])]
+        assert joined == sample.logprobs
+
+
+def test_one_wakeup_of_the_loop_per_step(llm, monkeypatch):
+    # A step's outputs for many requests reach the event loop in one call_soon_threadsafe.
+    calls = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+        monkeypatch.setattr(loop, "call_soon_threadsafe", lambda *a: calls.append(a[0]) or real(*a))
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+        async def collect(i):
+            return [o async for o in llm.generate("Hello", params, f"r{i}")]
+
+        return await asyncio.gather(*(collect(i) for i in range(6)))
+
+    results = asyncio.run(main())
+    assert all(len(r[-1].outputs[0].token_ids) == 8 for r in results)
+    steps = llm.engine.num_steps
+    assert 0 < len(calls) <= 2 * steps + 6  # per step: outputs (+ accepts); never per request

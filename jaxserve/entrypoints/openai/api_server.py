@@ -96,6 +96,7 @@ from jaxserve.entrypoints.openai.serving_completion import (
     prepare_completion,
     stream_completion,
 )
+from jaxserve.entrypoints.openai.sse import DONE_EVENT, SSEEncoder, dumps
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +171,6 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
                 f"({bad.encode('unicode_escape').decode()}); strings must be valid Unicode"
             ) from None
     return body
-
-
-def dumps(obj: Any) -> bytes:
-    """Compact JSON bytes (UTF-8, no NaN)."""
-    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def json_response(
@@ -286,15 +282,26 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
 async def _write_sse(
     request: web.Request, streams: list[RequestStream], chunks: AsyncIterator[dict[str, Any]]
 ) -> web.StreamResponse:
+    """Streams ``chunks`` as SSE events, then ``data: [DONE]``.
+
+    Each event is written as soon as it is made, except once every stream has finished: what
+    is left then (the last token's chunk, the usage chunk, ``[DONE]``) follows without waiting,
+    so it goes out in one write with the end of the response.
+    """
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
     )
+    encoder = SSEEncoder()
     try:
         await response.prepare(request)
+        held: list[bytes] = []
         async for chunk in chunks:
-            await response.write(b"data: " + dumps(chunk) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            held.append(encoder.event(chunk))
+            if not all(stream.finished for stream in streams):
+                await response.write(held[0] if len(held) == 1 else b"".join(held))
+                held.clear()
+        held.append(DONE_EVENT)
+        await response.write_eof(b"".join(held))
     except ConnectionResetError:  # the client went away; its requests are aborted below
         pass
     finally:

@@ -1,0 +1,70 @@
+"""Shares of a py-spy profile of ``jaxserve serve`` by serving-path part (#21).
+
+Reads py-spy's collapsed-stack output (``py-spy record --format raw``: one ``frame;frame;... N``
+line per distinct stack, outermost frame first, each frame ``function (file:line)``) and prints,
+for each part below, the share of the sampled (non-idle) samples whose stack passes through it.
+A stack counts for the first part it matches, in the order listed, so the shares add up to 100%.
+
+Usage: ``python benchmarks/pyspy_breakdown.py PROFILE.txt``
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+PARTS: list[tuple[str, tuple[str, ...]]] = [
+    # (label, substrings of a frame: the stack belongs to the part when any frame contains one)
+    ("engine thread: LLMEngine.step", ("step (jaxserve/engine/llm_engine.py",)),
+    ("engine thread: metrics", ("_record (jaxserve/engine/async_llm.py",)),
+    ("engine thread: hand-over to the loop", ("_dispatch (jaxserve/engine/async_llm.py",)),
+    ("engine thread: other", ("_run (jaxserve/engine/async_llm.py",)),
+    ("SSE chunk building (serving_*._chunks)", ("_chunks (jaxserve/entrypoints/openai/serving_",)),
+    ("SSE write (socket writes, aiohttp writer)", ("_write_sse (jaxserve/entrypoints/openai/",)),
+    (
+        "request preparation (parse, tokenize, checks)",
+        ("prepare (jaxserve/entrypoints/openai/", "_read_json (jaxserve/entrypoints/openai/"),
+    ),
+    ("engine hand-in (add_request)", ("add_request (jaxserve/engine/async_llm.py",)),
+    (
+        "outputs arriving on the loop (_run_batch, stream wake-ups)",
+        ("_run_batch (jaxserve/engine/", "_put (jaxserve/engine/"),
+    ),
+    ("aiohttp request handling (other)", ("aiohttp/web_protocol.py", "aiohttp/http_parser.py")),
+    (
+        "event loop (select, self-pipe, callbacks)",
+        ("asyncio/base_events.py", "asyncio/selector_events.py"),
+    ),
+]
+
+
+def breakdown(lines: list[str]) -> tuple[int, Counter]:
+    """``(total samples, Counter label -> samples)`` of collapsed-stack lines."""
+    total = 0
+    shares: Counter = Counter()
+    for line in lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        for label, keys in PARTS:
+            if any(k in stack for k in keys):
+                shares[label] += n
+                break
+        else:
+            shares["other"] += n
+    return total, shares
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        total, shares = breakdown(f.readlines())
+    print(f"{total} samples")
+    for label, _ in [*PARTS, ("other", ())]:
+        if shares[label]:
+            print(f"{100 * shares[label] / max(total, 1):5.1f}%  {label}")
+
+
+if __name__ == "__main__":
+    main()
