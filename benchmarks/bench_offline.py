@@ -22,6 +22,15 @@ collectives and the per-shard attention cost, not a speed-up (they share the sam
 short GPU slot always yields numbers; progress lines are printed every ``--report-every-s``. The
 last line is a JSON summary (also written to ``--json-out`` when given).
 
+Host cost of a steady decode step (#16): the summary's ``steady_decode`` gives per-step
+medians over the steps where every running request decodes one token, at the most requests
+the run reaches (``--num-prompts`` <= ``--max-num-seqs`` keeps all of them running); host =
+schedule + runner host (launch excluded, it is printed apart) + output. ``--stream`` makes each
+request stream (an output per step, detokenized, as the server's requests do) instead of
+``final_only``. At 256 running requests:
+  .venv/bin/python benchmarks/bench_offline.py --num-prompts 256 --input-len 32 --output-len 256 \
+      --max-num-seqs 256 --max-num-batched-tokens 2048 --token-buckets 256,2048 --dtype float32
+
 ``--compare-sync R`` runs the workload 2R times on one runner, alternating the synchronous loop
 and async scheduling, and prints the medians and the share of host time hidden under device time.
 """
@@ -56,6 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--report-every-s", type=float, default=10.0)
     parser.add_argument("--json-out", default="", help="also write the JSON summary here")
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="stream every request (an output per step, detokenized, like the server) "
+        "instead of final_only",
+    )
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument(
         "--compare-sync",
@@ -116,7 +131,7 @@ def run_workload(engine, args: argparse.Namespace, startup_s: float) -> dict:
     )
     for i in range(args.num_prompts):
         prompt = rng.integers(3, vocab, size=args.input_len).tolist()
-        engine.add_request(str(i), prompt, params, final_only=True)
+        engine.add_request(str(i), prompt, params, final_only=not args.stream)
 
     stats0 = engine.get_stats()
     start = time.perf_counter()
@@ -124,8 +139,16 @@ def run_workload(engine, args: argparse.Namespace, startup_s: float) -> dict:
     window_t, window_tokens = start, 0
     finished = 0
     timed_out = False
+    decode_steps: list[tuple] = []  # per-step time deltas of steady decode steps
+    prev = stats0
     while engine.has_unfinished_requests():
         outputs = engine.step()
+        cur = engine.get_stats()
+        if cur.num_waiting_reqs == 0 and cur.num_scheduled_tokens == cur.num_running_reqs > 0:
+            decode_steps.append(
+                (cur.num_running_reqs, *(getattr(cur, k) - getattr(prev, k) for k in _TIMES))
+            )
+        prev = cur
         finished += sum(1 for o in outputs if o.finished)
         now = time.perf_counter()
         if now - last_report >= args.report_every_s:
@@ -177,6 +200,7 @@ def run_workload(engine, args: argparse.Namespace, startup_s: float) -> dict:
             "output": round(per_step("output_s"), 3),
             "wall": round(1e3 * elapsed / max(steps, 1), 3),
         },
+        "steady_decode": steady_decode(decode_steps),
         "compiles_after_warmup": runner.compile_counts(),
         "async_scheduling": engine.async_scheduling,
     }
@@ -189,12 +213,59 @@ def run_workload(engine, args: argparse.Namespace, startup_s: float) -> dict:
         f"per step: schedule {ms['schedule']} ms, runner host {ms['runner_host']} ms, device {ms['device']} ms, "
         f"output {ms['output']} ms, wall {ms['wall']} ms"
     )
+    sd = summary["steady_decode"]
+    if sd:
+        print(
+            f"steady decode ({sd['steps']} steps at {sd['running']} running, medians): host "
+            f"{sd['host_ms']} ms per step = schedule {sd['schedule_ms']} + runner host "
+            f"{sd['runner_host_ms']} + output {sd['output_ms']} (thread CPU {sd['host_cpu_ms']} ms); launch {sd['launch_ms']} ms, "
+            f"device wait {sd['device_ms']} ms"
+        )
     line = json.dumps(summary)
     print(line, flush=True)
     if args.json_out:
         with open(args.json_out, "a") as f:
             f.write(line + "\n")
     return summary
+
+
+_TIMES = (
+    "schedule_s",
+    "runner_host_s",
+    "runner_launch_s",
+    "runner_device_s",
+    "output_s",
+    "host_cpu_s",
+)
+
+
+def steady_decode(steps: list[tuple]) -> dict:
+    """Per-step medians (ms) over the decode steps at the largest running count seen.
+
+    ``steps``: ``(running, schedule_s, runner_host_s, runner_launch_s, runner_device_s,
+    output_s, host_cpu_s)`` deltas of steps where every running request decoded one token (in async mode
+    the times are those of the step call: schedule + dispatch of step N+1, collect + update of
+    step N). Returns {} when there were none."""
+    import statistics
+
+    if not steps:
+        return {}
+    top = max(s[0] for s in steps)
+    rows = [s[1:] for s in steps if s[0] == top]
+    med = [1e3 * statistics.median(col) for col in zip(*rows)]
+    sched, host, launch, device, output, cpu = med
+    per_step = [1e3 * (r[0] + r[1] - r[2] + r[4]) for r in rows]  # host work, launch excluded
+    return {
+        "running": top,
+        "steps": len(rows),
+        "host_ms": round(statistics.median(per_step), 3),
+        "host_cpu_ms": round(cpu, 3),
+        "schedule_ms": round(sched, 3),
+        "runner_host_ms": round(host - launch, 3),
+        "output_ms": round(output, 3),
+        "launch_ms": round(launch, 3),
+        "device_ms": round(device, 3),
+    }
 
 
 def compare_sync(engine, args: argparse.Namespace, startup_s: float) -> dict:

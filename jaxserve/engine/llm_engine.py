@@ -86,7 +86,10 @@ class EngineStats:
     Totals since start: the same with ``_total`` appended, plus num_steps_total.
 
     Time totals, seconds: schedule_s (scheduler), runner_host_s (row updates, batch build,
-    sampling metadata), runner_device_s (dispatch until the tokens are on the host), output_s
+    sampling metadata, launch), runner_launch_s (the launch part of runner_host_s: argument
+    transfer and dispatch of the jitted calls), host_cpu_s (thread CPU seconds of the host work:
+    schedule, runner host without its launches, output; load on other cores does not inflate
+    it), runner_device_s (dispatch until the tokens are on the host), output_s
     (runner output, scheduler update, detokenization, RequestOutputs).
     """
 
@@ -126,6 +129,8 @@ class EngineStats:
     num_steps_total: int = 0
     schedule_s: float = 0.0
     runner_host_s: float = 0.0
+    runner_launch_s: float = 0.0
+    host_cpu_s: float = 0.0
     runner_device_s: float = 0.0
     output_s: float = 0.0
 
@@ -454,12 +459,17 @@ class LLMEngine:
         flight writes into a block after its new owner. Requests that reach ``max_tokens`` with
         step N's token are not scheduled in step N+1 at all.
         """
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
         token_mask = self.token_masks.step_mask(sched_out, self.scheduler.requests)
         timing = self.runner.timing
-        host0, dev0 = timing.host_s, timing.device_s
+        host0, dev0, launch0, aside0 = (
+            timing.host_s,
+            timing.device_s,
+            timing.launch_s,
+            timing.aside_cpu_s,
+        )
         if self.async_scheduling:
             pending = self.runner.dispatch(sched_out, token_mask)
             done, self._in_flight = self._in_flight, (sched_out, pending)
@@ -482,7 +492,7 @@ class LLMEngine:
                     self.ledger_history.add(out.request_id, out.ledgers)
         if len(self.token_masks):  # finished this step: their matchers go now, not next step
             self.token_masks.drop(self.scheduler.finished_req_ids)
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.thread_time()
         if self.kv_event_publisher is not None:
             events = self._block_pool.take_kv_events()
             if events:
@@ -491,6 +501,8 @@ class LLMEngine:
         st = self._stats
         st.schedule_s += t1 - t0
         st.runner_host_s += timing.host_s - host0
+        st.runner_launch_s += timing.launch_s - launch0
+        st.host_cpu_s += (c3 - c0) - (timing.aside_cpu_s - aside0)
         st.runner_device_s += timing.device_s - dev0
         st.output_s += (t2 - t1) - (timing.host_s - host0) - (timing.device_s - dev0) + (t3 - t2)
         return outputs

@@ -116,6 +116,10 @@ class StepTiming:
     Attributes:
       num_steps: steps that ran the model.
       host_s: host time of ``dispatch`` (row updates, batch build, sampling metadata, launch).
+      launch_s: the part of ``host_s`` spent launching the jitted calls (argument transfer and
+        dispatch; on an accelerator the device then runs them while the host goes on).
+      aside_cpu_s: thread CPU seconds of launches and result waits (on a CPU "device" a launch
+        may run part of the step inline); the engine subtracts them from its host CPU time.
       device_s: time ``collect`` waits for the results (device work + transfer not hidden
         behind host work).
       output_s: turning the results into the ModelRunnerOutput.
@@ -123,6 +127,8 @@ class StepTiming:
 
     num_steps: int = 0
     host_s: float = 0.0
+    launch_s: float = 0.0
+    aside_cpu_s: float = 0.0
     device_s: float = 0.0
     output_s: float = 0.0
 
@@ -388,6 +394,7 @@ class ModelRunner:
         md = self._sampling_metadata(batch, token_mask)
 
         graph = self.graph
+        t1, c1 = time.perf_counter(), time.thread_time()
         aot = self.aot_forward.get(batch.token_bucket)
         if aot is not None:
             logits, hidden, self.kv_caches = aot(self.state, self.kv_caches, batch.inputs)
@@ -421,6 +428,8 @@ class ModelRunner:
             )
         for x in jax.tree.leaves((sampled, plp)):
             x.copy_to_host_async()
+        self.timing.launch_s += time.perf_counter() - t1
+        self.timing.aside_cpu_s += time.thread_time() - c1
         mask = batch.sample_mask
         self._prev_index = dict(
             zip(np.asarray(batch.req_ids)[mask].tolist(), np.nonzero(mask)[0].tolist())
@@ -437,13 +446,14 @@ class ModelRunner:
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = pending.batch
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         sampled, plp = jax.device_get((pending.sampled, pending.plp))
         if self.host_kv is not None:
             # This step's saves ran before it; under async scheduling the pending ones may be
             # the next step's: not waited for here (the next start() finishes them).
             self.host_kv.finish(wait=False)
         t2 = time.perf_counter()
+        self.timing.aside_cpu_s += time.thread_time() - c1
         output = self._make_output(pending, sampled, plp)
         # The sampled tokens join their rows, unless the row changed hands or moved on.
         ib = self.input_batch
