@@ -547,7 +547,8 @@ class Scheduler:
                     len(request.output_token_ids) + 1 < request.max_tokens
                     and token not in request.stop_token_set
                 ):
-                    request.append_output_token(token)
+                    request.output_token_ids.append(token)  # append_output_token, inlined
+                    request.all_token_ids.append(token)
                     if request.first_token_time is None:
                         request.first_token_time = now
                     # EngineCoreOutput(req_id, tokens, None, None, None, None, num_cached_tokens)

@@ -65,6 +65,9 @@ class _ParentState:
     num_finished: int = 0
     prompt_counted: bool = False
     last_token_time: float | None = None
+    # final_only, one sample, no detokenizer, no logprobs: a step that does not finish it only
+    # records its tokens (process_outputs' lean path)
+    lean: bool = False
 
 
 class OutputProcessor:
@@ -131,6 +134,13 @@ class OutputProcessor:
             final_only=final_only,
             arrival_time=arrival_time,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        parent.lean = (
+            final_only
+            and len(samples) == 1
+            and samples[0].detokenizer is None
+            and samples[0].logprobs is None
+            and parent.prompt_logprobs is None
         )
         self._parents[request_id] = parent
         for child, sample in zip(children, samples):
@@ -203,11 +213,20 @@ class OutputProcessor:
         touched: dict[str, _ParentState] = {}
         stopped: list[str] = []
         n_prompt = n_gen = 0
+        get = self._child_to_parent.get
         for co in core_outputs:
-            entry = self._child_to_parent.get(co.req_id)
+            entry = get(co.req_id)
             if entry is None:
                 continue  # aborted parent
             parent, sample = entry
+            if parent.lean and parent.prompt_counted and co.finish_reason is None:
+                new_ids = co.new_token_ids  # nobody reads deltas before its final output
+                if new_ids:
+                    sample.token_ids += new_ids
+                    parent.last_token_time = now
+                    n_gen += len(new_ids)
+                parent.num_cached_tokens = co.num_cached_tokens
+                continue
             if parent.request_id not in touched:
                 touched[parent.request_id] = parent
                 for s in parent.samples:

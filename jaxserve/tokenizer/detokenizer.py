@@ -66,6 +66,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop_checker = StopChecker(stop, include_stop_str_in_output)
         self._ids: list[int] = [int(t) for t in prompt_token_ids]
+        tokenizer.check_ids(self._ids)
         self._num_prompt = len(self._ids)
         self.read_offset = self._num_prompt
         self.prefix_offset = self._initial_prefix_offset()
@@ -93,7 +94,7 @@ class IncrementalDetokenizer:
         return self._ids[self._num_prompt :]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode_checked_ids(ids, self.skip_special_tokens)
 
     def _decode_new_text(self, finished: bool) -> str:
         """vLLM's ``detokenize_incrementally`` step: the stable text of the tokens after
@@ -125,7 +126,9 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             return "", None
-        self._ids.extend(int(t) for t in new_token_ids)
+        new_ids = [int(t) for t in new_token_ids]
+        self.tokenizer.check_ids(new_ids)
+        self._ids += new_ids
         new_text = self._decode_new_text(finished)
         self.output_text += new_text
         stop_str, cut = self.stop_checker.check(self.output_text, len(new_text))

@@ -194,9 +194,18 @@ class Tokenizer(abc.ABC):
           ValueError: an id is outside ``[0, vocab_size)``.
         """
         ids = [int(i) for i in ids]
-        for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+        self.check_ids(ids)
+        return self._decode_plain(ids, skip_special_tokens)
+
+    def check_ids(self, ids: list[int]) -> None:
+        """Raises ValueError naming the first id outside ``[0, vocab_size)``."""
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def decode_checked_ids(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """``decode`` for a list of ints already passed through :meth:`check_ids` (the
+        incremental detokenizer's per-step windows: each id is checked once, on arrival)."""
         return self._decode_plain(ids, skip_special_tokens)
 
     def apply_chat_template(

@@ -179,6 +179,7 @@ class InputBatch:
         self.row_epoch = np.zeros(max_num_reqs, np.int64)
         self.req_id_to_row: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() hands out the lowest row
+        self.row_changes = 0  # bumped whenever a row is given or taken back
 
     def __len__(self) -> int:
         return len(self.req_id_to_row)
@@ -213,6 +214,7 @@ class InputBatch:
         self.eos_token_ids[row] = new.eos_token_id
         self.row_req_ids[row] = new.req_id
         self.req_id_to_row[new.req_id] = row
+        self.row_changes += 1
         return row
 
     def remove_request(self, req_id: str) -> None:
@@ -226,6 +228,7 @@ class InputBatch:
         self.row_req_ids[row] = None
         self.num_tokens[row] = 0
         self._free_rows.append(row)
+        self.row_changes += 1
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         """Appends block ids to the row's block table."""
@@ -249,6 +252,10 @@ class InputBatch:
             self.num_tokens[row] = end
 
 
+def _is_one(token_ids: list[int]) -> bool:
+    return len(token_ids) == 1
+
+
 class BatchBuilder:
     """Applies scheduler outputs to the InputBatch and builds padded StepBatches.
 
@@ -266,10 +273,14 @@ class BatchBuilder:
         self.max_num_seqs = max_num_seqs
         self.max_seq_bucket = seq_bucket(self.token_buckets[-1], max_num_seqs)
         self._no_prev = np.zeros(self.max_seq_bucket, np.int32)  # prev_tokens when none is pending
+        self._last_rows: tuple[int, list[str], np.ndarray] | None = None
 
     def update_states(self, sched: SchedulerOutput) -> None:
         """Drops finished/preempted rows, adds new ones, appends new block ids and the step's
-        token ids (the scheduler's ``new_token_ids``, so the rows never drift from its ledger)."""
+        token ids (the scheduler's ``new_token_ids``, so the rows never drift from its ledger).
+
+        The cached requests' tokens are written with one numpy assignment when each has at most
+        one (decode; in flight under async scheduling: none); block ids only where some came."""
         batch = self.batch
         for req_id in sched.finished_req_ids:
             batch.remove_request(req_id)
@@ -278,11 +289,41 @@ class BatchBuilder:
         for new in sched.scheduled_new_reqs:
             batch.add_request(new)
         cached = sched.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            row = batch.req_id_to_row[req_id]
-            batch.append_block_ids(row, cached.new_block_ids[i])
-            if cached.new_token_ids:
-                batch.write_tokens(row, cached.num_computed_tokens[i], cached.new_token_ids[i])
+        req_ids = cached.req_ids
+        if not req_ids:
+            return
+        to_row = batch.req_id_to_row
+        for i in [i for i, ids in enumerate(cached.new_block_ids) if ids]:
+            batch.append_block_ids(to_row[req_ids[i]], cached.new_block_ids[i])
+        new_tokens = cached.new_token_ids
+        if not new_tokens:
+            return
+        num_new = sum(map(len, new_tokens))
+        if num_new == 0:
+            return
+        if num_new == len(req_ids) and all(map(_is_one, new_tokens)):
+            rows = self._rows(req_ids)
+            start = np.array(cached.num_computed_tokens, np.int64)
+            assert start.max() < batch.max_model_len, "a row overflows max_model_len"
+            batch.token_ids[rows, start] = [ids[0] for ids in new_tokens]
+            np.maximum(batch.num_tokens[rows], start + 1, out=start)
+            batch.num_tokens[rows] = start
+            return
+        for i, req_id in enumerate(req_ids):
+            if new_tokens[i]:
+                batch.write_tokens(to_row[req_id], cached.num_computed_tokens[i], new_tokens[i])
+
+    def _rows(self, req_ids: list[str]) -> np.ndarray:
+        """int64 ``[len(req_ids)]`` rows of the requests; the previous answer is reused while
+        the ids are the same and no row changed hands (steady decode)."""
+        batch = self.batch
+        last = self._last_rows
+        if last is not None and last[0] == batch.row_changes and last[1] == req_ids:
+            return last[2]
+        to_row = batch.req_id_to_row
+        rows = np.fromiter(map(to_row.__getitem__, req_ids), np.int64, len(req_ids))
+        self._last_rows = (batch.row_changes, list(req_ids), rows)
+        return rows
 
     def build(
         self,
@@ -295,23 +336,27 @@ class BatchBuilder:
         Sequences are in the order of ``sched.num_scheduled_tokens``. ``prev_index`` and
         ``prev_tokens``: see ``build_from_arrays``.
         """
-        batch = self.batch
         req_ids = list(sched.num_scheduled_tokens)
         num_reqs = len(req_ids)
         assert num_reqs <= self.max_num_seqs, (
             f"{num_reqs} sequences > max_num_seqs {self.max_num_seqs}"
         )
-        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), np.int64, num_reqs)
+        rows = self._rows(req_ids)
         n_sched = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, num_reqs)
-        order = {r: i for i, r in enumerate(req_ids)}
-        start = np.full(num_reqs, -1, np.int64)
         new_reqs = sched.scheduled_new_reqs
-        if new_reqs:
-            start[[order[n.req_id] for n in new_reqs]] = [n.num_computed_tokens for n in new_reqs]
         cached = sched.scheduled_cached_reqs
-        if cached.req_ids:
-            start[[order[r] for r in cached.req_ids]] = cached.num_computed_tokens
-        assert np.all(start >= 0), "a scheduled request is neither new nor cached"
+        if not new_reqs and cached.req_ids == req_ids:  # steady decode: one order
+            start = np.array(cached.num_computed_tokens, np.int64)
+        else:
+            order = {r: i for i, r in enumerate(req_ids)}
+            start = np.full(num_reqs, -1, np.int64)
+            if new_reqs:
+                start[[order[n.req_id] for n in new_reqs]] = [
+                    n.num_computed_tokens for n in new_reqs
+                ]
+            if cached.req_ids:
+                start[[order[r] for r in cached.req_ids]] = cached.num_computed_tokens
+            assert np.all(start >= 0), "a scheduled request is neither new nor cached"
         return self.build_from_arrays(req_ids, rows, start, n_sched, prev_index, prev_tokens)
 
     def build_from_arrays(

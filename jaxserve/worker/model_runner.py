@@ -431,11 +431,14 @@ class ModelRunner:
         self.timing.launch_s += time.perf_counter() - t1
         self.timing.aside_cpu_s += time.thread_time() - c1
         mask = batch.sample_mask
-        self._prev_index = dict(
-            zip(np.asarray(batch.req_ids)[mask].tolist(), np.nonzero(mask)[0].tolist())
-        )
+        req_ids = batch.req_ids
+        if mask.all():  # every sequence samples (decode): no filtering
+            self._prev_index = dict(zip(req_ids, range(len(req_ids))))
+        else:
+            seqs = np.nonzero(mask)[0].tolist()
+            self._prev_index = dict(zip([req_ids[i] for i in seqs], seqs))
         ib = self.input_batch
-        params = [ib.params[row] for row in batch.rows.tolist()]
+        params = list(map(ib.params.__getitem__, batch.rows.tolist()))
         t2 = time.perf_counter()
         self.timing.host_s += t2 - t0
         return PendingStep(batch, sampled, plp, params, ib.row_epoch[batch.rows])
@@ -554,7 +557,10 @@ class ModelRunner:
         n = batch.num_reqs
         tokens = sampled.token_ids[:n].tolist()
         mask = batch.sample_mask.tolist()
-        sampled_ids = [[t] if m else [] for t, m in zip(tokens, mask)]
+        if all(mask):
+            sampled_ids = [[t] for t in tokens]
+        else:
+            sampled_ids = [[t] if m else [] for t, m in zip(tokens, mask)]
         logprobs = None
         if sampled.logprobs is not None:
             lp = sampled.logprobs
@@ -596,7 +602,7 @@ class ModelRunner:
                 ]
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            req_id_to_index=dict(zip(batch.req_ids, range(n))),
             sampled_token_ids=sampled_ids,
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_lps,
