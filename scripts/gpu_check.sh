@@ -7,7 +7,7 @@
 #
 # The whole script is ~15 minutes, more than one 10-minute device call: run it as two calls,
 #   PART=1 OUT=... bash scripts/gpu_check.sh   # kernel tests + attention bench + 8B offline (~9 min)
-#   PART=2 OUT=... bash scripts/gpu_check.sh   # offloading, async on/off, structured (~7 min)
+#   PART=2 OUT=... bash scripts/gpu_check.sh   # offloading, async on/off, host cost, structured (~9 min)
 # (PART=2 uses BACKEND, default pallas, since part 1's test log is not there.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +51,15 @@ timeout -k 10 "${ASYNC_BUDGET:-150}" "$PY" benchmarks/bench_offline.py --model l
     --attention-backend "$backend" --num-prompts 8 --input-len 32 --output-len 128 \
     --compare-sync 2 2>&1 | tail -4 | tee "$OUT/async_b8.log"
 echo "async exit: ${PIPESTATUS[0]}" | tee -a "$OUT/async_b8.log"
+
+echo "== host cost per steady decode step at 256 running, 8B shapes, async on (budget ${HOST_BUDGET:-100}s)"
+# issue #16: schedule + runner host + output per step (wall and thread CPU), launch apart.
+timeout -k 10 "${HOST_BUDGET:-100}" "$PY" benchmarks/bench_offline.py --model llama-3.1-8b \
+    --load-format dummy --dtype bfloat16 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+    --token-buckets 256,8192 --temperature 1.0 --compilation-cache-dir /tmp/jaxserve-xla \
+    --attention-backend "$backend" --num-prompts 256 --input-len 128 --output-len 256 \
+    --time-limit-s 45 2>&1 | grep -E "steady decode|output tok/s" | tee "$OUT/host_cost.log"
+echo "host cost exit: ${PIPESTATUS[0]}" | tee -a "$OUT/host_cost.log"
 
 echo "== structured outputs: mask cost and step overhead at 256 requests (budget ${STRUCTURED_BUDGET:-120}s)"
 timeout -k 10 "${STRUCTURED_BUDGET:-120}" "$PY" benchmarks/bench_structured.py --num-reqs 256 \

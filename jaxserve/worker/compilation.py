@@ -64,6 +64,9 @@ class StepGraph:
 
     Attributes:
       graphdef: the model's nnx graphdef (its state is passed to each call).
+      state_def: the treedef of that state: the step functions take its leaves (a flat list,
+        ``ModelRunner.params``), which a call flattens in C++, where an ``nnx.State`` argument
+        costs a Python visit per Variable on every call (~2 ms at 1B shapes, 146 leaves, on CPU).
       backend: the attention backend (``jaxserve.model.attention.ATTENTION_BACKENDS``).
       max_seqs: the largest sequence bucket (the fixed shape of ``StepInputs.prev_tokens``).
       interpret: run the Pallas kernel in Pallas interpret mode (``--pallas-interpret``).
@@ -77,15 +80,17 @@ class StepGraph:
     max_seqs: int  # the largest sequence bucket: sample_step pads its tokens to it
     interpret: bool = False
     mesh: Mesh | None = None
+    state_def: Any = None
     traces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 @functools.partial(jax.jit, static_argnames="graph", donate_argnames="kv_caches")
-def forward_step(graph: StepGraph, state: nnx.State, kv_caches: list, inputs: StepInputs):
-    """``(state, kv_caches, inputs) -> (logits [S, V] f32, hidden [T, E], kv_caches)``; the KV
-    caches are donated and updated in place."""
+def forward_step(graph: StepGraph, params: list, kv_caches: list, inputs: StepInputs):
+    """``(params, kv_caches, inputs) -> (logits [S, V] f32, hidden [T, E], kv_caches)``;
+    ``params``: the model state's leaves (``graph.state_def``); the KV caches are donated and
+    updated in place."""
     graph.traces["forward"] += 1
-    model = nnx.merge(graph.graphdef, state)
+    model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.state_def, params))
     metadata = PagedAttentionMetadata(
         slot_mapping=inputs.slot_mapping,
         block_tables=inputs.block_tables,
@@ -117,7 +122,7 @@ def sample_step(graph: StepGraph, logits: jax.Array, md: SamplingMetadata):
 
 
 @functools.partial(jax.jit, static_argnames="graph")
-def prompt_logprobs_step(graph: StepGraph, state: nnx.State, hidden: jax.Array, targets: jax.Array):
+def prompt_logprobs_step(graph: StepGraph, params: list, hidden: jax.Array, targets: jax.Array):
     """Raw-model logprob, rank and top-``MAX_LOGPROBS`` of each target token.
 
     ``hidden [T, E]`` (the forward's), ``targets [T]`` int32 (-1 = not scored; scored as token
@@ -125,7 +130,7 @@ def prompt_logprobs_step(graph: StepGraph, state: nnx.State, hidden: jax.Array, 
     time so only ``[chunk, V]`` logits exist at once.
     """
     graph.traces["prompt_logprobs"] += 1
-    model = nnx.merge(graph.graphdef, state)
+    model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.state_def, params))
     t = hidden.shape[0]
     chunk = min(PROMPT_LOGPROBS_CHUNK, t & -t)
 
@@ -149,7 +154,7 @@ class ModelRunner(Protocol):
     mesh: Mesh
     kv_sharding: jax.sharding.Sharding
     graph: StepGraph
-    state: nnx.State
+    params: list  # the state's leaves (StepGraph.state_def)
     block_size: int
     max_num_seqs: int
     max_model_len: int
@@ -222,7 +227,7 @@ def profile_peak_activation_bytes(runner: ModelRunner) -> int:
     probe = _probe_spec(runner, 2 * runner.input_batch.max_blocks_per_req + 1)
     fwd = forward_step.lower(
         graph,
-        runner.state,
+        runner.params,
         kv_cache_shapes(probe, runner.kv_sharding),
         padding_inputs(runner, t_max),
     ).compile()
@@ -235,7 +240,7 @@ def profile_peak_activation_bytes(runner: ModelRunner) -> int:
     sampler_temp = int(sampler.memory_analysis().temp_size_in_bytes)
     hidden = jax.ShapeDtypeStruct((t_max, runner.arch.hidden_size), runner.dtype)
     targets = np.zeros(t_max, np.int32)
-    plp = prompt_logprobs_step.lower(graph, runner.state, hidden, targets).compile()
+    plp = prompt_logprobs_step.lower(graph, runner.params, hidden, targets).compile()
     plp_temp = int(plp.memory_analysis().temp_size_in_bytes)
     peak = outputs + max(int(fwd_mem.temp_size_in_bytes), sampler_temp, plp_temp)
     logger.info(
@@ -302,7 +307,7 @@ def warmup(runner: ModelRunner, *, progress: bool = True) -> float:
     assert runner.kv_caches is not None, "initialize_kv_cache() before warmup()"
     from tqdm.auto import tqdm
 
-    graph, state = runner.graph, runner.state
+    graph, state = runner.graph, runner.params
     t0 = time.perf_counter()
     warm_seqs: set[int] = set()
     bar = tqdm(

@@ -177,6 +177,8 @@ class ModelRunner:
         self.kv_head_dim = cache_head_dim(self.backend, arch.head_dim)
         compilation.configure_compilation_cache(config.runner.compilation_cache_dir)
         self.graphdef, self.state = nnx.split(model)
+        # the step functions take the state's leaves (see StepGraph.state_def)
+        self.params, state_def = jax.tree.flatten(self.state)
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_num_seqs = sched.max_num_seqs
@@ -191,7 +193,12 @@ class ModelRunner:
         )
         # max_seqs: the largest sequence bucket, the fixed shape of StepInputs.prev_tokens
         self.graph = StepGraph(
-            self.graphdef, self.backend, self.seq_buckets[-1], self.interpret, self.step_mesh
+            self.graphdef,
+            self.backend,
+            self.seq_buckets[-1],
+            self.interpret,
+            self.step_mesh,
+            state_def=state_def,
         )
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
         self.builder = BatchBuilder(self.input_batch, self.token_buckets, self.max_num_seqs)
@@ -397,10 +404,10 @@ class ModelRunner:
         t1, c1 = time.perf_counter(), time.thread_time()
         aot = self.aot_forward.get(batch.token_bucket)
         if aot is not None:
-            logits, hidden, self.kv_caches = aot(self.state, self.kv_caches, batch.inputs)
+            logits, hidden, self.kv_caches = aot(self.params, self.kv_caches, batch.inputs)
         else:
             logits, hidden, self.kv_caches = forward_step(
-                graph, self.state, self.kv_caches, batch.inputs
+                graph, self.params, self.kv_caches, batch.inputs
             )
         num_variants = graph.traces["sampler"]
         sampled, self._prev_tokens = sample_step(graph, logits, md)
@@ -422,9 +429,9 @@ class ModelRunner:
             aot = self.aot_prompt_logprobs.get(batch.token_bucket)
             targets = batch.prompt_logprob_targets
             plp = (
-                aot(self.state, hidden, targets)
+                aot(self.params, hidden, targets)
                 if aot is not None
-                else prompt_logprobs_step(graph, self.state, hidden, targets)
+                else prompt_logprobs_step(graph, self.params, hidden, targets)
             )
         for x in jax.tree.leaves((sampled, plp)):
             x.copy_to_host_async()

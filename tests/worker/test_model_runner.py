@@ -104,7 +104,7 @@ def test_kv_caches_are_donated_not_copied(runner):
     spec = runner.kv_spec
     layer_bytes = spec.total_bytes // spec.num_layers // 2
     compiled = forward_step.lower(
-        runner.graph, runner.state, runner.kv_caches, padding_inputs(runner, 16)
+        runner.graph, runner.params, runner.kv_caches, padding_inputs(runner, 16)
     ).compile()
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes == spec.total_bytes
@@ -119,7 +119,7 @@ def test_kv_caches_are_donated_not_copied(runner):
     assert copies == []
     kv_in = runner.kv_caches
     _, _, runner.kv_caches = forward_step(
-        runner.graph, runner.state, kv_in, padding_inputs(runner, 16)
+        runner.graph, runner.params, kv_in, padding_inputs(runner, 16)
     )
     assert all(k.is_deleted() and v.is_deleted() for k, v in kv_in)
     assert not runner.kv_caches[0][0].is_deleted()
