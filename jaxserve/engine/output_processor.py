@@ -347,6 +347,23 @@ class OutputProcessor:
 
     @staticmethod
     def _metrics(parent: _ParentState, finished: bool, now: float) -> RequestMetrics:
+        if len(parent.samples) == 1:  # n = 1: the request's own times
+            sample = parent.samples[0]
+            r = sample.request
+            first_scheduled = r.first_scheduled_time
+            return RequestMetrics(
+                arrival_time=parent.arrival_time,
+                first_scheduled_time=first_scheduled,
+                first_token_time=r.first_token_time,
+                last_token_time=parent.last_token_time,
+                finished_time=(now if r.finished_time is None else r.finished_time)
+                if finished
+                else None,
+                time_in_queue=None
+                if first_scheduled is None
+                else first_scheduled - parent.arrival_time,
+                num_generation_tokens=len(sample.token_ids),
+            )
         reqs = [s.request for s in parent.samples]
 
         def earliest(name):

@@ -23,9 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxserve.tokenizer.stop_strings import StopChecker
-from jaxserve.tokenizer.tokenizer import Tokenizer
+from jaxserve.tokenizer.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
-REPLACEMENT_CHAR = "\ufffd"
 INITIAL_OFFSET = 5
 """Prompt tokens decoded before the first generated token (vLLM's
 ``INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET``)."""
@@ -74,6 +73,8 @@ class IncrementalDetokenizer:
         self.stop_str: str | None = None
         self.finished = False
         self._num_emitted = 0  # characters of output_text already returned as deltas
+        # the window's text is known complete and non-empty (set once a window step emitted)
+        self._clean = False
 
     def _initial_prefix_offset(self) -> int:
         offset = max(self.read_offset - INITIAL_OFFSET, 0)
@@ -106,7 +107,23 @@ class IncrementalDetokenizer:
         ):
             return ""  # nothing new, or an incomplete UTF-8 character: wait for more tokens
         self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
+        self._clean = not new_text.endswith(REPLACEMENT_CHAR)
         return new_text[len(prefix_text) :]
+
+    def _stream_one(self, token_id: int) -> str | None:
+        """The window step for one new token without decoding, when its text cannot depend on
+        its neighbours (``Tokenizer.stream_text``) and the window before it decoded complete:
+        then decoding the window with it gives the window's text plus the token's text. Same
+        offsets and result as ``_decode_new_text``; None when it does not apply."""
+        if not self._clean or self.read_offset != len(self._ids):
+            return None
+        text = self.tokenizer.stream_text(token_id, self.skip_special_tokens)
+        if text is None:
+            return None
+        self._ids.append(token_id)
+        if text:
+            self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
+        return text
 
     def update(
         self, new_token_ids: Sequence[int], finished: bool = False
@@ -128,8 +145,10 @@ class IncrementalDetokenizer:
             return "", None
         new_ids = [int(t) for t in new_token_ids]
         self.tokenizer.check_ids(new_ids)
-        self._ids += new_ids
-        new_text = self._decode_new_text(finished)
+        new_text = self._stream_one(new_ids[0]) if len(new_ids) == 1 else None
+        if new_text is None:
+            self._ids += new_ids
+            new_text = self._decode_new_text(finished)
         self.output_text += new_text
         stop_str, cut = self.stop_checker.check(self.output_text, len(new_text))
         if stop_str is not None:

@@ -50,13 +50,13 @@ class SentencePieceTokenizer(Tokenizer):
         ):
             if attr not in config and sp_id >= 0:
                 setattr(self, attr, self.sp.id_to_piece(sp_id))
-        n = self.sp.get_piece_size()
+        n = self._vocab_size = self.sp.get_piece_size()
         self._special = {i for i in range(n) if self.sp.is_control(i) or self.sp.is_unknown(i)}
 
     @property
     def vocab_size(self) -> int:
         """Number of sentencepiece pieces (token ids are ``[0, vocab_size)``)."""
-        return self.sp.get_piece_size()
+        return self._vocab_size
 
     def _backend_special_ids(self) -> set[int]:
         return set(self._special)

@@ -17,6 +17,8 @@ from typing import Any
 
 from jaxserve.tokenizer.chat_template import render_chat_template, select_chat_template
 
+REPLACEMENT_CHAR = "\ufffd"  # what decoding gives for an incomplete UTF-8 character
+
 
 def _token_content(tok: Any) -> str | None:
     """tokenizer_config.json writes special tokens as a string or an AddedToken dict."""
@@ -202,6 +204,47 @@ class Tokenizer(abc.ABC):
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             bad = next(i for i in ids if not 0 <= i < self.vocab_size)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def stream_text(self, token_id: int, skip_special_tokens: bool = True) -> str | None:
+        """The text ``token_id`` adds when decoded after complete, non-empty text, if that does
+        not depend on its neighbours; None when it may (a byte piece of a multi-byte character,
+        a decoder that merges or strips around it). Checked once per id against two reference
+        tokens (before it, and after it), then cached: the incremental detokenizer's fast path.
+        ``token_id`` must be in range (see :meth:`check_ids`)."""
+        cache = self.__dict__.setdefault("_stream_texts", ({}, {}))[skip_special_tokens]
+        try:
+            return cache[token_id]
+        except KeyError:
+            pass
+        text = self._probe_stream_text(token_id, skip_special_tokens)
+        cache[token_id] = text
+        return text
+
+    def _probe_stream_text(self, token_id: int, skip: bool) -> str | None:
+        refs = self.__dict__.get("_stream_refs")
+        if refs is None:
+            try:  # two ordinary word tokens ("▁a"/"▁the" in sentencepiece, "a"/"the" in BPE)
+                refs = tuple(self._encode_plain(word)[-1] for word in ("a", "the"))
+            except Exception:  # a backend that cannot encode: no fast path
+                refs = ()
+            if len(set(refs)) != 2 or any(self.decode([r]) == "" for r in refs):
+                refs = ()
+            self._stream_refs = refs
+        if not refs:
+            return None
+        r1, r2 = refs
+        decode = self._decode_plain
+        before = decode([r1], skip)
+        with_it = decode([r1, token_id], skip)
+        text = with_it[len(before) :]
+        if (
+            not with_it.startswith(before)
+            or REPLACEMENT_CHAR in text
+            or decode([r2, token_id], skip) != decode([r2], skip) + text
+            or decode([r1, token_id, r2], skip) != with_it + decode([r1, r2], skip)[len(before) :]
+        ):
+            return None
+        return text
 
     def decode_checked_ids(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """``decode`` for a list of ints already passed through :meth:`check_ids` (the

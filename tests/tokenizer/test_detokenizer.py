@@ -258,3 +258,39 @@ def test_stop_strings_match_char_by_char_reference(out, stops, include, seed):
     for d in deltas:  # no delta ever shows text beyond the final cut
         shown += d
         assert expected.startswith(shown)
+
+
+# ---------------------------------------------------------------- fast path
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("which", ["sp", "bpe", "unigram"])
+def test_fast_path_deltas_equal_window_decoding(which, skip, sp_tokenizer, bpe_dir, unigram_dir):
+    """Tokens whose text cannot depend on their neighbours skip the window decodes; every delta
+    must equal what the window algorithm alone gives, for random ids (specials, byte pieces
+    and all) streamed one at a time."""
+    tok = {"sp": sp_tokenizer}.get(which) or get_tokenizer(
+        bpe_dir if which == "bpe" else unigram_dir
+    )
+    rng = random.Random(f"{which}{skip}")
+    words = tok.encode(
+        "Once upon a time, naïve café 世界 🙂 there was a king!", add_special_tokens=False
+    )
+    fast_steps = []
+    for _ in range(40):
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 6))]
+        pool = [rng.randrange(tok.vocab_size) for _ in range(8)] + words
+        output = [rng.choice(pool) for _ in range(rng.randint(1, 30))]
+        fast = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        slow = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        slow._stream_one = lambda token_id: None
+        one = fast._stream_one
+        fast._stream_one = lambda token_id, one=one: (
+            fast_steps.append(one(token_id)) or fast_steps[-1]
+        )
+        for k, t in enumerate(output):
+            last = k == len(output) - 1
+            fast_delta = fast.update([t], finished=last)
+            assert fast_delta == slow.update([t], finished=last), (prompt, output[: k + 1])
+            assert (fast.prefix_offset, fast.read_offset) == (slow.prefix_offset, slow.read_offset)
+    assert sum(x is not None for x in fast_steps) > 100  # the fast path did run
