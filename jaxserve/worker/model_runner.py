@@ -310,7 +310,7 @@ class ModelRunner:
         runs = []
         for _ in range(4):
             t0 = time.perf_counter()
-            logits, _, self.kv_caches = fwd(self.state, self.kv_caches, inputs)
+            logits, _, self.kv_caches = fwd(self.params, self.kv_caches, inputs)
             jax.block_until_ready((logits, self.kv_caches))
             runs.append(time.perf_counter() - t0)
         per_token = sorted(runs[1:])[1] / n
