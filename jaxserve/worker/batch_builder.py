@@ -432,7 +432,7 @@ class BatchBuilder:
             nxt = np.minimum(positions + 1, batch.max_model_len - 1)
             targets[:total] = np.where(scored, batch.token_ids[row_of_tok, nxt], -1)
 
-        inputs = StepInputs(
+        inputs = StepInputs.from_arrays(
             input_ids=input_ids,
             positions=pos_pad,
             slot_mapping=slot_mapping,

@@ -1,19 +1,61 @@
-"""The jitted step's array inputs: a dataclass registered as a jax pytree (all fields are data)."""
+"""The jitted step's array inputs: a dataclass registered as a jax pytree (one packed int32 buffer
+and the previous step's sampled tokens are its data, the layout its static part)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import numpy as np
 
+_HOST_FIELDS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "block_tables",
+    "context_lens",
+    "query_start_loc",
+    "num_seqs",
+    "logits_indices",
+    "prev_index",
+)
 
-@jax.tree_util.register_dataclass
+
+@functools.cache
+def _offsets(layout: tuple) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+    """name -> (start, size, shape) of each field in the packed buffer."""
+    out, start = {}, 0
+    for name, shape in layout:
+        size = math.prod(shape)
+        out[name] = (start, size, shape)
+        start += size
+    return out
+
+
+def _field(name: str) -> property:
+    def get(self: StepInputs):
+        start, size, shape = _offsets(self.layout)[name]
+        return self.packed[start : start + size].reshape(shape)
+
+    return property(get, doc=f"``{name}``: a view of ``packed`` (see the class docstring).")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["packed", "prev_tokens"],
+    meta_fields=["layout"],
+)
 @dataclasses.dataclass
 class StepInputs:
-    """The jitted step's array inputs, padded (numpy int32).
+    """The jitted step's array inputs, padded (int32).
 
-    Attributes:
+    The host-built fields live in one int32 buffer, ``packed``, so a step makes one
+    host-to-device copy for them, not one per field; each field is a view of it (numpy on the
+    host, a slice of the traced buffer inside the jitted step). Build with :meth:`from_arrays`.
+
+    Fields (views of ``packed``):
       input_ids: ``[T]`` token ids (0 for padding).
       positions: ``[T]`` position of each token in its sequence (0 for padding).
       slot_mapping: ``[T]`` flat cache slot of each token; -1 for padding.
@@ -25,20 +67,40 @@ class StepInputs:
         one whose logits are sampled); 0 for padding sequences.
       prev_index: ``[T]`` for a token the host does not know yet (async scheduling: sampled by
         the step still in flight), its row in ``prev_tokens``; -1 elsewhere.
+
+    Attributes:
+      packed: int32 ``[sum of the fields' sizes]``, the fields above in that order.
       prev_tokens: ``[S_max]`` the previous step's sampled tokens, padded to the largest
         sequence bucket; a device array, so they never visit the host before this step.
+      layout: ``((name, shape), ...)`` of the packed fields (static: part of the pytree's
+        structure, so each bucket's shapes compile once).
     """
 
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    block_tables: np.ndarray
-    context_lens: np.ndarray
-    query_start_loc: np.ndarray
-    num_seqs: np.ndarray
-    logits_indices: np.ndarray
-    prev_index: np.ndarray
+    packed: np.ndarray | jax.Array
     prev_tokens: np.ndarray | jax.Array
+    layout: tuple
+
+    input_ids = _field("input_ids")
+    positions = _field("positions")
+    slot_mapping = _field("slot_mapping")
+    block_tables = _field("block_tables")
+    context_lens = _field("context_lens")
+    query_start_loc = _field("query_start_loc")
+    num_seqs = _field("num_seqs")
+    logits_indices = _field("logits_indices")
+    prev_index = _field("prev_index")
+
+    @classmethod
+    def from_arrays(cls, prev_tokens: np.ndarray | jax.Array, **fields: np.ndarray) -> StepInputs:
+        """Packs the host fields (the names above, int32-convertible) into one buffer.
+
+        Raises:
+          KeyError: a field is missing.
+        """
+        arrays = [np.asarray(fields[name], np.int32) for name in _HOST_FIELDS]
+        layout = tuple((name, a.shape) for name, a in zip(_HOST_FIELDS, arrays))
+        packed = np.concatenate([a.ravel() for a in arrays])
+        return cls(packed, prev_tokens, layout)
 
     @classmethod
     def padding(
@@ -50,7 +112,7 @@ class StepInputs:
         query_start_loc[0] = 0
         context_lens = np.zeros(seq_bucket, np.int32)
         context_lens[0] = 1
-        return cls(
+        return cls.from_arrays(
             input_ids=np.zeros(token_bucket, np.int32),
             positions=np.zeros(token_bucket, np.int32),
             slot_mapping=np.full(token_bucket, -1, np.int32),
