@@ -5,6 +5,10 @@
 # 128 in / 64 out, ignore_eos) runs against each, interleaved: per rep vLLM then jaxserve at rate inf, then both at
 # max-concurrency 8. Prints each run's line, the peer's summary (medians and ratios), and our targets as ratios
 # jaxserve / vLLM of the per-setting medians: output tok/s >= 1.0, mean e2e latency <= 1.0, TTFT p99 <= 1.0.
+# Two diagnostics follow, steadier than the timings on a shared box: each server's CPU seconds per 1,000 output
+# tokens (every process of the server's session, from ps; vLLM's engine core and worker included) and the output
+# tokens per streamed chunk (a server whose streams lag merges tokens into fewer SSE chunks: less work for the client,
+# which shares the cores).
 #
 # vLLM is never a dependency of ours: it runs from its own venv, built by the peer scripts when missing.
 # Usage (from the repo root):
@@ -40,12 +44,16 @@ COMMON=(--dtype float32 --max-model-len 1024 --max-num-seqs 128 --max-num-batche
 VSERVE=("$VLLM_PY" "$PEER_DIR/vllm_cli.py" serve "$MODEL_DIR" "${COMMON[@]}" --gpu-memory-utilization 0.3 --port "$PV")
 # shellcheck disable=SC2206
 JSERVE=("$JS_BIN/jaxserve" serve "$MODEL_DIR" "${COMMON[@]}" --port "$PJ" ${EXTRA_JS_FLAGS:-})
+session_cpu() { ps -s "$1" -o times= | awk '{s += $1} END {print s + 0}'; }  # CPU seconds of a session
 bench() {  # bench LABEL PORT SEED [extra client flags]
   local label=$1 port=$2 seed=$3; shift 3
+  local sid=$VP; [ "$port" = "$PJ" ] && sid=$JP
+  local cpu0; cpu0=$(session_cpu "$sid")
   timeout 900 "$VLLM_PY" "$PEER_DIR/vllm_cli.py" bench serve --backend openai --base-url "http://127.0.0.1:$port" \
     --model tiny --tokenizer "$MODEL_DIR" --dataset-name random --random-input-len 128 --random-output-len 64 \
     --num-prompts "$NUM_PROMPTS" --request-rate inf --ignore-eos --num-warmups 1 --percentile-metrics ttft,tpot,itl,e2el \
-    --seed "$seed" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$label.json" "$@" >"$OUT/$label.txt" 2>&1
+    --seed "$seed" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$label.json" --save-detailed "$@" >"$OUT/$label.txt" 2>&1
+  echo "$(( $(session_cpu "$sid") - cpu0 ))" >"$OUT/$label.cpu"
   echo "$label: $(grep -E 'Successful requests|Output token throughput|Mean E2EL' "$OUT/$label.txt" | tr -s ' ' | tr '\n' ' ')"
 }
 start_server vllm "$PV" "$OUT/vllm_server.log" "${VSERVE[@]}" || exit 1; VP=$SERVER_PID
@@ -74,4 +82,20 @@ for w in ("inf", "c8"):
         a, b = med("vllm", key), med("js", key)
         r = b / a if a else float("nan")
         print(f"{w:4s} {key:18s} vllm {a:9.1f}  jaxserve {b:9.1f}  ratio {r:6.3f} (target {want}): {'met' if ok(r) else 'NOT met'}")
+print("## diagnostics (medians over the reps): server CPU s per 1,000 output tokens, output tokens per streamed chunk")
+for w in ("inf", "c8"):
+    for label in ("vllm", "js"):
+        cpu, per_chunk = [], []
+        for f in sorted(glob.glob(os.path.join(out, f"{label}_{w}_r*.json"))):
+            d = json.load(open(f))
+            tokens = d["total_output_tokens"]
+            cpu_file = f[: -len(".json")] + ".cpu"
+            if os.path.exists(cpu_file) and tokens:
+                cpu.append(float(open(cpu_file).read()) / tokens * 1000)
+            chunks = sum(len(x) + 1 for x in d.get("itls", []) if x is not None)
+            if chunks:
+                per_chunk.append(tokens / chunks)
+        c = statistics.median(cpu) if cpu else float("nan")
+        t = statistics.median(per_chunk) if per_chunk else float("nan")
+        print(f"{w:4s} {label:8s} server CPU {c:6.3f} s / 1k tokens   {t:5.2f} tokens / chunk")
 PY

@@ -43,9 +43,14 @@ for _ in $(seq 1 600); do  # the client takes seconds to import: wait for its re
 done
 sleep "${WARM:-2}"
 GILFLAG=(); [ "${GIL:-0}" = 1 ] && GILFLAG=(--gil)
+gen_tokens() {  # the server's generation-token counter now
+  curl -s "http://127.0.0.1:$PJ/metrics" | awk '/^jaxserve:generation_tokens_total/ {print int($NF)}'
+}
+T0=$(gen_tokens)
 "$JS_BIN/py-spy" record -r "${RATE:-50}" -d "${DURATION:-20}" --format raw -o "$OUT/profile.txt" --pid "$JP" \
   "${GILFLAG[@]}" >"$OUT/py-spy.log" 2>&1 || { echo "py-spy failed:"; tail -5 "$OUT/py-spy.log"; }
+T1=$(gen_tokens)
 wait "$CP"
 echo "## client: $(grep -E 'Output token throughput|Mean E2EL' "$OUT/profiled.txt" | tr -s ' ' | tr '\n' ' ')"
-echo "## profile ($OUT/profile.txt), load $(cut -d' ' -f1-3 /proc/loadavg)"
-"$JS_BIN/python" "$REPO/benchmarks/pyspy_breakdown.py" "$OUT/profile.txt"
+echo "## profile ($OUT/profile.txt), load $(cut -d' ' -f1-3 /proc/loadavg); $((T1 - T0)) tokens generated while sampling"
+"$JS_BIN/python" "$REPO/benchmarks/pyspy_breakdown.py" "$OUT/profile.txt" "${RATE:-50}" "$((T1 - T0))"

@@ -5,7 +5,9 @@ line per distinct stack, outermost frame first, each frame ``function (file:line
 for each part below, the share of the sampled (non-idle) samples whose stack passes through it.
 A stack counts for the first part it matches, in the order listed, so the shares add up to 100%.
 
-Usage: ``python benchmarks/pyspy_breakdown.py PROFILE.txt``
+Usage: ``python benchmarks/pyspy_breakdown.py PROFILE.txt [RATE TOKENS]``; with the sampling
+rate (Hz) and the tokens generated while sampling, it also prints the sampled milliseconds per
+1,000 tokens (with ``py-spy --gil``: Python time holding the GIL per 1,000 tokens).
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ PARTS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("engine hand-in (add_request)", ("add_request (jaxserve/engine/async_llm.py",)),
     (
-        "outputs arriving on the loop (_run_batch, stream wake-ups)",
-        ("_run_batch (jaxserve/engine/", "_put (jaxserve/engine/"),
+        "hand-over on the loop (self-pipe reads, outputs into streams)",
+        (
+            "_run_batch (jaxserve/engine/",
+            "_put (jaxserve/engine/",
+            "put_nowait (asyncio/queues.py",
+            "_read_from_self (asyncio/selector_events.py",
+        ),
     ),
     ("aiohttp request handling (other)", ("aiohttp/web_protocol.py", "aiohttp/http_parser.py")),
     (
-        "event loop (select, self-pipe, callbacks)",
+        "event loop (select, other callbacks)",
         ("asyncio/base_events.py", "asyncio/selector_events.py"),
     ),
 ]
@@ -61,6 +68,9 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         total, shares = breakdown(f.readlines())
     print(f"{total} samples")
+    if len(sys.argv) == 4 and int(sys.argv[3]) > 0:
+        ms = total * 1000 / float(sys.argv[2])
+        print(f"{ms / int(sys.argv[3]) * 1000:.0f} ms sampled per 1,000 generated tokens")
     for label, _ in [*PARTS, ("other", ())]:
         if shares[label]:
             print(f"{100 * shares[label] / max(total, 1):5.1f}%  {label}")
