@@ -50,7 +50,6 @@ from jaxserve.entrypoints.openai.api_server import (
     build_app,
     check_port_free,
     config_report,
-    dumps,
     json_response,
     ledger_response,
     prepare,
@@ -58,6 +57,7 @@ from jaxserve.entrypoints.openai.api_server import (
 )
 from jaxserve.entrypoints.openai.common import ServingInfo
 from jaxserve.entrypoints.openai.errors import APIError
+from jaxserve.entrypoints.openai.sse import DONE_EVENT, SSEEncoder
 from jaxserve.entrypoints.router import POLICIES, NoReplicaError, Router
 
 logger = logging.getLogger(__name__)
@@ -455,6 +455,7 @@ class RayIngress:
                 **header,
             }
         )
+        encoder = SSEEncoder()
         try:
             await response.prepare(request)
             while True:
@@ -467,11 +468,10 @@ class RayIngress:
                     error = _replica_died(
                         f"engine replica {index} died while serving this request; retry it"
                     )
-                    await response.write(b"data: " + dumps(error.body()) + b"\n\n")
+                    await response.write(encoder.event(error.body()))
                     break
-                await response.write(b"data: " + dumps(chunk) + b"\n\n")
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
+                await response.write(encoder.event(chunk))
+            await response.write_eof(DONE_EVENT)
         except ConnectionResetError:  # the client left; the generator is cancelled by the caller
             pass
         return response
