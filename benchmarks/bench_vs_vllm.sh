@@ -44,7 +44,10 @@ COMMON=(--dtype float32 --max-model-len 1024 --max-num-seqs 128 --max-num-batche
 VSERVE=("$VLLM_PY" "$PEER_DIR/vllm_cli.py" serve "$MODEL_DIR" "${COMMON[@]}" --gpu-memory-utilization 0.3 --port "$PV")
 # shellcheck disable=SC2206
 JSERVE=("$JS_BIN/jaxserve" serve "$MODEL_DIR" "${COMMON[@]}" --port "$PJ" ${EXTRA_JS_FLAGS:-})
-session_cpu() { ps -s "$1" -o times= | awk '{s += $1} END {print s + 0}'; }  # CPU seconds of a session
+session_cpu() {  # CPU clock ticks (user + system) of the processes of session $1
+  local p
+  for p in $(ps -s "$1" -o pid=); do sed 's/.*) //' "/proc/$p/stat" 2>/dev/null; done | awk '{s += $12 + $13} END {print s + 0}'
+}
 bench() {  # bench LABEL PORT SEED [extra client flags]
   local label=$1 port=$2 seed=$3; shift 3
   local sid=$VP; [ "$port" = "$PJ" ] && sid=$JP
@@ -53,7 +56,7 @@ bench() {  # bench LABEL PORT SEED [extra client flags]
     --model tiny --tokenizer "$MODEL_DIR" --dataset-name random --random-input-len 128 --random-output-len 64 \
     --num-prompts "$NUM_PROMPTS" --request-rate inf --ignore-eos --num-warmups 1 --percentile-metrics ttft,tpot,itl,e2el \
     --seed "$seed" --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$label.json" --save-detailed "$@" >"$OUT/$label.txt" 2>&1
-  echo "$(( $(session_cpu "$sid") - cpu0 ))" >"$OUT/$label.cpu"
+  awk -v a="$cpu0" -v b="$(session_cpu "$sid")" -v hz="$(getconf CLK_TCK)" 'BEGIN {print (b - a) / hz}' >"$OUT/$label.cpu"
   echo "$label: $(grep -E 'Successful requests|Output token throughput|Mean E2EL' "$OUT/$label.txt" | tr -s ' ' | tr '\n' ' ')"
 }
 start_server vllm "$PV" "$OUT/vllm_server.log" "${VSERVE[@]}" || exit 1; VP=$SERVER_PID
