@@ -347,35 +347,19 @@ class OutputProcessor:
 
     @staticmethod
     def _metrics(parent: _ParentState, finished: bool, now: float) -> RequestMetrics:
-        if len(parent.samples) == 1:  # n = 1: the request's own times
-            sample = parent.samples[0]
-            r = sample.request
-            first_scheduled = r.first_scheduled_time
-            return RequestMetrics(
-                arrival_time=parent.arrival_time,
-                first_scheduled_time=first_scheduled,
-                first_token_time=r.first_token_time,
-                last_token_time=parent.last_token_time,
-                finished_time=(now if r.finished_time is None else r.finished_time)
-                if finished
-                else None,
-                time_in_queue=None
-                if first_scheduled is None
-                else first_scheduled - parent.arrival_time,
-                num_generation_tokens=len(sample.token_ids),
-            )
+        """Times over the parent's samples: the earliest first scheduling and first token, the
+        latest finish (``now`` if none has one yet)."""
         reqs = [s.request for s in parent.samples]
-
-        def earliest(name):
-            vals = [getattr(r, name) for r in reqs if getattr(r, name) is not None]
-            return min(vals) if vals else None
-
-        first_scheduled = earliest("first_scheduled_time")
-        finish_times = [r.finished_time for r in reqs if r.finished_time is not None]
+        first_scheduled = min(
+            (t for r in reqs if (t := r.first_scheduled_time) is not None), default=None
+        )
+        finish_times = [t for r in reqs if (t := r.finished_time) is not None]
         return RequestMetrics(
             arrival_time=parent.arrival_time,
             first_scheduled_time=first_scheduled,
-            first_token_time=earliest("first_token_time"),
+            first_token_time=min(
+                (t for r in reqs if (t := r.first_token_time) is not None), default=None
+            ),
             last_token_time=parent.last_token_time,
             finished_time=(max(finish_times) if finish_times else now) if finished else None,
             time_in_queue=None

@@ -80,6 +80,10 @@ class Tokenizer(abc.ABC):
         config.json and chat_template.jinja are not read from ``model_dir``."""
         self.model_dir = model_dir
         self.config = config
+        # stream_text's cache per skip_special_tokens value, and its two reference ids (None:
+        # not chosen yet; (): this backend gets no fast path)
+        self._stream_texts: dict[bool, dict[int, str | None]] = {False: {}, True: {}}
+        self._stream_refs: tuple[int, ...] | None = None
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
         self.unk_token = _token_content(config.get("unk_token"))
@@ -197,7 +201,7 @@ class Tokenizer(abc.ABC):
         """
         ids = [int(i) for i in ids]
         self.check_ids(ids)
-        return self._decode_plain(ids, skip_special_tokens)
+        return self.decode_checked_ids(ids, skip_special_tokens)
 
     def check_ids(self, ids: list[int]) -> None:
         """Raises ValueError naming the first id outside ``[0, vocab_size)``."""
@@ -211,7 +215,7 @@ class Tokenizer(abc.ABC):
         a decoder that merges or strips around it). Checked once per id against two reference
         tokens (before it, and after it), then cached: the incremental detokenizer's fast path.
         ``token_id`` must be in range (see :meth:`check_ids`)."""
-        cache = self.__dict__.setdefault("_stream_texts", ({}, {}))[skip_special_tokens]
+        cache = self._stream_texts[skip_special_tokens]
         try:
             return cache[token_id]
         except KeyError:
@@ -221,7 +225,7 @@ class Tokenizer(abc.ABC):
         return text
 
     def _probe_stream_text(self, token_id: int, skip: bool) -> str | None:
-        refs = self.__dict__.get("_stream_refs")
+        refs = self._stream_refs
         if refs is None:
             try:  # two ordinary word tokens ("▁a"/"▁the" in sentencepiece, "a"/"the" in BPE)
                 refs = tuple(self._encode_plain(word)[-1] for word in ("a", "the"))
