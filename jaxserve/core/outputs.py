@@ -48,6 +48,8 @@ class ModelRunnerOutput:
         ``[s, e)`` scores the prompt tokens at positions ``s+1 .. min(e, prompt_len - 1)`` (a
         token's logprob comes from the logits of the position before it; position 0 has none
         and the engine reports None there).
+      sampled_flat: when every request of the step sampled exactly one token, those tokens in
+        ``req_ids`` order (``sampled_token_ids[i] == [sampled_flat[i]]``); else None.
     """
 
     req_ids: list[str]
@@ -55,6 +57,23 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs]] | None = None
     prompt_logprobs_dict: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
+    sampled_flat: list[int] | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class DecodeTokens:
+    """One steady-decode step's news for the engine, in one object instead of an
+    EngineCoreOutput per request (``Scheduler.update_from_output(..., batched=True)``): each
+    request appended exactly one token, which ended nothing, without logprobs.
+
+    Attributes:
+      req_ids: ``[n]`` the request ids (read-only: the same list object on every step of one
+        steady run, so consumers may key per-request caches on its identity).
+      token_ids: ``[n]`` the token each appended, in the same order.
+    """
+
+    req_ids: list[str]
+    token_ids: list[int]
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

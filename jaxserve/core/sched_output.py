@@ -105,6 +105,12 @@ class SchedulerOutput:
         waiting never reached it).
       kv_transfers: KV offloading's copies for this step (saves, then loads), executed before
         the step's forward; None when there are none (see ``KVTransfers``).
+      steady_decode: True when the step repeats the previous one's requests in the same order,
+        one decode token each (the scheduler's steady-decode path): nothing new, finished or
+        preempted among them, ``new_token_ids`` empty (the runner knows every token: it
+        recorded the previous step's samples, or reads them on the device), ``new_block_ids``
+        set only for the requests that crossed a block boundary. The runner may build the step
+        from the previous one (it checks its own rows still match).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -114,6 +120,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     finished_req_ids: set[str]
     kv_transfers: KVTransfers | None = None
+    steady_decode: bool = False
 
     @property
     def is_empty(self) -> bool:

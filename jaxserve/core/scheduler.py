@@ -55,7 +55,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from jaxserve.core.outputs import DecodeTokens, EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import make_request_queue
 from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -92,6 +92,30 @@ class _Step:
     pending_blocks: int = 0
     admit: bool = True  # False once the waiting queue is blocked for this step
     samples: list[bool] = dataclasses.field(default_factory=list)  # per scheduled: samples a token
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _SteadyDecode:
+    """The running requests of a step in which each decoded one token (steady decode), kept so
+    the next steps that do the same again are scheduled and updated with a few loops and numpy
+    ops instead of the per-request general path (``Scheduler._schedule_steady``).
+
+    Valid while ``Scheduler._running_epoch`` is ``epoch`` (nothing admitted to or removed from
+    ``running``). Steps are counted from the snapshot: fast step ``k`` computes position
+    ``c + k - 1`` of a request whose ``num_computed_tokens`` was ``c`` at the snapshot.
+    """
+
+    epoch: int
+    reqs: list[Request]
+    req_ids: list[str]
+    num_scheduled: dict[str, int]  # req_id -> 1 (copied into each output)
+    decode_steps: list  # each request's ledger.decode_steps.append
+    stop_ids: frozenset[int]  # union of the requests' stop_token_set
+    # fast step k -> indices into reqs of the requests whose token that step ends past their
+    # no-op end (KVCacheManager.get_noop_ends): they call allocate_slots
+    grow_at: dict[int, list[int]]
+    gap: int  # min(prompt + max_tokens - num_computed_tokens): a step may run while gap > 1
+    steps: int = 0  # fast steps taken
 
 
 class Scheduler:
@@ -134,9 +158,15 @@ class Scheduler:
         self._step_index = 0  # steps scheduled so far (never reset): the ledgers' step numbers
         # The SchedulerOutputs not yet updated (one, or two under async scheduling), each with
         # its requests in num_scheduled_tokens order, so update_from_output needs no id lookups.
-        self._in_flight: collections.deque[tuple[SchedulerOutput, list[Request], list[bool]]] = (
-            collections.deque()
-        )
+        self._in_flight: collections.deque[
+            tuple[SchedulerOutput, list[Request], list[bool], _SteadyDecode | None, int]
+        ] = collections.deque()
+        # Bumped whenever a request joins or leaves ``running`` (the steady-decode snapshot's
+        # validity); removals are also counted apart (a steady step's update stays valid
+        # through later admissions, not through removals).
+        self._running_epoch = 0
+        self._running_removals = 0
+        self._steady: _SteadyDecode | None = None
 
     def add_request(self, request: Request) -> None:
         """Queues a request after checking that it can ever run.
@@ -200,6 +230,8 @@ class Scheduler:
                 continue
             if request.status == _RUNNING:
                 self.running.remove(request)
+                self._running_epoch += 1
+                self._running_removals += 1
             else:
                 self.waiting.remove(request)
             request.status = finished_status
@@ -241,6 +273,11 @@ class Scheduler:
         """
         self._num_steps += 1
         self._step_index += 1
+        if self._steady is not None:
+            output = self._schedule_steady(self._steady)
+            if output is not None:
+                return output
+            self._steady = None
         step = _Step(self._step_index, time.monotonic())
         budget = self._schedule_running(step, self.max_num_scheduled_tokens)
         # Then the waiting queue (priority: what is left is less urgent than every running request).
@@ -258,10 +295,119 @@ class Scheduler:
             finished_req_ids=finished,
             kv_transfers=self.kv_cache_manager.take_transfers(),
         )
+        if (
+            step.scheduled
+            and not step.new_reqs
+            and not step.preempted
+            and total == len(step.scheduled) == len(self.running) == len(step.cached.req_ids)
+            and all(step.samples)
+        ):
+            self._steady = self._steady_snapshot(step)
+        self._track(output, step.scheduled, step.samples, None, 0)
+        return output
+
+    def _track(
+        self,
+        output: SchedulerOutput,
+        scheduled: list[Request],
+        samples: list[bool],
+        steady: _SteadyDecode | None,
+        gap: int,
+    ) -> None:
         in_flight = self._in_flight
         if len(in_flight) >= 2:  # a caller that never updates: forget the oldest
             in_flight.popleft()
-        in_flight.append((output, step.scheduled, step.samples))
+        in_flight.append((output, scheduled, samples, steady, gap, self._running_removals))
+
+    def _steady_snapshot(self, step: _Step) -> _SteadyDecode | None:
+        """After a step in which every running request decoded one token: the snapshot that
+        lets the next steps do the same via ``_schedule_steady`` (None if some request's
+        sampling reads its output history: async scheduling must not plan past its tokens)."""
+        reqs = list(step.scheduled)
+        if any(r.needs_output_history for r in reqs):
+            return None
+        ids = list(step.num_scheduled)
+        noop_end = self.kv_cache_manager.get_noop_ends()
+        grow_at: dict[int, list[int]] = {}
+        for i, request in enumerate(reqs):
+            k = noop_end[request.request_id] - request.num_computed_tokens + 1
+            grow_at.setdefault(max(k, 1), []).append(i)
+        return _SteadyDecode(
+            epoch=self._running_epoch,
+            reqs=reqs,
+            req_ids=ids,
+            num_scheduled=dict.fromkeys(ids, 1),
+            decode_steps=[r.ledger.decode_steps.append for r in reqs],
+            stop_ids=frozenset().union(*{r.stop_token_set for r in reqs}),
+            grow_at=grow_at,
+            gap=min(len(r.prompt_token_ids) + r.max_tokens - r.num_computed_tokens for r in reqs),
+        )
+
+    def _schedule_steady(self, st: _SteadyDecode) -> SchedulerOutput | None:
+        """The step after a steady-decode step, when it is one again: the same requests, in
+        the same order, one decode token each; what the general path would schedule, with
+        per-request work cut to the ledger updates (and ``allocate_slots`` for the requests
+        whose block tables need it). None when the general path must run instead: a request
+        joined or left ``running``, the waiting queue could admit, a request's in-flight token
+        may end it (async scheduling), or the pool may lack a block for the requests that
+        cross a block boundary.
+
+        The snapshot's counts are kept by this path alone: every request in it is running and
+        is touched by nothing else (admissions and removals bump ``_running_epoch``)."""
+        running = self.running
+        if st.epoch != self._running_epoch or len(running) != len(st.reqs):
+            return None
+        if self.waiting and (self._priority or len(running) < self.max_num_running_reqs):
+            return None  # admission might take a slot or preempt: the general path decides
+        if st.gap <= 1:
+            return None  # a request's in-flight token may end it (its max_tokens)
+        reqs = st.reqs
+        n = len(reqs)
+        k = st.steps + 1
+        no_blocks: list[int] = []
+        new_block_ids = [no_blocks] * n
+        grow = st.grow_at.get(k)
+        if grow:
+            kv = self.kv_cache_manager
+            if len(grow) > kv.num_free_blocks:
+                return None  # a decode token needs at most one new block each
+            del st.grow_at[k]
+            noop_end = kv.get_noop_ends()
+            grow_at = st.grow_at
+            for i in grow:
+                request = reqs[i]
+                blocks = kv.allocate_slots(request, 1)
+                assert blocks is not None, "a block counted free could not be allocated"
+                if blocks:
+                    new_block_ids[i] = [b.block_id for b in blocks]
+                # Its next call: the step whose token ends past its new no-op end; the very next
+                # one when that is not past this one (under async scheduling a block whose last
+                # token is still in flight is registered a step late).
+                nxt = k + noop_end[request.request_id] - request.num_computed_tokens
+                grow_at.setdefault(nxt if nxt > k else k + 1, []).append(i)
+        st.steps = k
+        st.gap -= 1
+        step_index = self._step_index
+        num_computed = [r.num_computed_tokens for r in reqs]
+        for request, add_decode_step in zip(reqs, st.decode_steps):
+            request.num_computed_tokens += 1
+            request.num_output_placeholders += 1
+            add_decode_step(step_index)
+        self._num_scheduled_tokens += n
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        output = SchedulerOutput(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData(
+                list(st.req_ids), new_block_ids, num_computed, []
+            ),
+            num_scheduled_tokens=dict(st.num_scheduled),
+            total_num_scheduled_tokens=n,
+            preempted_req_ids=set(),
+            finished_req_ids=finished,
+            kv_transfers=self.kv_cache_manager.take_transfers(),
+            steady_decode=True,
+        )
+        self._track(output, reqs, [True] * n, st, st.gap)
         return output
 
     def _schedule_running(self, step: _Step, budget: int) -> int:
@@ -435,6 +581,7 @@ class Scheduler:
             bisect.insort(running, request, key=_sort_key)
         else:
             running.append(request)
+        self._running_epoch += 1
         step.new_reqs.append(
             NewRequestData(
                 req_id=req_id,
@@ -470,6 +617,8 @@ class Scheduler:
             "a request scheduled this step cannot be preempted"
         )
         self.running.pop()
+        self._running_epoch += 1
+        self._running_removals += 1
         self.kv_cache_manager.free(victim, preempted=True)  # offloading: saved to the host
         victim.ledger.preempted(step.index, step.now, victim.num_computed_tokens)
         victim.status = RequestStatus.PREEMPTED
@@ -499,8 +648,11 @@ class Scheduler:
                 samples.append(False)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        batched: bool = False,
+    ) -> list[EngineCoreOutput] | DecodeTokens:
         """Takes the sampled tokens of a step, checks stop conditions, frees finished requests.
 
         A request appends tokens only if this step brought its ledger to its length (a partial
@@ -509,9 +661,18 @@ class Scheduler:
         then reaching max_tokens (already capped by max_model_len) ends it with "length".
         Tokens after a stop in the same list are dropped.
 
+        ``batched``: a steady-decode step (``SchedulerOutput.steady_decode``) whose every request
+        appended one token that ended nothing, without logprobs, is returned as one
+        ``DecodeTokens`` instead of an EngineCoreOutput per request (the engine's path).
+
         Returns:
-          One EngineCoreOutput per request with new tokens, prompt logprobs, or a finish.
+          One EngineCoreOutput per request with new tokens, prompt logprobs, or a finish; or a
+          DecodeTokens (``batched`` only).
         """
+        if batched and scheduler_output.steady_decode:
+            news = self._update_steady(scheduler_output, runner_output)
+            if news is not None:
+                return news
         scheduled, samples, sampled = self._align_runner_output(scheduler_output, runner_output)
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs_dict or None
@@ -576,6 +737,8 @@ class Scheduler:
                 if out.finish_reason is not None:
                     finished.append(request)
         if finished:  # take them out of running, keeping its order
+            self._running_epoch += 1
+            self._running_removals += 1
             running = self.running
             if len(finished) <= 8:
                 for request in finished:
@@ -583,6 +746,32 @@ class Scheduler:
             else:
                 running[:] = [r for r in running if r.status is running_status]
         return outputs
+
+    def _update_steady(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> DecodeTokens | None:
+        """update_from_output of a steady-decode step when no request of it can end: none left
+        ``running`` since it was scheduled, none reaches max_tokens, no token is a stop token
+        (of any of them), no logprobs. None when that does not hold (the general path runs)."""
+        in_flight = self._in_flight
+        if not in_flight or in_flight[0][0] is not scheduler_output:
+            return None
+        _, reqs, _, st, gap, removals = in_flight[0]
+        if st is None or gap <= 1 or removals != self._running_removals:
+            return None
+        if runner_output.logprobs is not None or runner_output.prompt_logprobs_dict:
+            return None
+        tokens = runner_output.sampled_flat
+        if tokens is None or runner_output.req_ids != st.req_ids:
+            return None
+        if st.stop_ids and not st.stop_ids.isdisjoint(tokens):
+            return None
+        in_flight.popleft()
+        for request, token in zip(reqs, tokens):
+            request.num_output_placeholders -= 1
+            request.output_token_ids.append(token)
+            request.all_token_ids.append(token)
+        return DecodeTokens(st.req_ids, tokens)
 
     def _update_preempted(
         self, request: Request, tokens: list[int], logprobs: list | None, now: float, emit
@@ -613,7 +802,7 @@ class Scheduler:
                 break
             in_flight.popleft()  # an older output that was never updated
         if in_flight and in_flight[0][0] is scheduler_output:
-            _, scheduled, samples = in_flight.popleft()  # in num_scheduled order
+            _, scheduled, samples, _, _, _ = in_flight.popleft()  # in num_scheduled order
             aligned = runner_output.req_ids == list(num_scheduled)
         else:  # a caller-built output of a synchronous step: look the requests up
             get = self.requests.get

@@ -483,7 +483,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if runner_out is not None:
             tokens_time = time.monotonic()  # the step's tokens are on the host
-            core_outputs = self.scheduler.update_from_output(done_sched, runner_out)
+            core_outputs = self.scheduler.update_from_output(done_sched, runner_out, batched=True)
             outputs, stopped = self.output_processor.process_outputs(core_outputs, tokens_time)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
+from jaxserve.core.outputs import DecodeTokens, EngineCoreOutput
 from jaxserve.core.request import FinishReason
 from jaxserve.outputs import (
     CompletionOutput,
@@ -29,7 +30,7 @@ from jaxserve.outputs import (
 from jaxserve.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from jaxserve.core.outputs import EngineCoreOutput, TokenLogprobs
+    from jaxserve.core.outputs import TokenLogprobs
     from jaxserve.core.request import Request
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.tokenizer import Tokenizer
@@ -86,6 +87,12 @@ class OutputProcessor:
         self.num_generation_tokens_step = 0
         self._anchor: tuple[list[int], str] | None = None  # see _decode_token_uncached
         self._decode_token = functools.lru_cache(maxsize=65536)(self._decode_token_uncached)
+        # Bumped whenever a child id is forgotten (finished, aborted): the DecodeTokens cache
+        # below is valid only while it is unchanged.
+        self._child_epoch = 0
+        # (DecodeTokens.req_ids list, _child_epoch, its samples' token_ids.append or None when
+        # some parent is not lean): a steady-decode run's per-step work is one loop of appends.
+        self._decode_cache: tuple[list[str], int, list | None] | None = None
 
     def __len__(self) -> int:
         return len(self._parents)
@@ -164,6 +171,7 @@ class OutputProcessor:
         if parent is None:
             return []
         ids = []
+        self._child_epoch += 1
         for s in parent.samples:
             self._child_to_parent.pop(s.request.request_id, None)
             if s.finish_reason is None:
@@ -201,15 +209,28 @@ class OutputProcessor:
         return out
 
     def process_outputs(
-        self, core_outputs: list[EngineCoreOutput], now: float
+        self, core_outputs: list[EngineCoreOutput] | DecodeTokens, now: float
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Applies one step's scheduler news.
+        """Applies one step's scheduler news (``Scheduler.update_from_output``'s result).
+
+        A ``DecodeTokens`` whose requests are all lean (``final_only``, one sample, no text
+        until the end, no logprobs) only appends each token to its sample: their
+        ``last_token_time`` is then that of the output that finishes them.
 
         Returns:
           ``(request_outputs, stop_string_child_ids)``: one RequestOutput per parent that
           progressed (for ``final_only`` parents only once, when finished), and the child ids
           whose text matched a stop string this step (the engine finishes them in the scheduler).
         """
+        if isinstance(core_outputs, DecodeTokens):
+            appends = self._decode_appends(core_outputs)
+            if appends is not None:
+                for append, token in zip(appends, core_outputs.token_ids):
+                    append(token)
+                self.num_prompt_tokens_step = 0
+                self.num_generation_tokens_step = len(appends)
+                return [], []
+            core_outputs = self._expand(core_outputs)
         touched: dict[str, _ParentState] = {}
         stopped: list[str] = []
         n_prompt = n_gen = 0
@@ -257,6 +278,34 @@ class OutputProcessor:
         self.num_prompt_tokens_step, self.num_generation_tokens_step = n_prompt, n_gen
         return self._collect_outputs(touched, now), stopped
 
+    def _decode_appends(self, news: DecodeTokens) -> list | None:
+        """Each request's ``sample.token_ids.append`` when every parent in ``news`` is lean and
+        counted its prompt (cached per steady run: keyed on the req_ids list's identity)."""
+        cache = self._decode_cache
+        if cache is not None and cache[0] is news.req_ids and cache[1] == self._child_epoch:
+            return cache[2]
+        appends: list | None = []
+        get = self._child_to_parent.get
+        for req_id in news.req_ids:
+            entry = get(req_id)
+            if entry is None or not (entry[0].lean and entry[0].prompt_counted):
+                appends = None
+                break
+            appends.append(entry[1].token_ids.append)
+        self._decode_cache = (news.req_ids, self._child_epoch, appends)
+        return appends
+
+    def _expand(self, news: DecodeTokens) -> list[EngineCoreOutput]:
+        """DecodeTokens as the EngineCoreOutputs the general path takes (num_cached_tokens
+        as each parent already recorded it)."""
+        get = self._child_to_parent.get
+        outs = []
+        for req_id, token in zip(news.req_ids, news.token_ids):
+            entry = get(req_id)
+            cached = 0 if entry is None else entry[0].num_cached_tokens
+            outs.append(EngineCoreOutput(req_id, [token], num_cached_tokens=cached))
+        return outs
+
     def _add_logprobs(self, sample: _SampleState, new_logprobs: list[TokenLogprobs]) -> None:
         """Appends the step's sampled-token logprobs to the sample (and its delta)."""
         delta = [self._to_logprob_dict(e) for e in new_logprobs]
@@ -292,6 +341,7 @@ class OutputProcessor:
             self._finish_text(parent, sample, co.finish_reason == FinishReason.STOP.value)
         parent.num_finished += 1
         self._child_to_parent.pop(co.req_id, None)
+        self._child_epoch += 1
 
     def _collect_outputs(self, touched: dict[str, _ParentState], now: float) -> list[RequestOutput]:
         """One RequestOutput per parent that progressed (``final_only`` ones once, when done);

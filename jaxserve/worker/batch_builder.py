@@ -274,6 +274,9 @@ class BatchBuilder:
         self.max_seq_bucket = seq_bucket(self.token_buckets[-1], max_num_seqs)
         self._no_prev = np.zeros(self.max_seq_bucket, np.int32)  # prev_tokens when none is pending
         self._last_rows: tuple[int, list[str], np.ndarray] | None = None
+        # Cached requests (indices into the step's cached req_ids) whose block tables grew in
+        # the latest update_states.
+        self._grown: list[int] = []
 
     def update_states(self, sched: SchedulerOutput) -> None:
         """Drops finished/preempted rows, adds new ones, appends new block ids and the step's
@@ -290,10 +293,12 @@ class BatchBuilder:
             batch.add_request(new)
         cached = sched.scheduled_cached_reqs
         req_ids = cached.req_ids
+        self._grown = []
         if not req_ids:
             return
         to_row = batch.req_id_to_row
-        for i in [i for i, ids in enumerate(cached.new_block_ids) if ids]:
+        self._grown = grown = [i for i, ids in enumerate(cached.new_block_ids) if ids]
+        for i in grown:
             batch.append_block_ids(to_row[req_ids[i]], cached.new_block_ids[i])
         new_tokens = cached.new_token_ids
         if not new_tokens:
@@ -358,6 +363,62 @@ class BatchBuilder:
                 start[[order[r] for r in cached.req_ids]] = cached.num_computed_tokens
             assert np.all(start >= 0), "a scheduled request is neither new nor cached"
         return self.build_from_arrays(req_ids, rows, start, n_sched, prev_index, prev_tokens)
+
+    def build_steady(
+        self, sched: SchedulerOutput, last: StepBatch | None, prev_tokens: np.ndarray | None
+    ) -> StepBatch | None:
+        """``build`` of a steady-decode step (``SchedulerOutput.steady_decode``) from the
+        previous step's batch ``last``: the same requests in the same rows and order, one token
+        each at the next position, so only positions, context lengths, slots, input ids,
+        ``prev_index`` and the block-table rows that grew change (a copy of ``last``'s packed
+        buffer: ``last`` may still be in flight). None when ``last`` does not match (the
+        caller builds in full). Call ``update_states`` first.
+
+        Async scheduling: a token not known yet is the one ``last`` samples for the same
+        request, at the same sequence index (``prev_index`` i -> i).
+        """
+        cached = sched.scheduled_cached_reqs
+        req_ids = cached.req_ids
+        n = len(req_ids)
+        if (
+            last is None
+            or sched.scheduled_new_reqs
+            or last.num_tokens != n
+            or sched.total_num_scheduled_tokens != n
+            or last.req_ids != req_ids
+            or not last.sample_mask.all()
+            or last.prompt_logprob_targets is not None
+        ):
+            return None
+        rows = self._rows(req_ids)
+        if rows is not last.rows:
+            return None  # a row changed hands
+        start = np.array(cached.num_computed_tokens, np.int64)
+        if not np.array_equal(start, last.start_positions + 1):
+            return None
+        batch = self.batch
+        bs = batch.block_size
+        assert start.max() < batch.max_model_len, "a row overflows max_model_len"
+        known = batch.num_tokens[rows]
+        pending = start >= known  # its token is the one ``last`` samples (async scheduling)
+        old = last.inputs
+        prev = self._no_prev if prev_tokens is None else prev_tokens
+        inputs = StepInputs(old.packed.copy(), prev, old.layout)
+        inputs.positions[:n] = start
+        inputs.context_lens[:n] = start + 1
+        inputs.slot_mapping[:n] = batch.block_table[rows, start // bs] * bs + start % bs
+        inputs.input_ids[:n] = batch.token_ids[rows, start]  # pending ones: from prev_index
+        inputs.prev_index[:n] = np.where(pending, np.arange(n), -1)
+        if self._grown:
+            grown = np.asarray(self._grown)
+            inputs.block_tables[grown] = batch.block_table[rows[grown]]
+        return dataclasses.replace(
+            last,
+            inputs=inputs,
+            req_ids=req_ids,
+            start_positions=start,
+            sample_mask=start + 1 >= known,
+        )
 
     def build_from_arrays(
         self,

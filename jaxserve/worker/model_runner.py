@@ -219,6 +219,10 @@ class ModelRunner:
         # sampling request's index in them: the inputs of tokens still in flight.
         self._prev_tokens: jax.Array | None = None
         self._prev_index: dict[str, int] = {}
+        # The last dispatched StepBatch and its rows' SamplingParams: a steady-decode step is
+        # built from them (BatchBuilder.build_steady).
+        self._last_batch: StepBatch | None = None
+        self._last_params: list[SamplingParams] = []
         logger.info(
             "model runner: attention backend %s%s, KV head dim %d, token buckets %s, "
             "sequence buckets %s",
@@ -343,6 +347,7 @@ class ModelRunner:
         self._seeds.clear()
         self._md_cache = None
         self._prev_index = {}
+        self._last_batch = None
 
     def compile_counts(self) -> dict[str, int]:
         """Executables this runner has traced per step function (a test checks serving adds
@@ -393,7 +398,13 @@ class ModelRunner:
             if host_kv is not None:
                 host_kv.finish()
             return None
-        batch = self.builder.build(sched, self._prev_index, self._prev_tokens)
+        batch = None
+        if sched.steady_decode:  # the previous step's batch, one position on
+            batch = self.builder.build_steady(sched, self._last_batch, self._prev_tokens)
+        steady = batch is not None
+        if not steady:
+            batch = self.builder.build(sched, self._prev_index, self._prev_tokens)
+        self._last_batch = batch
         if self.warm_buckets:
             assert batch.token_bucket in self.warm_buckets, (
                 f"bucket {batch.token_bucket} was not compiled"
@@ -437,15 +448,18 @@ class ModelRunner:
             x.copy_to_host_async()
         self.timing.launch_s += time.perf_counter() - t1
         self.timing.aside_cpu_s += time.thread_time() - c1
-        mask = batch.sample_mask
-        req_ids = batch.req_ids
-        if mask.all():  # every sequence samples (decode): no filtering
-            self._prev_index = dict(zip(req_ids, range(len(req_ids))))
-        else:
-            seqs = np.nonzero(mask)[0].tolist()
-            self._prev_index = dict(zip([req_ids[i] for i in seqs], seqs))
         ib = self.input_batch
-        params = list(map(ib.params.__getitem__, batch.rows.tolist()))
+        if steady:  # the same requests in the same rows and order as the previous step
+            params = self._last_params
+        else:
+            mask = batch.sample_mask
+            req_ids = batch.req_ids
+            if mask.all():  # every sequence samples (decode): no filtering
+                self._prev_index = dict(zip(req_ids, range(len(req_ids))))
+            else:
+                seqs = np.nonzero(mask)[0].tolist()
+                self._prev_index = dict(zip([req_ids[i] for i in seqs], seqs))
+            params = self._last_params = list(map(ib.params.__getitem__, batch.rows.tolist()))
         t2 = time.perf_counter()
         self.timing.host_s += t2 - t0
         return PendingStep(batch, sampled, plp, params, ib.row_epoch[batch.rows])
@@ -564,8 +578,10 @@ class ModelRunner:
         n = batch.num_reqs
         tokens = sampled.token_ids[:n].tolist()
         mask = batch.sample_mask.tolist()
+        flat = None
         if all(mask):
             sampled_ids = [[t] for t in tokens]
+            flat = tokens
         else:
             sampled_ids = [[t] if m else [] for t, m in zip(tokens, mask)]
         logprobs = None
@@ -613,4 +629,5 @@ class ModelRunner:
             sampled_token_ids=sampled_ids,
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_lps,
+            sampled_flat=flat,
         )

@@ -4,21 +4,32 @@ Two schedulers run the same random trace (arrivals with shared prefixes, EOS sto
 aborts, a pool small enough to preempt), step by step:
 
 * "fast": as shipped, with the decode fast paths of ``schedule()`` (the manager's no-op ends),
-  ``allocate_slots`` and ``update_from_output``;
+  ``allocate_slots`` and ``update_from_output``, and the steady-decode path of both (a step
+  that repeats the previous one's decodes; its update is taken with ``batched=True``);
 * "general": the same code forced down the general paths: its KV-cache manager clears the
   request's no-op end after every allocation (so neither ``schedule()`` nor ``allocate_slots`` can
-  take a shortcut), and its runner output carries (empty) logprobs, which sends
-  ``update_from_output`` through the per-request general update.
+  take a shortcut), it takes no steady-decode snapshot, and its runner output carries (empty)
+  logprobs, which sends ``update_from_output`` through the per-request general update.
 
-Every SchedulerOutput, every EngineCoreOutput and the final state must be equal, and the no-op
-ends must equal what the manager's state implies after every step.
+Every SchedulerOutput (a steady one sends no token ids: the rest must be equal), every
+EngineCoreOutput (a DecodeTokens read as one per request) and the final state must be equal, and
+the no-op ends must equal what the manager's state implies after every step.
 """
 
+import dataclasses
 import random
 
 import pytest
-from core_testing import EOS, FakeRunner, check_scheduler_invariants, make_request, make_scheduler
+from core_testing import (
+    EOS,
+    FakeRunner,
+    check_scheduler_invariants,
+    fake_token,
+    make_request,
+    make_scheduler,
+)
 
+from jaxserve.core.outputs import DecodeTokens, EngineCoreOutput, ModelRunnerOutput
 from jaxserve.core.request import RequestStatus
 
 
@@ -33,7 +44,24 @@ def force_general_paths(s):
         return new_blocks
 
     kv.allocate_slots = allocate_without_shortcuts
+    s._steady_snapshot = lambda step: None
     return s
+
+
+def without_token_ids(out):
+    """A SchedulerOutput as a steady-decode one is compared: no token ids, no flag."""
+    cached = dataclasses.replace(out.scheduled_cached_reqs, new_token_ids=[])
+    return dataclasses.replace(out, scheduled_cached_reqs=cached, steady_decode=False)
+
+
+def as_core_outputs(s, news):
+    """update_from_output's result, a DecodeTokens read as one EngineCoreOutput per request."""
+    if isinstance(news, DecodeTokens):
+        return [
+            EngineCoreOutput(r, [t], num_cached_tokens=s.requests[r].num_cached_tokens)
+            for r, t in zip(news.req_ids, news.token_ids)
+        ]
+    return news
 
 
 def check_noop_end(s):
@@ -103,7 +131,7 @@ def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budg
         id(fast): FakeRunner(fast, eos_at=dict(eos_at)),
         id(general): FakeRunner(general, eos_at=dict(eos_at)),
     }
-    num_preempted = 0
+    num_preempted = num_steady = num_batched = 0
     for step in range(len(arrivals) + 3000):
         if step < len(arrivals):
             for req_id, prompt, params in arrivals[step]:
@@ -112,14 +140,20 @@ def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budg
         if not fast.has_unfinished_requests() and step >= len(arrivals):
             break
         out_fast, out_general = fast.schedule(), general.schedule()
-        assert out_fast == out_general, step
+        if out_fast.steady_decode:
+            num_steady += 1
+            assert without_token_ids(out_fast) == without_token_ids(out_general), step
+        else:
+            assert out_fast == out_general, step
         check_scheduler_invariants(fast, out_fast)
         check_noop_end(fast)
         num_preempted += len(out_fast.preempted_req_ids)
         result_fast = runners[id(fast)].execute(out_fast)
         result_general = runners[id(general)].execute(out_general)
         result_general.logprobs = [[] for _ in result_general.req_ids]
-        assert fast.update_from_output(out_fast, result_fast) == general.update_from_output(
+        news = fast.update_from_output(out_fast, result_fast, batched=True)
+        num_batched += isinstance(news, DecodeTokens)
+        assert as_core_outputs(fast, news) == general.update_from_output(
             out_general, result_general
         )
         check_noop_end(fast)
@@ -130,6 +164,7 @@ def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budg
     assert fast.make_stats() == general.make_stats()
     if num_blocks < 100:
         assert num_preempted > 0  # the small pool exercised preemption
+    assert num_steady >= 10 and num_batched >= 10, (num_steady, num_batched)  # both ran
 
 
 def test_decode_fast_path_is_taken():
@@ -153,3 +188,77 @@ def test_decode_fast_path_is_taken():
     assert r.status == RequestStatus.RUNNING and r.num_computed_tokens == 49
     # Admission at 0, then only at block boundaries: 31 fills block 1, 32 opens block 2, ...
     assert calls == [0, 31, 32, 47, 48]
+
+
+def pipelined_tokens(out, eos_at):
+    """A runner under async scheduling, for the scheduler alone: one token per scheduled request,
+    ``fake_token(req_id, end)`` (EOS where ``eos_at`` says), computed without the tokens still in
+    flight; the scheduler keeps only those of requests that reached their length."""
+    req_ids = list(out.num_scheduled_tokens)
+    start = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+    cached = out.scheduled_cached_reqs
+    start.update(zip(cached.req_ids, cached.num_computed_tokens))
+    sampled = []
+    for r in req_ids:
+        end = start[r] + out.num_scheduled_tokens[r]
+        sampled.append([EOS if eos_at.get(r) == end else fake_token(r, end)])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        sampled_flat=[t[0] for t in sampled],
+    )
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("num_blocks,budget,threshold", [(400, 512, 0), (24, 96, 32)])
+def test_fast_paths_match_general_paths_under_async_scheduling(
+    policy, num_blocks, budget, threshold
+):
+    """As above, with the next step scheduled before the previous one's tokens land (placeholders
+    in flight: a block whose last token is in flight is registered a step late)."""
+    arrivals, aborts, eos_at = random_trace(seed=num_blocks + budget + 1, num_steps=150)
+    kwargs = dict(
+        num_blocks=num_blocks,
+        block_size=8,
+        budget=budget,
+        max_num_seqs=12,
+        threshold=threshold,
+        policy=policy,
+        prefix_caching=True,
+        max_model_len=160,
+    )
+    fast = make_scheduler(**kwargs)
+    general = force_general_paths(make_scheduler(**kwargs))
+    in_flight = None
+    num_steady = num_batched = 0
+    for step in range(len(arrivals) + 3000):
+        if step < len(arrivals):
+            for req_id, prompt, params in arrivals[step]:
+                for s in (fast, general):
+                    s.add_request(make_request(req_id, prompt, eos_token_id=EOS, **params))
+        if step >= len(arrivals) and not fast.has_unfinished_requests() and in_flight is None:
+            break
+        out_fast, out_general = fast.schedule(), general.schedule()
+        num_steady += out_fast.steady_decode
+        if out_fast.steady_decode:
+            assert without_token_ids(out_fast) == without_token_ids(out_general), step
+        else:
+            assert out_fast == out_general, step
+        check_scheduler_invariants(fast, out_fast)
+        if in_flight is not None:  # the previous step's tokens land after this one is planned
+            prev_fast, prev_general = in_flight
+            news = fast.update_from_output(prev_fast, pipelined_tokens(prev_fast, eos_at), True)
+            num_batched += isinstance(news, DecodeTokens)
+            result_general = pipelined_tokens(prev_general, eos_at)
+            result_general.logprobs = [[] for _ in result_general.req_ids]
+            assert as_core_outputs(fast, news) == general.update_from_output(
+                prev_general, result_general
+            ), step
+        in_flight = None if out_fast.is_empty else (out_fast, out_general)
+        if step < len(aborts):
+            fast.abort_requests(aborts[step])
+            general.abort_requests(aborts[step])
+    assert not fast.has_unfinished_requests() and not general.has_unfinished_requests()
+    assert fast.make_stats() == general.make_stats()
+    assert num_steady >= 10 and num_batched >= 10, (num_steady, num_batched)
