@@ -8,6 +8,7 @@ per step only the sampled token ids (and logprobs when a request asked for them)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass
@@ -27,6 +28,36 @@ class TokenLogprobs:
     token_ids: list[int]
     logprobs: list[float]
     rank: int
+
+
+class OneTokenEach(Sequence):
+    """``[[t] for t in tokens]``, each inner list made when read: ``sampled_token_ids`` of a step
+    in which every request sampled one token, without 256 lists a step nobody reads (the
+    scheduler's steady-decode update reads ``sampled_flat``). Read-only; equal to any sequence
+    with the same items.
+    """
+
+    __slots__ = ("tokens",)
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [[t] for t in self.tokens[i]]
+        return [self.tokens[i]]
+
+    def __iter__(self):
+        return ([t] for t in self.tokens)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclasses.dataclass
@@ -54,7 +85,7 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
-    sampled_token_ids: list[list[int]]
+    sampled_token_ids: Sequence[list[int]]
     logprobs: list[list[TokenLogprobs]] | None = None
     prompt_logprobs_dict: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
     sampled_flat: list[int] | None = None

@@ -167,6 +167,7 @@ class Scheduler:
         self._running_epoch = 0
         self._running_removals = 0
         self._steady: _SteadyDecode | None = None
+        self._decode_epoch = -1  # _running_epoch at the latest all-decode general step
 
     def add_request(self, request: Request) -> None:
         """Queues a request after checking that it can ever run.
@@ -302,7 +303,12 @@ class Scheduler:
             and total == len(step.scheduled) == len(self.running) == len(step.cached.req_ids)
             and all(step.samples)
         ):
-            self._steady = self._steady_snapshot(step)
+            # The second such step in a row with the same running requests: a steady run is
+            # likely, worth the snapshot's cost (a request joins or leaves every step in some
+            # workloads: they never pay for it).
+            if self._decode_epoch == self._running_epoch:
+                self._steady = self._steady_snapshot(step)
+            self._decode_epoch = self._running_epoch
         self._track(output, step.scheduled, step.samples, None, 0)
         return output
 

@@ -15,6 +15,7 @@ their sampled tokens are dropped on the host.
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -277,6 +278,8 @@ class BatchBuilder:
         # Cached requests (indices into the step's cached req_ids) whose block tables grew in
         # the latest update_states.
         self._grown: list[int] = []
+        # (layout, n) -> where build_steady writes in the packed buffer (see there)
+        self._steady_offsets: dict[tuple, tuple] = {}
 
     def update_states(self, sched: SchedulerOutput) -> None:
         """Drops finished/preempted rows, adds new ones, appends new block ids and the step's
@@ -393,32 +396,45 @@ class BatchBuilder:
         rows = self._rows(req_ids)
         if rows is not last.rows:
             return None  # a row changed hands
-        start = np.array(cached.num_computed_tokens, np.int64)
-        if not np.array_equal(start, last.start_positions + 1):
+        start = last.start_positions + 1
+        if cached.num_computed_tokens != start.tolist():
             return None
         batch = self.batch
         bs = batch.block_size
         assert start.max() < batch.max_model_len, "a row overflows max_model_len"
+        old = last.inputs
+        at = self._steady_offsets.get((old.layout, n))
+        if at is None:
+            off = StepInputs.offsets(old.layout)
+            at = self._steady_offsets[(old.layout, n)] = tuple(
+                slice(off[f][0], off[f][0] + n)
+                for f in ("positions", "context_lens", "slot_mapping", "input_ids", "prev_index")
+            )
+        pos_at, ctx_at, slot_at, ids_at, prev_at = at
+        packed = old.packed.copy()  # ``last`` may still be in flight
+        packed[pos_at] += 1  # positions, context lengths and slots, one on
+        packed[ctx_at] += 1
+        packed[slot_at] += 1
+        first = np.flatnonzero(packed[pos_at] % bs == 0)  # a block's first slot: a new block
+        if len(first):
+            slots = batch.block_table[rows[first], start[first] // bs] * bs
+            packed[slot_at.start + first] = slots
         known = batch.num_tokens[rows]
         pending = start >= known  # its token is the one ``last`` samples (async scheduling)
-        old = last.inputs
+        if pending.all():
+            packed[prev_at] = np.arange(n)  # input ids are not read
+        else:
+            packed[ids_at] = batch.token_ids[rows, start]
+            packed[prev_at] = np.where(pending, np.arange(n), -1) if pending.any() else -1
         prev = self._no_prev if prev_tokens is None else prev_tokens
-        inputs = StepInputs(old.packed.copy(), prev, old.layout)
-        inputs.positions[:n] = start
-        inputs.context_lens[:n] = start + 1
-        inputs.slot_mapping[:n] = batch.block_table[rows, start // bs] * bs + start % bs
-        inputs.input_ids[:n] = batch.token_ids[rows, start]  # pending ones: from prev_index
-        inputs.prev_index[:n] = np.where(pending, np.arange(n), -1)
+        inputs = StepInputs(packed, prev, old.layout)
         if self._grown:
             grown = np.asarray(self._grown)
             inputs.block_tables[grown] = batch.block_table[rows[grown]]
-        return dataclasses.replace(
-            last,
-            inputs=inputs,
-            req_ids=req_ids,
-            start_positions=start,
-            sample_mask=start + 1 >= known,
-        )
+        step = copy.copy(last)
+        step.inputs, step.req_ids, step.start_positions = inputs, req_ids, start
+        step.sample_mask = start + 1 >= known
+        return step
 
     def build_from_arrays(
         self,

@@ -34,6 +34,7 @@ step N's sampled tokens on the device (``StepInputs.prev_index`` / ``prev_tokens
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -45,7 +46,12 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.core.kv_cache_utils import load_beats_recompute
-from jaxserve.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
+from jaxserve.core.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+    OneTokenEach,
+    TokenLogprobs,
+)
 from jaxserve.model.attention import (
     cache_head_dim,
     resolve_attention_backend,
@@ -100,6 +106,8 @@ class PendingStep:
       params: ``[num_reqs]`` each sequence's SamplingParams, captured at dispatch (rows may
         change hands before ``collect``).
       row_epochs: ``[num_reqs]`` int64, ``InputBatch.row_epoch`` of the rows at dispatch.
+      index: req_id -> sequence index, when every sequence samples (else None); shared with
+        the next steps while the batch stays the same (read-only).
     """
 
     batch: StepBatch
@@ -107,6 +115,7 @@ class PendingStep:
     plp: object
     params: list[SamplingParams]
     row_epochs: np.ndarray
+    index: dict[str, int] | None = None
 
 
 @dataclasses.dataclass
@@ -449,20 +458,21 @@ class ModelRunner:
         self.timing.launch_s += time.perf_counter() - t1
         self.timing.aside_cpu_s += time.thread_time() - c1
         ib = self.input_batch
+        index = None
         if steady:  # the same requests in the same rows and order as the previous step
-            params = self._last_params
+            params, index = self._last_params, self._prev_index
         else:
             mask = batch.sample_mask
             req_ids = batch.req_ids
             if mask.all():  # every sequence samples (decode): no filtering
-                self._prev_index = dict(zip(req_ids, range(len(req_ids))))
+                self._prev_index = index = dict(zip(req_ids, range(len(req_ids))))
             else:
                 seqs = np.nonzero(mask)[0].tolist()
                 self._prev_index = dict(zip([req_ids[i] for i in seqs], seqs))
             params = self._last_params = list(map(ib.params.__getitem__, batch.rows.tolist()))
         t2 = time.perf_counter()
         self.timing.host_s += t2 - t0
-        return PendingStep(batch, sampled, plp, params, ib.row_epoch[batch.rows])
+        return PendingStep(batch, sampled, plp, params, ib.row_epoch[batch.rows], index)
 
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         """Waits for a dispatched step's results and returns its ModelRunnerOutput; records the
@@ -541,15 +551,16 @@ class ModelRunner:
         bitmask = self._token_bitmask(batch, token_mask)
         key = (tuple(batch.req_ids), batch.seq_bucket)
         if self._md_cache is not None and self._md_cache[0] == key:
-            md = self._md_cache[1]
-            return dataclasses.replace(
-                md,
-                step_index=step_index,
-                token_bitmask=bitmask
-                if bitmask is not None
-                else np.full((batch.seq_bucket, 1), -1, np.int32),
-                any_token_mask=bitmask is not None,
-            )
+            md = copy.copy(self._md_cache[1])  # frozen: a copy with three fields set (cheaper
+            # than dataclasses.replace, which runs __init__ over every field)
+            object.__setattr__(md, "step_index", step_index)
+            if bitmask is not None:
+                object.__setattr__(md, "token_bitmask", bitmask)
+                object.__setattr__(md, "any_token_mask", True)
+            elif md.any_token_mask:  # the cached one had masks: back to the placeholder
+                object.__setattr__(md, "token_bitmask", np.full((batch.seq_bucket, 1), -1, np.int32))
+                object.__setattr__(md, "any_token_mask", False)
+            return md
         rows = []
         eos = None
         stable = True
@@ -577,12 +588,13 @@ class ModelRunner:
         batch, params = pending.batch, pending.params
         n = batch.num_reqs
         tokens = sampled.token_ids[:n].tolist()
-        mask = batch.sample_mask.tolist()
-        flat = None
-        if all(mask):
-            sampled_ids = [[t] for t in tokens]
-            flat = tokens
+        flat = index = None
+        if batch.sample_mask.all():
+            mask = [True] * n
+            sampled_ids = OneTokenEach(tokens)
+            flat, index = tokens, pending.index
         else:
+            mask = batch.sample_mask.tolist()
             sampled_ids = [[t] if m else [] for t, m in zip(tokens, mask)]
         logprobs = None
         if sampled.logprobs is not None:
@@ -625,7 +637,7 @@ class ModelRunner:
                 ]
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
-            req_id_to_index=dict(zip(batch.req_ids, range(n))),
+            req_id_to_index=dict(zip(batch.req_ids, range(n))) if index is None else index,
             sampled_token_ids=sampled_ids,
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_lps,

@@ -90,6 +90,11 @@ class StepInputs:
     logits_indices = _field("logits_indices")
     prev_index = _field("prev_index")
 
+    @staticmethod
+    def offsets(layout: tuple) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+        """name -> (start, size, shape) of each field of ``layout`` in the packed buffer."""
+        return _offsets(layout)
+
     @classmethod
     def from_arrays(cls, prev_tokens: np.ndarray | jax.Array, **fields: np.ndarray) -> StepInputs:
         """Packs the host fields (the names above, int32-convertible) into one buffer.
