@@ -558,7 +558,9 @@ class ModelRunner:
                 object.__setattr__(md, "token_bitmask", bitmask)
                 object.__setattr__(md, "any_token_mask", True)
             elif md.any_token_mask:  # the cached one had masks: back to the placeholder
-                object.__setattr__(md, "token_bitmask", np.full((batch.seq_bucket, 1), -1, np.int32))
+                object.__setattr__(
+                    md, "token_bitmask", np.full((batch.seq_bucket, 1), -1, np.int32)
+                )
                 object.__setattr__(md, "any_token_mask", False)
             return md
         rows = []
