@@ -15,8 +15,8 @@ their sampled tokens are dropped on the host.
 from __future__ import annotations
 
 import bisect
-import copy
 import dataclasses
+import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -253,6 +253,24 @@ class InputBatch:
             self.num_tokens[row] = end
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class _SteadyRun:
+    """What ``BatchBuilder.build_steady`` keeps over a run of steady-decode steps: the latest
+    batch, where each field of its n sequences lives in the packed buffer, and per ``k %
+    block_size`` the sequences whose position ``k`` steps into the run is a block's first."""
+
+    last: StepBatch
+    positions: slice
+    context_lens: slice
+    slots: slice
+    input_ids: slice
+    prev_index: slice
+    first_at: list[np.ndarray]
+    max_start: int  # largest start position of the run's first batch
+    steps: int = 0
+    prev_identity: bool = False  # prev_index[:n] already holds 0..n-1
+
+
 def _is_one(token_ids: list[int]) -> bool:
     return len(token_ids) == 1
 
@@ -278,8 +296,7 @@ class BatchBuilder:
         # Cached requests (indices into the step's cached req_ids) whose block tables grew in
         # the latest update_states.
         self._grown: list[int] = []
-        # (layout, n) -> where build_steady writes in the packed buffer (see there)
-        self._steady_offsets: dict[tuple, tuple] = {}
+        self._run: _SteadyRun | None = None  # the run of steady steps build_steady is on
 
     def update_states(self, sched: SchedulerOutput) -> None:
         """Drops finished/preempted rows, adds new ones, appends new block ids and the step's
@@ -300,7 +317,7 @@ class BatchBuilder:
         if not req_ids:
             return
         to_row = batch.req_id_to_row
-        self._grown = grown = [i for i, ids in enumerate(cached.new_block_ids) if ids]
+        self._grown = grown = list(itertools.compress(range(len(req_ids)), cached.new_block_ids))
         for i in grown:
             batch.append_block_ids(to_row[req_ids[i]], cached.new_block_ids[i])
         new_tokens = cached.new_token_ids
@@ -373,68 +390,105 @@ class BatchBuilder:
         """``build`` of a steady-decode step (``SchedulerOutput.steady_decode``) from the
         previous step's batch ``last``: the same requests in the same rows and order, one token
         each at the next position, so only positions, context lengths, slots, input ids,
-        ``prev_index`` and the block-table rows that grew change (a copy of ``last``'s packed
+        ``prev_index`` and the block-table rows that grew change (in a copy of ``last``'s packed
         buffer: ``last`` may still be in flight). None when ``last`` does not match (the
         caller builds in full). Call ``update_states`` first.
 
         Async scheduling: a token not known yet is the one ``last`` samples for the same
         request, at the same sequence index (``prev_index`` i -> i).
+
+        What stays the same over a run of such steps is kept in ``_SteadyRun`` (where each field
+        lives in the packed buffer, which rows reach a block's first position at which step), so
+        a step costs about ten numpy operations.
         """
         cached = sched.scheduled_cached_reqs
         req_ids = cached.req_ids
         n = len(req_ids)
+        run = self._run
+        if run is None or run.last is not last:
+            run = self._start_run(sched, last)
+            if run is None:
+                return None
+        elif sched.scheduled_new_reqs or sched.total_num_scheduled_tokens != n:
+            return None
+        if self._rows(req_ids) is not last.rows or last.req_ids != req_ids:
+            return None  # other requests, or a row changed hands
+        start = last.start_positions + 1
+        if cached.num_computed_tokens != start.tolist():
+            return None
+        k = run.steps + 1
+        assert run.max_start + k < self.batch.max_model_len, "a row overflows max_model_len"
+        batch = self.batch
+        rows = last.rows
+        packed = last.inputs.packed.copy()
+        packed[run.positions] += 1  # positions, context lengths and slots, one on
+        packed[run.context_lens] += 1
+        packed[run.slots] += 1
+        first = run.first_at[k % batch.block_size]  # at a block's first position: a new block's
+        if len(first):
+            bs = batch.block_size
+            packed[run.slots.start + first] = (
+                batch.block_table[rows[first], start[first] // bs] * bs
+            )
+        pending = start >= batch.num_tokens[rows]  # its token is the one ``last`` samples
+        if pending.all():
+            if not run.prev_identity:  # input ids are not read
+                packed[run.prev_index] = np.arange(n)
+                run.prev_identity = True
+        else:
+            packed[run.input_ids] = batch.token_ids[rows, start]
+            packed[run.prev_index] = np.where(pending, np.arange(n), -1) if pending.any() else -1
+            run.prev_identity = False
+        prev = self._no_prev if prev_tokens is None else prev_tokens
+        inputs = StepInputs(packed, prev, last.inputs.layout)
+        if self._grown:
+            grown = np.asarray(self._grown)
+            inputs.block_tables[grown] = batch.block_table[rows[grown]]
+        step = StepBatch(
+            inputs=inputs,
+            req_ids=req_ids,
+            rows=rows,
+            num_scheduled=last.num_scheduled,
+            start_positions=start,
+            sample_mask=last.sample_mask,  # every one samples: its token ends its known ones
+            token_bucket=last.token_bucket,
+            seq_bucket=last.seq_bucket,
+            num_tokens=n,
+        )
+        run.last, run.steps = step, k
+        return step
+
+    def _start_run(self, sched: SchedulerOutput, last: StepBatch | None) -> _SteadyRun | None:
+        """A new run of steady steps from ``last`` (a full build), if it is one decode token per
+        request, each sampled (else None)."""
+        self._run = None
+        n = len(sched.scheduled_cached_reqs.req_ids)
         if (
             last is None
             or sched.scheduled_new_reqs
             or last.num_tokens != n
             or sched.total_num_scheduled_tokens != n
-            or last.req_ids != req_ids
-            or not last.sample_mask.all()
             or last.prompt_logprob_targets is not None
+            or not last.sample_mask.all()
         ):
             return None
-        rows = self._rows(req_ids)
-        if rows is not last.rows:
-            return None  # a row changed hands
-        start = last.start_positions + 1
-        if cached.num_computed_tokens != start.tolist():
-            return None
-        batch = self.batch
-        bs = batch.block_size
-        assert start.max() < batch.max_model_len, "a row overflows max_model_len"
-        old = last.inputs
-        at = self._steady_offsets.get((old.layout, n))
-        if at is None:
-            off = StepInputs.offsets(old.layout)
-            at = self._steady_offsets[(old.layout, n)] = tuple(
-                slice(off[f][0], off[f][0] + n)
-                for f in ("positions", "context_lens", "slot_mapping", "input_ids", "prev_index")
-            )
-        pos_at, ctx_at, slot_at, ids_at, prev_at = at
-        packed = old.packed.copy()  # ``last`` may still be in flight
-        packed[pos_at] += 1  # positions, context lengths and slots, one on
-        packed[ctx_at] += 1
-        packed[slot_at] += 1
-        first = np.flatnonzero(packed[pos_at] % bs == 0)  # a block's first slot: a new block
-        if len(first):
-            slots = batch.block_table[rows[first], start[first] // bs] * bs
-            packed[slot_at.start + first] = slots
-        known = batch.num_tokens[rows]
-        pending = start >= known  # its token is the one ``last`` samples (async scheduling)
-        if pending.all():
-            packed[prev_at] = np.arange(n)  # input ids are not read
-        else:
-            packed[ids_at] = batch.token_ids[rows, start]
-            packed[prev_at] = np.where(pending, np.arange(n), -1) if pending.any() else -1
-        prev = self._no_prev if prev_tokens is None else prev_tokens
-        inputs = StepInputs(packed, prev, old.layout)
-        if self._grown:
-            grown = np.asarray(self._grown)
-            inputs.block_tables[grown] = batch.block_table[rows[grown]]
-        step = copy.copy(last)
-        step.inputs, step.req_ids, step.start_positions = inputs, req_ids, start
-        step.sample_mask = start + 1 >= known
-        return step
+        off = StepInputs.offsets(last.inputs.layout)
+        at = {f: slice(o, o + n) for f, (o, _, _) in off.items()}
+        bs = self.batch.block_size
+        # the rows whose position k steps after last's is a block's first: (start + k) % bs == 0
+        residue = last.start_positions % bs
+        first_at = [np.flatnonzero(residue == (-k) % bs) for k in range(bs)]
+        self._run = _SteadyRun(
+            last=last,
+            positions=at["positions"],
+            context_lens=at["context_lens"],
+            slots=at["slot_mapping"],
+            input_ids=at["input_ids"],
+            prev_index=at["prev_index"],
+            first_at=first_at,
+            max_start=int(last.start_positions.max()),
+        )
+        return self._run
 
     def build_from_arrays(
         self,

@@ -108,6 +108,7 @@ class PendingStep:
       row_epochs: ``[num_reqs]`` int64, ``InputBatch.row_epoch`` of the rows at dispatch.
       index: req_id -> sequence index, when every sequence samples (else None); shared with
         the next steps while the batch stays the same (read-only).
+      row_changes: ``InputBatch.row_changes`` at dispatch.
     """
 
     batch: StepBatch
@@ -116,6 +117,7 @@ class PendingStep:
     params: list[SamplingParams]
     row_epochs: np.ndarray
     index: dict[str, int] | None = None
+    row_changes: int = -1
 
 
 @dataclasses.dataclass
@@ -223,6 +225,9 @@ class ModelRunner:
         self.aot_prompt_logprobs: dict[int, Any] = {}
         self._seeds: dict[str, int] = {}
         self._md_cache: tuple | None = None  # ((req_ids, S), SamplingMetadata) of a steady batch
+        # (StepBatch, its SamplingMetadata) of the latest step, when cacheable as _md_cache
+        self._md_last: tuple | None = None
+        self._one_each: dict[tuple[int, int], np.ndarray] = {}  # (n, S) -> 1 on [:n], 0 after
         self._rng = np.random.default_rng(config.model.seed)
         # The last dispatched step's sampled tokens ([S_max] int32, on the device) and each
         # sampling request's index in them: the inputs of tokens still in flight.
@@ -354,7 +359,7 @@ class ModelRunner:
         for req_id in list(self.input_batch.req_id_to_row):
             self.input_batch.remove_request(req_id)
         self._seeds.clear()
-        self._md_cache = None
+        self._md_cache = self._md_last = None
         self._prev_index = {}
         self._last_batch = None
 
@@ -397,7 +402,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.builder.update_states(sched)
         if sched.scheduled_new_reqs or sched.finished_req_ids or sched.preempted_req_ids:
-            self._md_cache = None  # a row changed hands: its id may now name another request
+            self._md_cache = self._md_last = None  # a row changed hands: its id may now name
+            # another request
         for req_id in sched.finished_req_ids:
             self._seeds.pop(req_id, None)
         host_kv = self.host_kv if sched.kv_transfers is not None else None
@@ -408,8 +414,9 @@ class ModelRunner:
                 host_kv.finish()
             return None
         batch = None
+        prev_batch = self._last_batch
         if sched.steady_decode:  # the previous step's batch, one position on
-            batch = self.builder.build_steady(sched, self._last_batch, self._prev_tokens)
+            batch = self.builder.build_steady(sched, prev_batch, self._prev_tokens)
         steady = batch is not None
         if not steady:
             batch = self.builder.build(sched, self._prev_index, self._prev_tokens)
@@ -418,7 +425,7 @@ class ModelRunner:
             assert batch.token_bucket in self.warm_buckets, (
                 f"bucket {batch.token_bucket} was not compiled"
             )
-        md = self._sampling_metadata(batch, token_mask)
+        md = self._sampling_metadata(batch, token_mask, follows=prev_batch if steady else None)
 
         graph = self.graph
         t1, c1 = time.perf_counter(), time.thread_time()
@@ -472,7 +479,9 @@ class ModelRunner:
             params = self._last_params = list(map(ib.params.__getitem__, batch.rows.tolist()))
         t2 = time.perf_counter()
         self.timing.host_s += t2 - t0
-        return PendingStep(batch, sampled, plp, params, ib.row_epoch[batch.rows], index)
+        return PendingStep(
+            batch, sampled, plp, params, ib.row_epoch[batch.rows], index, ib.row_changes
+        )
 
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         """Waits for a dispatched step's results and returns its ModelRunnerOutput; records the
@@ -492,13 +501,20 @@ class ModelRunner:
         # The sampled tokens join their rows, unless the row changed hands or moved on.
         ib = self.input_batch
         rows, ends = batch.rows, batch.start_positions + batch.num_scheduled
-        keep = (
-            batch.sample_mask
-            & (ib.row_epoch[rows] == pending.row_epochs)
-            & (ib.num_tokens[rows] == ends)
-            & (ends < ib.max_model_len)
-        )
-        if keep.any():
+        if pending.row_changes == ib.row_changes and output.sampled_flat is not None:
+            # no row changed hands since dispatch, every sequence sampled: two checks, not four
+            keep = (ib.num_tokens[rows] == ends) & (ends < ib.max_model_len)
+        else:
+            keep = (
+                batch.sample_mask
+                & (ib.row_epoch[rows] == pending.row_epochs)
+                & (ib.num_tokens[rows] == ends)
+                & (ends < ib.max_model_len)
+            )
+        if keep.all():
+            ib.token_ids[rows, ends] = sampled.token_ids[: batch.num_reqs]
+            ib.num_tokens[rows] = ends + 1
+        elif keep.any():
             rows, ends = rows[keep], ends[keep]
             ib.token_ids[rows, ends] = sampled.token_ids[: batch.num_reqs][keep]
             ib.num_tokens[rows] = ends + 1
@@ -531,17 +547,37 @@ class ModelRunner:
         return out
 
     def _sampling_metadata(
-        self, batch: StepBatch, token_mask: StepTokenMask | None = None
+        self,
+        batch: StepBatch,
+        token_mask: StepTokenMask | None = None,
+        follows: StepBatch | None = None,
     ) -> SamplingMetadata:
         """The step's SamplingMetadata (``SamplingMetadata.from_params`` over the rows).
 
         Steady decode reuses the previous step's metadata: when the same requests run in the
         same order and bucket, and none uses penalties or is still under ``min_tokens`` (the
         only row fields that follow the output), only ``step_index`` and the token masks
-        change.
+        change. ``follows``: the previous step's batch when ``batch`` was built from it
+        (``BatchBuilder.build_steady``): every row's step index is then one more than there.
         """
         ib = self.input_batch
         n = batch.num_reqs
+        last = self._md_last
+        if (
+            follows is not None
+            and token_mask is None
+            and last is not None
+            and last[0] is follows
+            and not last[1].any_token_mask
+        ):
+            md = copy.copy(last[1])  # frozen: a copy with step_index set (see below)
+            one = self._one_each.get((n, batch.seq_bucket))
+            if one is None:
+                one = self._one_each[(n, batch.seq_bucket)] = np.zeros(batch.seq_bucket, np.int32)
+                one[:n] = 1
+            object.__setattr__(md, "step_index", md.step_index + one)
+            self._md_last = (batch, md)
+            return md
         step_index = np.zeros(batch.seq_bucket, np.int32)
         # the output index of the token each row samples (counts a token still in flight; a
         # partial prompt chunk samples nothing: 0)
@@ -562,6 +598,7 @@ class ModelRunner:
                     md, "token_bitmask", np.full((batch.seq_bucket, 1), -1, np.int32)
                 )
                 object.__setattr__(md, "any_token_mask", False)
+            self._md_last = (batch, md)
             return md
         rows = []
         eos = None
@@ -584,6 +621,7 @@ class ModelRunner:
             rows, pad_to=batch.seq_bucket, eos_token_id=eos, token_bitmask=bitmask
         )
         self._md_cache = (key, md) if stable else None
+        self._md_last = (batch, md) if stable else None
         return md
 
     def _make_output(self, pending: PendingStep, sampled, plp) -> ModelRunnerOutput:

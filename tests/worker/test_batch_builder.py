@@ -205,3 +205,98 @@ def test_scheduling_past_known_tokens_is_an_error():
     builder.update_states(sched)
     with pytest.raises(AssertionError):
         builder.build(sched)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_steady_build_equals_the_full_build(pipelined):
+    """build_steady (a steady-decode step made from the previous batch) gives the inputs build
+    gives, step after step, across block boundaries and a block-table row that grows; both when
+    each step's tokens are recorded before the next step is built (synchronous) and when the
+    next step is built while they are in flight (async scheduling: prev_index)."""
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8, 9], "c": list(range(10, 21))}
+    ids = list(prompts)
+    blocks = {r: [] for r in ids}
+    next_block = iter(range(1, 100))
+
+    def grow(r, end):  # blocks for positions < end; the new ones
+        new = []
+        while (len(blocks[r]) + len(new)) * BS < end:
+            new.append(next(next_block))
+        blocks[r] += new
+        return new
+
+    builders = [_builder(max_reqs=4, max_len=64, buckets=(4, 32)) for _ in range(2)]
+    first = _sched(
+        new=[_new(r, p, grow(r, len(p))) for r, p in prompts.items()],
+        num_scheduled={r: len(p) for r, p in prompts.items()},
+    )
+    lasts = []
+    for _, builder in builders:
+        builder.update_states(first)
+        lasts.append(builder.build(first))
+    computed = {r: len(p) for r, p in prompts.items()}
+
+    def record(ends, tokens):  # what collect does: the sampled tokens join their rows
+        for ib, _ in builders:
+            for r, end, token in zip(ids, ends, tokens):
+                row = ib.req_id_to_row[r]
+                ib.token_ids[row, end] = token
+                ib.num_tokens[row] = end + 1
+
+    in_flight = ([computed[r] for r in ids], [100, 200, 300])
+    if not pipelined:
+        record(*in_flight)
+    num_steady = 0
+    for step in range(1, 20):
+        cached = CachedRequestData(
+            req_ids=list(ids),
+            new_block_ids=[grow(r, computed[r] + 1) for r in ids],
+            num_computed_tokens=[computed[r] for r in ids],
+            new_token_ids=[],
+        )
+        sched = _sched(cached=cached, num_scheduled=dict.fromkeys(ids, 1))
+        sched.steady_decode = True
+        prev = {r: i for i, r in enumerate(ids)}
+        prev_tokens = np.arange(8, dtype=np.int32) + 1000 * step
+        (ib_s, steady), (ib_f, full) = builders
+        steady.update_states(sched)
+        full.update_states(sched)
+        got = steady.build_steady(sched, lasts[0], prev_tokens)
+        if step == 1:  # after a prefill: not a run yet (built in full)
+            assert got is None
+            got = steady.build(sched, prev, prev_tokens)
+        else:
+            assert got is not None, step
+            num_steady += 1
+        want = full.build(sched, prev, prev_tokens)
+        np.testing.assert_array_equal(got.inputs.packed, want.inputs.packed)
+        assert got.inputs.layout == want.inputs.layout
+        assert got.inputs.prev_tokens is want.inputs.prev_tokens
+        for field in ("rows", "num_scheduled", "start_positions", "sample_mask"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+        assert (got.req_ids, got.token_bucket, got.seq_bucket, got.num_tokens) == (
+            want.req_ids,
+            want.token_bucket,
+            want.seq_bucket,
+            want.num_tokens,
+        )
+        assert got.prompt_logprob_targets is None
+        lasts = [got, want]
+        if pipelined:
+            record(*in_flight)  # the previous step's tokens land after this one is built
+        in_flight = ([computed[r] + 1 for r in ids], [100 * (i + 1) + step for i in range(3)])
+        if not pipelined:
+            record(*in_flight)
+        for r in ids:
+            computed[r] += 1
+    assert num_steady == 18
+    # a step that is not the previous one's (a request left): no steady build
+    (_, steady) = builders[0]
+    sched = _sched(
+        cached=CachedRequestData(["a", "b"], [[], []], [computed["a"], computed["b"]], []),
+        num_scheduled={"a": 1, "b": 1},
+        finished=["c"],
+    )
+    sched.steady_decode = True
+    steady.update_states(sched)
+    assert steady.build_steady(sched, lasts[0], None) is None
