@@ -59,6 +59,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--output-len", type=int, default=64, help="output tokens per request (ignore_eos)"
     )
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="draw each request's prompt and output lengths uniformly from [len * (1 - r), "
+        "len * (1 + r)] (vLLM's flag; 0 = every request alike, so requests finish together)",
+    )
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument(
         "--time-limit-s", type=float, default=0.0, help="stop after this long (0 = no limit)"
@@ -81,9 +88,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "async scheduling, and print each run, the medians and the share of host time hidden",
     )
     args = parser.parse_args(argv)
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        parser.error("--random-range-ratio must be in [0, 1)")
     if args.max_model_len is None:
-        args.max_model_len = args.input_len + args.output_len
+        args.max_model_len = sum(
+            _len_range(n, args.random_range_ratio)[1] for n in (args.input_len, args.output_len)
+        )
     return args
+
+
+def _len_range(n: int, ratio: float) -> tuple[int, int]:
+    """[lo, hi] of a length drawn around ``n`` (``--random-range-ratio``), at least 1."""
+    return max(1, int(n * (1 - ratio))), max(1, int(n * (1 + ratio)))
 
 
 def main(argv=None) -> dict:
@@ -129,8 +145,12 @@ def run_workload(engine, args: argparse.Namespace, startup_s: float) -> dict:
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=None
     )
+    in_lo, in_hi = _len_range(args.input_len, args.random_range_ratio)
+    out_lo, out_hi = _len_range(args.output_len, args.random_range_ratio)
     for i in range(args.num_prompts):
-        prompt = rng.integers(3, vocab, size=args.input_len).tolist()
+        prompt = rng.integers(3, vocab, size=int(rng.integers(in_lo, in_hi + 1))).tolist()
+        if args.random_range_ratio:
+            params = params.clone(max_tokens=int(rng.integers(out_lo, out_hi + 1)))
         engine.add_request(str(i), prompt, params, final_only=not args.stream)
 
     stats0 = engine.get_stats()
@@ -182,6 +202,7 @@ def run_workload(engine, args: argparse.Namespace, startup_s: float) -> dict:
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "random_range_ratio": args.random_range_ratio,
         "max_num_seqs": engine.config.scheduler.max_num_seqs,
         "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
         "finished_requests": finished,
