@@ -115,7 +115,13 @@ class _SteadyDecode:
     # no-op end (KVCacheManager.get_noop_ends): they call allocate_slots
     grow_at: dict[int, list[int]]
     gap: int  # min(prompt + max_tokens - num_computed_tokens): a step may run while gap > 1
+    appends: list  # each request's (output_token_ids.append, all_token_ids.append)
     steps: int = 0  # fast steps taken
+    # Placeholders owed to every request: its fast steps' tokens not landed yet. Each request's
+    # num_output_placeholders is that much too low until ``Scheduler._settle`` adds it (before
+    # anything reads the count itself: only relative updates run meanwhile).
+    owed: int = 0
+    settled: bool = False  # owed was added: its steps in flight update by the general path
 
 
 class Scheduler:
@@ -278,7 +284,7 @@ class Scheduler:
             output = self._schedule_steady(self._steady)
             if output is not None:
                 return output
-            self._steady = None
+            self._settle()
         step = _Step(self._step_index, time.monotonic())
         budget = self._schedule_running(step, self.max_num_scheduled_tokens)
         # Then the waiting queue (priority: what is left is less urgent than every running request).
@@ -325,6 +331,17 @@ class Scheduler:
             in_flight.popleft()
         in_flight.append((output, scheduled, samples, steady, gap, self._running_removals))
 
+    def _settle(self) -> None:
+        """Ends the steady run: its requests' placeholder counts are made whole again."""
+        st, self._steady = self._steady, None
+        if st is not None:
+            st.settled = True
+            if st.owed:
+                owed = st.owed
+                for request in st.reqs:
+                    request.num_output_placeholders += owed
+                st.owed = 0
+
     def _steady_snapshot(self, step: _Step) -> _SteadyDecode | None:
         """After a step in which every running request decoded one token: the snapshot that
         lets the next steps do the same via ``_schedule_steady`` (None if some request's
@@ -347,6 +364,7 @@ class Scheduler:
             stop_ids=frozenset().union(*{r.stop_token_set for r in reqs}),
             grow_at=grow_at,
             gap=min(len(r.prompt_token_ids) + r.max_tokens - r.num_computed_tokens for r in reqs),
+            appends=[(r.output_token_ids.append, r.all_token_ids.append) for r in reqs],
         )
 
     def _schedule_steady(self, st: _SteadyDecode) -> SchedulerOutput | None:
@@ -395,9 +413,9 @@ class Scheduler:
         st.gap -= 1
         step_index = self._step_index
         num_computed = [r.num_computed_tokens for r in reqs]
+        st.owed += 1  # each request samples a token: a placeholder each, settled lazily
         for request, add_decode_step in zip(reqs, st.decode_steps):
             request.num_computed_tokens += 1
-            request.num_output_placeholders += 1
             add_decode_step(step_index)
         self._num_scheduled_tokens += n
         finished, self.finished_req_ids = self.finished_req_ids, set()
@@ -763,7 +781,7 @@ class Scheduler:
         if not in_flight or in_flight[0][0] is not scheduler_output:
             return None
         _, reqs, _, st, gap, removals = in_flight[0]
-        if st is None or gap <= 1 or removals != self._running_removals:
+        if st is None or st.settled or gap <= 1 or removals != self._running_removals:
             return None
         if runner_output.logprobs is not None or runner_output.prompt_logprobs_dict:
             return None
@@ -773,10 +791,10 @@ class Scheduler:
         if st.stop_ids and not st.stop_ids.isdisjoint(tokens):
             return None
         in_flight.popleft()
-        for request, token in zip(reqs, tokens):
-            request.num_output_placeholders -= 1
-            request.output_token_ids.append(token)
-            request.all_token_ids.append(token)
+        st.owed -= 1  # each request's placeholder lands
+        for (add_output, add_token), token in zip(st.appends, tokens):
+            add_output(token)
+            add_token(token)
         return DecodeTokens(st.req_ids, tokens)
 
     def _update_preempted(
@@ -811,6 +829,7 @@ class Scheduler:
             _, scheduled, samples, _, _, _ = in_flight.popleft()  # in num_scheduled order
             aligned = runner_output.req_ids == list(num_scheduled)
         else:  # a caller-built output of a synchronous step: look the requests up
+            self._settle()  # placeholder counts are read below
             get = self.requests.get
             scheduled = [r for r in map(get, num_scheduled) if r is not None]
             samples = [

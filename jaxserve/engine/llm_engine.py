@@ -150,6 +150,7 @@ class EngineStats:
         "kv_offload_resumed_loaded_tokens",
         "kv_offload_resumed_recomputed_tokens",
     )
+    _TOTALS = tuple((name, name + "_total") for name in _COUNTERS)  # (counter, its total)
 
 
 class LLMEngine:
@@ -525,8 +526,8 @@ class LLMEngine:
         st.num_generation_tokens = self.output_processor.num_generation_tokens_step
         st.num_scheduled_tokens = num_scheduled
         st.num_finished_reqs = sum(1 for o in outputs if o.finished)
-        for name in EngineStats._COUNTERS:
-            setattr(st, name + "_total", getattr(st, name + "_total") + getattr(st, name))
+        for name, total in EngineStats._TOTALS:
+            setattr(st, total, getattr(st, total) + getattr(st, name))
         st.num_steps_total += 1
 
     def get_stats(self) -> EngineStats:
