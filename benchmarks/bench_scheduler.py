@@ -1,5 +1,8 @@
 """Scheduler hot-path benchmark: microseconds per ``schedule()`` + ``update_from_output()``.
 
+The update is called as the engine calls it (``batched=True``: a steady-decode step's news comes
+back as one ``DecodeTokens``), and the runner output carries ``sampled_flat`` as the runner's.
+
 Workloads (pure Python, no model; the "runner" returns one fixed token per sampled request and
 its output is built outside the timed region):
   * decode-N: N requests (N = 256, 1024) all in decode, one token each per step;
@@ -58,6 +61,7 @@ def runner_output(sched: Scheduler, out) -> ModelRunnerOutput:
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled,
+        sampled_flat=[TOKEN] * len(req_ids) if all(sampled) else None,
     )
 
 
@@ -74,7 +78,7 @@ def timed_steps(
         t1 = time.process_time()
         result = runner_output(sched, out)
         t2 = time.process_time()
-        sched.update_from_output(out, result)
+        sched.update_from_output(out, result, batched=True)
         t3 = time.process_time()
         sched_us.append((t1 - t0) * 1e6)
         update_us.append((t3 - t2) * 1e6)
@@ -99,7 +103,7 @@ def decode_scheduler(n: int) -> Scheduler:
         )
     while len(sched.running) < n or any(r.num_output_tokens == 0 for r in sched.running):  # prefill
         out = sched.schedule()
-        sched.update_from_output(out, runner_output(sched, out))
+        sched.update_from_output(out, runner_output(sched, out), batched=True)
     return sched
 
 
@@ -183,11 +187,11 @@ def replay_decode(num_steps: int) -> None:
     sched = decode_scheduler(256)
     out = sched.schedule()
     result = runner_output(sched, out)
-    sched.update_from_output(out, result)
+    sched.update_from_output(out, result, batched=True)
     for _ in range(16):  # warm up (and one block-boundary period)
-        sched.update_from_output(sched.schedule(), result)
+        sched.update_from_output(sched.schedule(), result, batched=True)
     for _ in range(num_steps):
-        sched.update_from_output(sched.schedule(), result)
+        sched.update_from_output(sched.schedule(), result, batched=True)
 
 
 def clean_steps(num_steps: int, block_size: int = 16) -> list[bool]:
@@ -196,12 +200,12 @@ def clean_steps(num_steps: int, block_size: int = 16) -> list[bool]:
     sched = decode_scheduler(256)
     out = sched.schedule()
     result = runner_output(sched, out)
-    sched.update_from_output(out, result)
+    sched.update_from_output(out, result, batched=True)
     for _ in range(16):
-        sched.update_from_output(sched.schedule(), result)
+        sched.update_from_output(sched.schedule(), result, batched=True)
     clean = []
     for _ in range(num_steps):
-        sched.update_from_output(sched.schedule(), result)
+        sched.update_from_output(sched.schedule(), result, batched=True)
         clean.append(all(r.num_computed_tokens % block_size > 1 for r in sched.running))
     return clean
 

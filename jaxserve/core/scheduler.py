@@ -30,7 +30,9 @@ Hot path (benchmarks/bench_scheduler.py): a running request one token behind who
 has room (``KVCacheManager.get_noop_ends``) is scheduled without calling ``allocate_slots``, and
 ``update_from_output`` starts with a lean update for one sampled token that ends nothing;
 everything else takes the general path, with the same result
-(tests/core/test_scheduler_fast_paths.py runs both side by side).
+(tests/core/test_scheduler_fast_paths.py runs both side by side). Steady decode (a step that
+repeats the previous one's decodes: docs/ARCHITECTURE.md) goes further: ``_schedule_steady`` and
+``_update_steady`` work from a ``_SteadyDecode`` snapshot with no per-request general loop.
 
 Call ``add_request``, ``abort_requests`` and ``finish_requests`` between steps (after
 ``update_from_output``, before the next ``schedule``): freed blocks may be handed out by the
