@@ -110,8 +110,8 @@ class _SteadyDecode:
     epoch: int
     reqs: list[Request]
     req_ids: list[str]
+    by_id: dict[str, Request]
     num_scheduled: dict[str, int]  # req_id -> 1 (copied into each output)
-    decode_steps: list  # each request's ledger.decode_steps.append
     stop_ids: frozenset[int]  # union of the requests' stop_token_set
     # fast step k -> indices into reqs of the requests whose token that step ends past their
     # no-op end (KVCacheManager.get_noop_ends): they call allocate_slots
@@ -124,6 +124,10 @@ class _SteadyDecode:
     # anything reads the count itself: only relative updates run meanwhile).
     owed: int = 0
     settled: bool = False  # owed was added: its steps in flight update by the general path
+    # The fast steps' indices, each a decode step of every request: added to the ledgers when
+    # the run is settled, or to one request's when it is freed first (``flushed``).
+    step_indices: list[int] = dataclasses.field(default_factory=list)
+    flushed: set[str] = dataclasses.field(default_factory=set)
 
 
 class Scheduler:
@@ -252,6 +256,11 @@ class Scheduler:
 
     def _free_request(self, request: Request, now: float) -> None:
         request.finished_time = now
+        st = self._steady
+        if st is not None and st.step_indices and request.request_id not in st.flushed:
+            if st.by_id.get(request.request_id) is request:  # its ledger: complete it now
+                request.ledger.decode_steps.extend(st.step_indices)
+                st.flushed.add(request.request_id)
         request.ledger.finished(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
@@ -343,6 +352,11 @@ class Scheduler:
                 for request in st.reqs:
                     request.num_output_placeholders += owed
                 st.owed = 0
+            if st.step_indices:
+                steps, flushed = st.step_indices, st.flushed
+                for request in st.reqs:
+                    if request.request_id not in flushed:
+                        request.ledger.decode_steps.extend(steps)
 
     def _steady_snapshot(self, step: _Step) -> _SteadyDecode | None:
         """After a step in which every running request decoded one token: the snapshot that
@@ -361,8 +375,8 @@ class Scheduler:
             epoch=self._running_epoch,
             reqs=reqs,
             req_ids=ids,
+            by_id=dict(zip(ids, reqs)),
             num_scheduled=dict.fromkeys(ids, 1),
-            decode_steps=[r.ledger.decode_steps.append for r in reqs],
             stop_ids=frozenset().union(*{r.stop_token_set for r in reqs}),
             grow_at=grow_at,
             gap=min(len(r.prompt_token_ids) + r.max_tokens - r.num_computed_tokens for r in reqs),
@@ -416,9 +430,9 @@ class Scheduler:
         step_index = self._step_index
         num_computed = [r.num_computed_tokens for r in reqs]
         st.owed += 1  # each request samples a token: a placeholder each, settled lazily
-        for request, add_decode_step in zip(reqs, st.decode_steps):
+        st.step_indices.append(step_index)  # a decode step of each: in the ledgers when settled
+        for request in reqs:
             request.num_computed_tokens += 1
-            add_decode_step(step_index)
         self._num_scheduled_tokens += n
         finished, self.finished_req_ids = self.finished_req_ids, set()
         output = SchedulerOutput(

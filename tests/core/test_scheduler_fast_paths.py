@@ -54,6 +54,30 @@ def without_token_ids(out):
     return dataclasses.replace(out, scheduled_cached_reqs=cached, steady_decode=False)
 
 
+def ledger_shape(ledger):
+    """A request's ledger without its times (the two schedulers run at different moments)."""
+    d = ledger.to_dict()
+    untimed = lambda e: {k: v for k, v in e.items() if not k.endswith("t_s")}  # noqa: E731
+    d["steps"] = [untimed(e) for e in d["steps"]]
+    d["preemptions"] = [untimed(e) for e in d["preemptions"]]
+    return {k: v for k, v in d.items() if not k.endswith("_s") and k != "arrival_time"}
+
+
+def add_to_both(fast, general, added, req_id, prompt, params):
+    for s in (fast, general):
+        request = make_request(req_id, prompt, eos_token_id=EOS, **params)
+        s.add_request(request)
+        added.setdefault(req_id, []).append(request)
+
+
+def assert_same_ledgers(added, req_ids=None):
+    """The requests' ledgers agree (``req_ids``: these, e.g. just finished: a ledger must be
+    whole when its request ends, as the server may read it at once)."""
+    for req_id in added if req_ids is None else req_ids:
+        fast_request, general_request = added[req_id]
+        assert ledger_shape(fast_request.ledger) == ledger_shape(general_request.ledger), req_id
+
+
 def as_core_outputs(s, news):
     """update_from_output's result, a DecodeTokens read as one EngineCoreOutput per request."""
     if isinstance(news, DecodeTokens):
@@ -132,11 +156,11 @@ def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budg
         id(general): FakeRunner(general, eos_at=dict(eos_at)),
     }
     num_preempted = num_steady = num_batched = 0
+    added = {}
     for step in range(len(arrivals) + 3000):
         if step < len(arrivals):
             for req_id, prompt, params in arrivals[step]:
-                for s in (fast, general):
-                    s.add_request(make_request(req_id, prompt, eos_token_id=EOS, **params))
+                add_to_both(fast, general, added, req_id, prompt, params)
         if not fast.has_unfinished_requests() and step >= len(arrivals):
             break
         out_fast, out_general = fast.schedule(), general.schedule()
@@ -153,18 +177,20 @@ def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budg
         result_general.logprobs = [[] for _ in result_general.req_ids]
         news = fast.update_from_output(out_fast, result_fast, batched=True)
         num_batched += isinstance(news, DecodeTokens)
-        assert as_core_outputs(fast, news) == general.update_from_output(
-            out_general, result_general
-        )
+        general_news = general.update_from_output(out_general, result_general)
+        assert as_core_outputs(fast, news) == general_news
+        assert_same_ledgers(added, [o.req_id for o in general_news if o.finish_reason])
         check_noop_end(fast)
         if step < len(aborts):
             fast.abort_requests(aborts[step])
             general.abort_requests(aborts[step])
+            assert_same_ledgers(added, [r for r in aborts[step] if r in added])
     assert not fast.has_unfinished_requests() and not general.has_unfinished_requests()
     assert fast.make_stats() == general.make_stats()
     if num_blocks < 100:
         assert num_preempted > 0  # the small pool exercised preemption
     assert num_steady >= 10 and num_batched >= 10, (num_steady, num_batched)  # both ran
+    assert_same_ledgers(added)
 
 
 def test_decode_fast_path_is_taken():
@@ -232,11 +258,11 @@ def test_fast_paths_match_general_paths_under_async_scheduling(
     general = force_general_paths(make_scheduler(**kwargs))
     in_flight = None
     num_steady = num_batched = 0
+    added = {}
     for step in range(len(arrivals) + 3000):
         if step < len(arrivals):
             for req_id, prompt, params in arrivals[step]:
-                for s in (fast, general):
-                    s.add_request(make_request(req_id, prompt, eos_token_id=EOS, **params))
+                add_to_both(fast, general, added, req_id, prompt, params)
         if step >= len(arrivals) and not fast.has_unfinished_requests() and in_flight is None:
             break
         out_fast, out_general = fast.schedule(), general.schedule()
@@ -252,13 +278,15 @@ def test_fast_paths_match_general_paths_under_async_scheduling(
             num_batched += isinstance(news, DecodeTokens)
             result_general = pipelined_tokens(prev_general, eos_at)
             result_general.logprobs = [[] for _ in result_general.req_ids]
-            assert as_core_outputs(fast, news) == general.update_from_output(
-                prev_general, result_general
-            ), step
+            general_news = general.update_from_output(prev_general, result_general)
+            assert as_core_outputs(fast, news) == general_news, step
+            assert_same_ledgers(added, [o.req_id for o in general_news if o.finish_reason])
         in_flight = None if out_fast.is_empty else (out_fast, out_general)
         if step < len(aborts):
             fast.abort_requests(aborts[step])
             general.abort_requests(aborts[step])
+            assert_same_ledgers(added, [r for r in aborts[step] if r in added])
     assert not fast.has_unfinished_requests() and not general.has_unfinished_requests()
     assert fast.make_stats() == general.make_stats()
     assert num_steady >= 10 and num_batched >= 10, (num_steady, num_batched)
+    assert_same_ledgers(added)
