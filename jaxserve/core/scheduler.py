@@ -170,8 +170,10 @@ class Scheduler:
         self._step_index = 0  # steps scheduled so far (never reset): the ledgers' step numbers
         # The SchedulerOutputs not yet updated (one, or two under async scheduling), each with
         # its requests in num_scheduled_tokens order, so update_from_output needs no id lookups.
+        # Each: (output, its requests, whether each samples, the steady run it came from or None,
+        # that run's gap after it, _running_removals when it was scheduled).
         self._in_flight: collections.deque[
-            tuple[SchedulerOutput, list[Request], list[bool], _SteadyDecode | None, int]
+            tuple[SchedulerOutput, list[Request], list[bool], _SteadyDecode | None, int, int]
         ] = collections.deque()
         # Bumped whenever a request joins or leaves ``running`` (the steady-decode snapshot's
         # validity); removals are also counted apart (a steady step's update stays valid
@@ -322,8 +324,9 @@ class Scheduler:
         ):
             # The second such step in a row with the same running requests: a steady run is
             # likely, worth the snapshot's cost (a request joins or leaves every step in some
-            # workloads: they never pay for it).
-            if self._decode_epoch == self._running_epoch:
+            # workloads: they never pay for it). Not while a waiting request could be admitted
+            # (_schedule_steady would give the snapshot up at once, step after step).
+            if self._decode_epoch == self._running_epoch and not self._may_admit():
                 self._steady = self._steady_snapshot(step)
             self._decode_epoch = self._running_epoch
         self._track(output, step.scheduled, step.samples, None, 0)
@@ -341,6 +344,13 @@ class Scheduler:
         if len(in_flight) >= 2:  # a caller that never updates: forget the oldest
             in_flight.popleft()
         in_flight.append((output, scheduled, samples, steady, gap, self._running_removals))
+
+    def _may_admit(self) -> bool:
+        """Whether a waiting request might be admitted this step (priority: any waiting one may
+        preempt; fcfs: only into a free slot)."""
+        return bool(self.waiting) and (
+            self._priority or len(self.running) < self.max_num_running_reqs
+        )
 
     def _settle(self) -> None:
         """Ends the steady run: its requests' placeholder counts are made whole again."""
@@ -397,7 +407,7 @@ class Scheduler:
         running = self.running
         if st.epoch != self._running_epoch or len(running) != len(st.reqs):
             return None
-        if self.waiting and (self._priority or len(running) < self.max_num_running_reqs):
+        if self._may_admit():
             return None  # admission might take a slot or preempt: the general path decides
         if st.gap <= 1:
             return None  # a request's in-flight token may end it (its max_tokens)
@@ -414,7 +424,7 @@ class Scheduler:
             del st.grow_at[k]
             noop_end = kv.get_noop_ends()
             grow_at = st.grow_at
-            for i in grow:
+            for i in sorted(grow) if len(grow) > 1 else grow:  # in running order, as in general
                 request = reqs[i]
                 blocks = kv.allocate_slots(request, 1)
                 assert blocks is not None, "a block counted free could not be allocated"
