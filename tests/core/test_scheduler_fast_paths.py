@@ -48,6 +48,21 @@ def force_general_paths(s):
     return s
 
 
+def scheduler_pair(**kwargs):
+    """A scheduler as shipped and one forced down the general paths, alike otherwise."""
+    return make_scheduler(**kwargs), force_general_paths(make_scheduler(**kwargs))
+
+
+def schedule_both(fast, general, step):
+    """Both schedulers' next outputs, checked equal (a steady one sends no token ids)."""
+    out_fast, out_general = fast.schedule(), general.schedule()
+    if out_fast.steady_decode:
+        assert without_token_ids(out_fast) == without_token_ids(out_general), step
+    else:
+        assert out_fast == out_general, step
+    return out_fast, out_general
+
+
 def without_token_ids(out):
     """A SchedulerOutput as a steady-decode one is compared: no token ids, no flag."""
     cached = dataclasses.replace(out.scheduled_cached_reqs, new_token_ids=[])
@@ -139,7 +154,7 @@ def random_trace(seed, num_steps):
 @pytest.mark.parametrize("num_blocks,budget,threshold", [(400, 512, 0), (24, 96, 32)])
 def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budget, threshold):
     arrivals, aborts, eos_at = random_trace(seed=num_blocks + budget, num_steps=150)
-    kwargs = dict(
+    fast, general = scheduler_pair(
         num_blocks=num_blocks,
         block_size=8,
         budget=budget,
@@ -149,8 +164,6 @@ def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budg
         prefix_caching=prefix_caching,
         max_model_len=160,
     )
-    fast = make_scheduler(**kwargs)
-    general = force_general_paths(make_scheduler(**kwargs))
     runners = {
         id(fast): FakeRunner(fast, eos_at=dict(eos_at)),
         id(general): FakeRunner(general, eos_at=dict(eos_at)),
@@ -163,12 +176,8 @@ def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budg
                 add_to_both(fast, general, added, req_id, prompt, params)
         if not fast.has_unfinished_requests() and step >= len(arrivals):
             break
-        out_fast, out_general = fast.schedule(), general.schedule()
-        if out_fast.steady_decode:
-            num_steady += 1
-            assert without_token_ids(out_fast) == without_token_ids(out_general), step
-        else:
-            assert out_fast == out_general, step
+        out_fast, out_general = schedule_both(fast, general, step)
+        num_steady += out_fast.steady_decode
         check_scheduler_invariants(fast, out_fast)
         check_noop_end(fast)
         num_preempted += len(out_fast.preempted_req_ids)
@@ -244,7 +253,7 @@ def test_fast_paths_match_general_paths_under_async_scheduling(
     """As above, with the next step scheduled before the previous one's tokens land (placeholders
     in flight: a block whose last token is in flight is registered a step late)."""
     arrivals, aborts, eos_at = random_trace(seed=num_blocks + budget + 1, num_steps=150)
-    kwargs = dict(
+    fast, general = scheduler_pair(
         num_blocks=num_blocks,
         block_size=8,
         budget=budget,
@@ -254,8 +263,6 @@ def test_fast_paths_match_general_paths_under_async_scheduling(
         prefix_caching=True,
         max_model_len=160,
     )
-    fast = make_scheduler(**kwargs)
-    general = force_general_paths(make_scheduler(**kwargs))
     in_flight = None
     num_steady = num_batched = 0
     added = {}
@@ -265,12 +272,8 @@ def test_fast_paths_match_general_paths_under_async_scheduling(
                 add_to_both(fast, general, added, req_id, prompt, params)
         if step >= len(arrivals) and not fast.has_unfinished_requests() and in_flight is None:
             break
-        out_fast, out_general = fast.schedule(), general.schedule()
+        out_fast, out_general = schedule_both(fast, general, step)
         num_steady += out_fast.steady_decode
-        if out_fast.steady_decode:
-            assert without_token_ids(out_fast) == without_token_ids(out_general), step
-        else:
-            assert out_fast == out_general, step
         check_scheduler_invariants(fast, out_fast)
         if in_flight is not None:  # the previous step's tokens land after this one is planned
             prev_fast, prev_general = in_flight
