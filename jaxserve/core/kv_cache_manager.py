@@ -165,6 +165,8 @@ class KVCacheManager:
                 if host.lookup(hashes[i]) is None:
                     break
                 host_hits.append(hashes[i])
+            # Each lookup decides anew (an earlier one's choice must not outlive it).
+            self._resume_choice.pop(request.request_id, None)
             if host_hits and request.num_preemptions > 0:
                 # A resumed request: load its host blocks only if that is the cheaper way back.
                 loads = self.resume_loads(len(host_hits))

@@ -326,7 +326,7 @@ class Scheduler:
             # likely, worth the snapshot's cost (a request joins or leaves every step in some
             # workloads: they never pay for it). Not while a waiting request could be admitted
             # (_schedule_steady would give the snapshot up at once, step after step).
-            if self._decode_epoch == self._running_epoch and not self._may_admit():
+            if self._decode_epoch == self._running_epoch and not self._may_admit(total):
                 self._steady = self._steady_snapshot(step)
             self._decode_epoch = self._running_epoch
         self._track(output, step.scheduled, step.samples, None, 0)
@@ -345,12 +345,36 @@ class Scheduler:
             in_flight.popleft()
         in_flight.append((output, scheduled, samples, steady, gap, self._running_removals))
 
-    def _may_admit(self) -> bool:
-        """Whether a waiting request might be admitted this step (priority: any waiting one may
-        preempt; fcfs: only into a free slot)."""
-        return bool(self.waiting) and (
-            self._priority or len(self.running) < self.max_num_running_reqs
-        )
+    def _may_admit(self, num_running_tokens: int) -> bool:
+        """Whether a waiting request might be admitted in a step whose running requests take
+        ``num_running_tokens``: priority, any waiting one (it may preempt); fcfs, the head of
+        the queue when a slot is free, unless ``_head_blocked`` says it cannot be."""
+        if not self.waiting:
+            return False
+        if self._priority:
+            return True
+        if len(self.running) >= self.max_num_running_reqs:
+            return False  # _try_admit refuses at once, before any lookup
+        return not self._head_blocked(self.max_num_scheduled_tokens - num_running_tokens)
+
+    def _head_blocked(self, budget: int) -> bool:
+        """fcfs: the head of the waiting queue cannot be admitted in this step, by the checks
+        ``_try_admit`` makes (the token budget without chunked prefill, blocks for its whole
+        sequence beyond the watermark), taken before this step's block-table growth: growth only
+        takes blocks (an evicted prefix hit costs one free block and adds at least one needed),
+        so a head refused before is refused after. Makes the same prefix lookup as _try_admit."""
+        if budget <= 0:
+            return True  # _admit_waiting does not try
+        request = self.waiting.peek()
+        kv = self.kv_cache_manager
+        hit_blocks, num_hit = kv.get_computed_blocks(request)
+        num_tokens = request.num_tokens
+        if not (self.enable_chunked_prefill or request.num_preemptions > 0):
+            if num_tokens - num_hit > budget:
+                return True
+        need = -(-num_tokens // self.block_size) - len(hit_blocks)
+        evictable = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        return need > kv.num_free_blocks - evictable - kv.watermark_blocks
 
     def _settle(self) -> None:
         """Ends the steady run: its requests' placeholder counts are made whole again."""
@@ -407,7 +431,7 @@ class Scheduler:
         running = self.running
         if st.epoch != self._running_epoch or len(running) != len(st.reqs):
             return None
-        if self._may_admit():
+        if self._may_admit(len(st.reqs)):
             return None  # admission might take a slot or preempt: the general path decides
         if st.gap <= 1:
             return None  # a request's in-flight token may end it (its max_tokens)

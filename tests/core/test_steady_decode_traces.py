@@ -10,7 +10,12 @@ import random
 
 import pytest
 from core_testing import EOS, fake_token, make_request
-from test_scheduler_fast_paths import as_core_outputs, force_general_paths, schedule_both
+from test_scheduler_fast_paths import (
+    as_core_outputs,
+    force_general_paths,
+    schedule_both,
+    scheduler_pair,
+)
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.outputs import DecodeTokens, ModelRunnerOutput
@@ -172,33 +177,43 @@ def test_steady_vs_general_random(case, seed, pipelined):
 
 
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])
-def test_no_snapshot_thrown_away_every_step_while_waiting_is_blocked(policy):
-    """A waiting request that cannot be admitted (priority: slots full and it is less urgent;
-    fcfs: not enough free KV blocks) makes _schedule_steady bail out every step; the general
-    step then takes a new snapshot (same _running_epoch) that the next step throws away."""
-    from core_testing import FakeRunner, make_scheduler
+def test_a_waiting_request_that_cannot_be_admitted(policy):
+    """A waiting request that cannot be admitted: priority, slots full and it is less urgent;
+    fcfs, a free slot but too few free blocks for it. Under priority the general path runs every
+    step (the waiting one might preempt) and no snapshot is taken only to be given up; under
+    fcfs the steady path goes on (``_head_blocked``). Both as the general paths schedule."""
+    from core_testing import FakeRunner
 
-    s = make_scheduler(
+    fast, general = scheduler_pair(
         num_blocks=4 * 4 + 1 + 2,
         block_size=16,
         max_num_seqs=4 if policy == "priority" else 8,
         policy=policy,
     )
-    for i in range(4):
-        s.add_request(make_request(f"r{i}", list(range(1 + i, 49 + i)), max_tokens=15, priority=0))
-    runner = FakeRunner(s)
-    for _ in range(3):  # prefill + two decode steps: the snapshot is taken
-        out = s.schedule()
-        s.update_from_output(out, runner.execute(out), batched=True)
-    s.add_request(make_request("w", list(range(500, 600)), max_tokens=4, priority=1))
+    runners = {id(s): FakeRunner(s) for s in (fast, general)}
+    for s in (fast, general):
+        for i in range(4):
+            prompt = list(range(1 + i, 49 + i))
+            s.add_request(make_request(f"r{i}", prompt, max_tokens=15, priority=0))
+        for _ in range(3):  # prefill + two decode steps: the snapshot is taken
+            out = s.schedule()
+            s.update_from_output(out, runners[id(s)].execute(out), batched=True)
+        s.add_request(make_request("w", list(range(500, 600)), max_tokens=4, priority=1))
     calls = []
-    snapshot = s._steady_snapshot
-    s._steady_snapshot = lambda step: calls.append(1) or snapshot(step)
+    snapshot = fast._steady_snapshot
+    fast._steady_snapshot = lambda step: calls.append(1) or snapshot(step)
     steady = 0
-    for _ in range(10):
-        out = s.schedule()
+    for step in range(10):
+        out, out_general = schedule_both(fast, general, step)
         steady += out.steady_decode
         assert "w" not in out.num_scheduled_tokens
-        s.update_from_output(out, runner.execute(out), batched=True)
-    assert steady == 0  # every step took the general path (correct)
-    assert len(calls) <= 1, f"{len(calls)} snapshots taken and discarded in 10 steps"
+        news = fast.update_from_output(out, runners[id(fast)].execute(out), batched=True)
+        general_news = general.update_from_output(
+            out_general, runners[id(general)].execute(out_general)
+        )
+        assert as_core_outputs(fast, news) == general_news
+    if policy == "priority":
+        assert steady == 0
+        assert len(calls) <= 1, f"{len(calls)} snapshots taken and given up in 10 steps"
+    else:
+        assert steady == 10
