@@ -99,8 +99,8 @@ class _Step:
 @dataclasses.dataclass(slots=True, eq=False)
 class _SteadyDecode:
     """The running requests of a step in which each decoded one token (steady decode), kept so
-    the next steps that do the same again are scheduled and updated with a few loops and numpy
-    ops instead of the per-request general path (``Scheduler._schedule_steady``).
+    the next steps that do the same again are scheduled and updated with a thin loop or two
+    instead of the per-request general path (``Scheduler._schedule_steady``).
 
     Valid while ``Scheduler._running_epoch`` is ``epoch`` (nothing admitted to or removed from
     ``running``). Steps are counted from the snapshot: fast step ``k`` computes position
@@ -377,7 +377,7 @@ class Scheduler:
         return need > kv.num_free_blocks - evictable - kv.watermark_blocks
 
     def _settle(self) -> None:
-        """Ends the steady run: its requests' placeholder counts are made whole again."""
+        """Ends the steady run: its requests' placeholder counts and ledgers are made whole."""
         st, self._steady = self._steady, None
         if st is not None:
             st.settled = True
@@ -420,8 +420,8 @@ class Scheduler:
     def _schedule_steady(self, st: _SteadyDecode) -> SchedulerOutput | None:
         """The step after a steady-decode step, when it is one again: the same requests, in
         the same order, one decode token each; what the general path would schedule, with
-        per-request work cut to the ledger updates (and ``allocate_slots`` for the requests
-        whose block tables need it). None when the general path must run instead: a request
+        per-request work cut to a ``num_computed_tokens`` increment (and ``allocate_slots`` for
+        the requests whose block tables need it; placeholders and ledgers are settled later). None when the general path must run instead: a request
         joined or left ``running``, the waiting queue could admit, a request's in-flight token
         may end it (async scheduling), or the pool may lack a block for the requests that
         cross a block boundary.
@@ -830,7 +830,7 @@ class Scheduler:
         in_flight = self._in_flight
         if not in_flight or in_flight[0][0] is not scheduler_output:
             return None
-        _, reqs, _, st, gap, removals = in_flight[0]
+        _, _, _, st, gap, removals = in_flight[0]
         if st is None or st.settled or gap <= 1 or removals != self._running_removals:
             return None
         if runner_output.logprobs is not None or runner_output.prompt_logprobs_dict:

@@ -402,8 +402,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.builder.update_states(sched)
         if sched.scheduled_new_reqs or sched.finished_req_ids or sched.preempted_req_ids:
-            self._md_cache = self._md_last = None  # a row changed hands: its id may now name
-            # another request
+            # a row changed hands: its id may now name another request
+            self._md_cache = self._md_last = None
         for req_id in sched.finished_req_ids:
             self._seeds.pop(req_id, None)
         host_kv = self.host_kv if sched.kv_transfers is not None else None
