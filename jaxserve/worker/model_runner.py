@@ -224,9 +224,9 @@ class ModelRunner:
         self.aot_forward: dict[int, Any] = {}
         self.aot_prompt_logprobs: dict[int, Any] = {}
         self._seeds: dict[str, int] = {}
-        self._md_cache: tuple | None = None  # ((req_ids, S), SamplingMetadata) of a steady batch
-        # (StepBatch, its SamplingMetadata) of the latest step, when cacheable as _md_cache
-        self._md_last: tuple | None = None
+        # ((req_ids, S), SamplingMetadata, StepBatch) of the latest step, when its rows allow the
+        # metadata's reuse (see _sampling_metadata)
+        self._md_cache: tuple | None = None
         self._one_each: dict[tuple[int, int], np.ndarray] = {}  # (n, S) -> 1 on [:n], 0 after
         self._rng = np.random.default_rng(config.model.seed)
         # The last dispatched step's sampled tokens ([S_max] int32, on the device) and each
@@ -359,7 +359,7 @@ class ModelRunner:
         for req_id in list(self.input_batch.req_id_to_row):
             self.input_batch.remove_request(req_id)
         self._seeds.clear()
-        self._md_cache = self._md_last = None
+        self._md_cache = None
         self._prev_index = {}
         self._last_batch = None
 
@@ -403,7 +403,7 @@ class ModelRunner:
         self.builder.update_states(sched)
         if sched.scheduled_new_reqs or sched.finished_req_ids or sched.preempted_req_ids:
             # a row changed hands: its id may now name another request
-            self._md_cache = self._md_last = None
+            self._md_cache = None
         for req_id in sched.finished_req_ids:
             self._seeds.pop(req_id, None)
         host_kv = self.host_kv if sched.kv_transfers is not None else None
@@ -562,21 +562,21 @@ class ModelRunner:
         """
         ib = self.input_batch
         n = batch.num_reqs
-        last = self._md_last
+        cache = self._md_cache
         if (
             follows is not None
             and token_mask is None
-            and last is not None
-            and last[0] is follows
-            and not last[1].any_token_mask
+            and cache is not None
+            and cache[2] is follows
+            and not cache[1].any_token_mask
         ):
-            md = copy.copy(last[1])  # frozen: a copy with step_index set (see below)
+            md = copy.copy(cache[1])  # frozen: a copy with step_index set (see below)
             one = self._one_each.get((n, batch.seq_bucket))
             if one is None:
                 one = self._one_each[(n, batch.seq_bucket)] = np.zeros(batch.seq_bucket, np.int32)
                 one[:n] = 1
             object.__setattr__(md, "step_index", md.step_index + one)
-            self._md_last = (batch, md)
+            self._md_cache = (cache[0], md, batch)
             return md
         step_index = np.zeros(batch.seq_bucket, np.int32)
         # the output index of the token each row samples (counts a token still in flight; a
@@ -586,8 +586,8 @@ class ModelRunner:
         )
         bitmask = self._token_bitmask(batch, token_mask)
         key = (tuple(batch.req_ids), batch.seq_bucket)
-        if self._md_cache is not None and self._md_cache[0] == key:
-            md = copy.copy(self._md_cache[1])  # frozen: a copy with three fields set (cheaper
+        if cache is not None and cache[0] == key:
+            md = copy.copy(cache[1])  # frozen: a copy with three fields set (cheaper
             # than dataclasses.replace, which runs __init__ over every field)
             object.__setattr__(md, "step_index", step_index)
             if bitmask is not None:
@@ -598,7 +598,7 @@ class ModelRunner:
                     md, "token_bitmask", np.full((batch.seq_bucket, 1), -1, np.int32)
                 )
                 object.__setattr__(md, "any_token_mask", False)
-            self._md_last = (batch, md)
+            self._md_cache = (key, md, batch)
             return md
         rows = []
         eos = None
@@ -620,8 +620,7 @@ class ModelRunner:
         md = SamplingMetadata.from_params(
             rows, pad_to=batch.seq_bucket, eos_token_id=eos, token_bitmask=bitmask
         )
-        self._md_cache = (key, md) if stable else None
-        self._md_last = (batch, md) if stable else None
+        self._md_cache = (key, md, batch) if stable else None
         return md
 
     def _make_output(self, pending: PendingStep, sampled, plp) -> ModelRunnerOutput:

@@ -53,6 +53,20 @@ def scheduler_pair(**kwargs):
     return make_scheduler(**kwargs), force_general_paths(make_scheduler(**kwargs))
 
 
+def trace_schedulers(policy, prefix_caching, num_blocks, budget, threshold):
+    """scheduler_pair sized for random_trace's requests (8-token blocks, 12 seqs, 160 tokens)."""
+    return scheduler_pair(
+        num_blocks=num_blocks,
+        block_size=8,
+        budget=budget,
+        max_num_seqs=12,
+        threshold=threshold,
+        policy=policy,
+        prefix_caching=prefix_caching,
+        max_model_len=160,
+    )
+
+
 def schedule_both(fast, general, step):
     """Both schedulers' next outputs, checked equal (a steady one sends no token ids)."""
     out_fast, out_general = fast.schedule(), general.schedule()
@@ -83,6 +97,13 @@ def add_to_both(fast, general, added, req_id, prompt, params):
         request = make_request(req_id, prompt, eos_token_id=EOS, **params)
         s.add_request(request)
         added.setdefault(req_id, []).append(request)
+
+
+def abort_both(fast, general, added, req_ids):
+    """Aborts ``req_ids`` in both schedulers; the aborted requests' ledgers must agree."""
+    fast.abort_requests(req_ids)
+    general.abort_requests(req_ids)
+    assert_same_ledgers(added, [r for r in req_ids if r in added])
 
 
 def assert_same_ledgers(added, req_ids=None):
@@ -154,16 +175,7 @@ def random_trace(seed, num_steps):
 @pytest.mark.parametrize("num_blocks,budget,threshold", [(400, 512, 0), (24, 96, 32)])
 def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budget, threshold):
     arrivals, aborts, eos_at = random_trace(seed=num_blocks + budget, num_steps=150)
-    fast, general = scheduler_pair(
-        num_blocks=num_blocks,
-        block_size=8,
-        budget=budget,
-        max_num_seqs=12,
-        threshold=threshold,
-        policy=policy,
-        prefix_caching=prefix_caching,
-        max_model_len=160,
-    )
+    fast, general = trace_schedulers(policy, prefix_caching, num_blocks, budget, threshold)
     runners = {
         id(fast): FakeRunner(fast, eos_at=dict(eos_at)),
         id(general): FakeRunner(general, eos_at=dict(eos_at)),
@@ -191,9 +203,7 @@ def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budg
         assert_same_ledgers(added, [o.req_id for o in general_news if o.finish_reason])
         check_noop_end(fast)
         if step < len(aborts):
-            fast.abort_requests(aborts[step])
-            general.abort_requests(aborts[step])
-            assert_same_ledgers(added, [r for r in aborts[step] if r in added])
+            abort_both(fast, general, added, aborts[step])
     assert not fast.has_unfinished_requests() and not general.has_unfinished_requests()
     assert fast.make_stats() == general.make_stats()
     if num_blocks < 100:
@@ -253,16 +263,7 @@ def test_fast_paths_match_general_paths_under_async_scheduling(
     """As above, with the next step scheduled before the previous one's tokens land (placeholders
     in flight: a block whose last token is in flight is registered a step late)."""
     arrivals, aborts, eos_at = random_trace(seed=num_blocks + budget + 1, num_steps=150)
-    fast, general = scheduler_pair(
-        num_blocks=num_blocks,
-        block_size=8,
-        budget=budget,
-        max_num_seqs=12,
-        threshold=threshold,
-        policy=policy,
-        prefix_caching=True,
-        max_model_len=160,
-    )
+    fast, general = trace_schedulers(policy, True, num_blocks, budget, threshold)
     in_flight = None
     num_steady = num_batched = 0
     added = {}
@@ -286,9 +287,7 @@ def test_fast_paths_match_general_paths_under_async_scheduling(
             assert_same_ledgers(added, [o.req_id for o in general_news if o.finish_reason])
         in_flight = None if out_fast.is_empty else (out_fast, out_general)
         if step < len(aborts):
-            fast.abort_requests(aborts[step])
-            general.abort_requests(aborts[step])
-            assert_same_ledgers(added, [r for r in aborts[step] if r in added])
+            abort_both(fast, general, added, aborts[step])
     assert not fast.has_unfinished_requests() and not general.has_unfinished_requests()
     assert fast.make_stats() == general.make_stats()
     assert num_steady >= 10 and num_batched >= 10, (num_steady, num_batched)
