@@ -245,8 +245,10 @@ class ObservabilityConfig:
       metrics_namespace: "jaxserve" or "vllm", the prefix of every ``/metrics`` name
         (jaxserve/metrics.py).
       kv_events_endpoint: ZMQ address the engine publishes KV-cache events to
-        (jaxserve/kv_events.py); "" publishes nothing. ``tcp://*:PORT`` binds, ``tcp://HOST:PORT``
-        connects (vLLM's rule).
+        (jaxserve/kv_events.py); "" publishes nothing. ``tcp://*:PORT`` binds 127.0.0.1,
+        ``tcp://0.0.0.0:PORT`` every interface (with a warning), ``tcp://HOST:PORT`` connects.
+      kv_events_include_token_ids: a request with a ``cache_salt`` publishes its blocks' token
+        ids too (by default its ``BlockStored`` events carry hashes only).
       data_parallel_rank: this engine's replica index (labels its KV events; a bound endpoint's
         port is offset by it).
 
@@ -257,6 +259,7 @@ class ObservabilityConfig:
 
     metrics_namespace: str = "jaxserve"
     kv_events_endpoint: str = ""
+    kv_events_include_token_ids: bool = False
     data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
@@ -466,8 +469,16 @@ class EngineArgs:
     kv_events_endpoint: str = dataclasses.field(
         default="",
         metadata=_meta(
-            "publish KV-cache events (vLLM's format, ZMQ PUB + msgpack) here: tcp://*:PORT binds, "
-            "tcp://HOST:PORT connects; '' publishes nothing"
+            "publish KV-cache events (vLLM's format, ZMQ PUB + msgpack) here: tcp://*:PORT binds "
+            "127.0.0.1, tcp://0.0.0.0:PORT every interface (warned), tcp://HOST:PORT connects; "
+            "'' publishes nothing"
+        ),
+    )
+    kv_events_include_token_ids: bool = dataclasses.field(
+        default=False,
+        metadata=_meta(
+            "KV events of requests with a cache_salt carry their token ids too (default: block "
+            "hashes only, since token ids are the prompt)"
         ),
     )
     data_parallel_rank: int = dataclasses.field(
@@ -645,6 +656,7 @@ class EngineArgs:
             observability=ObservabilityConfig(
                 metrics_namespace=self.metrics_namespace,
                 kv_events_endpoint=self.kv_events_endpoint,
+                kv_events_include_token_ids=self.kv_events_include_token_ids,
                 data_parallel_rank=self.data_parallel_rank,
             ),
             ledger_history=self.ledger_history,

@@ -202,11 +202,12 @@ class LLMEngine:
             return None
         from jaxserve.kv_events import KVEventPublisher, offset_endpoint
 
-        self._block_pool = self.scheduler.kv_cache_manager.block_pool
-        self._block_pool.kv_events = []
+        manager = self.scheduler.kv_cache_manager
+        self._block_pool = manager.record_kv_events(obs.kv_events_include_token_ids)
         endpoint = offset_endpoint(obs.kv_events_endpoint, obs.data_parallel_rank)
-        logger.info("publishing KV-cache events on %s", endpoint)
-        return KVEventPublisher(endpoint, config.cache.block_size, obs.data_parallel_rank)
+        publisher = KVEventPublisher(endpoint, config.cache.block_size, obs.data_parallel_rank)
+        logger.info("publishing KV-cache events on %s", publisher.address)
+        return publisher
 
     def close(self) -> None:
         """Stops the KV-event publisher (if any) after it sent what is queued."""
