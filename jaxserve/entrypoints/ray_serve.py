@@ -1,7 +1,8 @@
 """Data-parallel replicas on Ray: N engine actors behind one OpenAI-compatible ingress.
 
 ``jaxserve serve --data-parallel-size N`` (or ``--distributed-executor-backend ray``) starts,
-on a local Ray cluster it starts itself or on an existing one (``--ray-address``):
+on a local Ray cluster it starts itself (listening on 127.0.0.1 only) or on an existing one
+(``--ray-address``; a warning when its GCS answers without authentication):
 
 * N :class:`EngineReplica` actors, each a process owning its devices with its own
   ``AsyncLLM`` (engine thread, KV pool, metrics). Ray restarts one that dies
@@ -58,6 +59,7 @@ from jaxserve.entrypoints.openai.api_server import (
 from jaxserve.entrypoints.openai.common import ServingInfo
 from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.sse import DONE_EVENT, SSEEncoder
+from jaxserve.entrypoints.ray_cluster import use_loopback_for_local_cluster, warn_if_unauthenticated
 from jaxserve.entrypoints.router import POLICIES, NoReplicaError, Router
 
 logger = logging.getLogger(__name__)
@@ -517,7 +519,8 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ray-address",
         default=None,
-        help="an existing Ray cluster (ray://HOST:PORT or HOST:PORT); default: start a local one",
+        help="an existing Ray cluster (ray://HOST:PORT or HOST:PORT; a warning when its GCS "
+        "answers without a token); default: start a local one, listening on 127.0.0.1 only",
     )
     parser.add_argument(
         "--routing",
@@ -555,10 +558,12 @@ def start_replicas(
 ) -> tuple[list[Any], list[dict[str, Any]]]:
     """Starts Ray (or connects) and ``num_replicas`` replica actors; waits until all are ready.
 
-    A local cluster is kept small: ``num_replicas`` logical CPUs, no dashboard, a 128 MiB object
+    A local cluster is kept small and private: ``num_replicas`` logical CPUs, every server on
+    127.0.0.1 (jaxserve/entrypoints/ray_cluster.py), no dashboard, a 128 MiB object
     store, and without Ray's node-wide memory monitor (``RAY_memory_monitor_refresh_ms=0``
     unless set), which on a shared machine kills replicas for other processes' memory. When the cluster has a GPU (or TPU) per replica, each replica gets one. Every replica gets this process's ``PYTHONHASHSEED`` (a random one is chosen when
-    unset) so block hashes agree across replicas and with the router.
+    unset) so block hashes agree across replicas and with the router. With ``ray_address``, a
+    warning is logged when the cluster's GCS answers without authentication.
 
     Returns:
       (actor handles by rank, each replica's ``describe()``).
@@ -580,11 +585,13 @@ def start_replicas(
         kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
         if ray_address:
             ray.init(address=ray_address, **kwargs)
+            warn_if_unauthenticated(ray.get_runtime_context().gcs_address)
         else:
             # Ray's memory monitor kills workers when the whole node passes 95% of its memory,
             # whoever uses it; on a shared box that takes the replicas down for others' jobs.
             # The kernel's OOM killer still guards the node.
             os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+            use_loopback_for_local_cluster()  # GCS, raylets, workers on 127.0.0.1 only
             ray.init(
                 num_cpus=num_replicas,
                 include_dashboard=False,
@@ -657,7 +664,8 @@ def run_ray_serve(args: argparse.Namespace) -> None:
     ingress = make_ingress(actors, described, args.routing)
     lines = config_report(described[0]["engine_config"], args)
     lines.append(
-        f"  replicas: {args.data_parallel_size} on Ray ({args.ray_address or 'local cluster'}), "
+        f"  replicas: {args.data_parallel_size} on Ray "
+        f"({args.ray_address or 'local cluster on 127.0.0.1'}), "
         f"routing {args.routing}, ready in {time.perf_counter() - start:.1f} s"
     )
     print("\n".join(lines), flush=True)
