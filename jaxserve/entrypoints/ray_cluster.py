@@ -91,6 +91,17 @@ def classify_probe(returncode: int, stderr: str) -> tuple[str, str]:
     return UNKNOWN, lines[-1][:300] if lines else f"exit code {returncode}"
 
 
+def connected_gcs_address(ray_address: str) -> str:
+    """The GCS address of the cluster this process connected to (``ray.init(address=...)``
+    first); ``ray_address`` when Ray cannot say (a Ray Client connection may not)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address or ray_address
+    except Exception:  # noqa: BLE001 - any failure: probe what the user gave
+        return ray_address
+
+
 def warn_if_unauthenticated(gcs_address: str) -> str:
     """Logs what :func:`gcs_auth_status` found about the cluster at ``gcs_address``: a warning
     when its GCS needs no token (or could not be asked), an info line when it does.

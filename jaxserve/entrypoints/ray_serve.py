@@ -59,7 +59,11 @@ from jaxserve.entrypoints.openai.api_server import (
 from jaxserve.entrypoints.openai.common import ServingInfo
 from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.sse import DONE_EVENT, SSEEncoder
-from jaxserve.entrypoints.ray_cluster import use_loopback_for_local_cluster, warn_if_unauthenticated
+from jaxserve.entrypoints.ray_cluster import (
+    connected_gcs_address,
+    use_loopback_for_local_cluster,
+    warn_if_unauthenticated,
+)
 from jaxserve.entrypoints.router import POLICIES, NoReplicaError, Router
 
 logger = logging.getLogger(__name__)
@@ -585,7 +589,7 @@ def start_replicas(
         kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
         if ray_address:
             ray.init(address=ray_address, **kwargs)
-            warn_if_unauthenticated(ray.get_runtime_context().gcs_address)
+            warn_if_unauthenticated(connected_gcs_address(ray_address))
         else:
             # Ray's memory monitor kills workers when the whole node passes 95% of its memory,
             # whoever uses it; on a shared box that takes the replicas down for others' jobs.

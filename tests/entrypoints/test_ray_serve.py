@@ -18,7 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from server_harness import MODEL_DIR, LiveServer, small_engine_args  # noqa: E402
 
 from jaxserve.core.kv_cache_utils import none_hash_from_seed  # noqa: E402
-from jaxserve.entrypoints.ray_cluster import NONE, is_loopback, warn_if_unauthenticated  # noqa: E402
+from jaxserve.entrypoints.ray_cluster import (  # noqa: E402
+    NONE,
+    connected_gcs_address,
+    is_loopback,
+    warn_if_unauthenticated,
+)
 from jaxserve.entrypoints.ray_serve import make_ingress, start_replicas  # noqa: E402
 from jaxserve.entrypoints.router import Router  # noqa: E402
 
@@ -170,13 +175,15 @@ def test_local_cluster_listens_on_loopback_only(cluster):
     psutil = pytest.importorskip("psutil")
     gcs = ray.get_runtime_context().gcs_address
     assert is_loopback(gcs.rpartition(":")[0]), gcs
-    # Every socket the cluster's processes (GCS, raylet, replica workers, agents; all started
-    # under this one) listen on.
+    # Every socket the cluster's processes (GCS, raylet, replica workers, agents, the autoscaler
+    # monitor; all started under this one) listen on.
     listening = []
     for proc in psutil.Process().children(recursive=True):
         try:
+            name, cmdline = proc.name(), " ".join(proc.cmdline())
+            if not (name.startswith(("ray", "gcs_server")) or "/ray/" in cmdline):
+                continue  # another test's process
             conns = proc.net_connections(kind="inet")
-            name = proc.name()
         except psutil.Error:  # exited meanwhile
             continue
         listening += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == "LISTEN"]
@@ -187,7 +194,7 @@ def test_local_cluster_listens_on_loopback_only(cluster):
 
 def test_ray_address_without_authentication_is_warned_about(cluster, caplog):
     caplog.set_level(logging.INFO, logger="jaxserve.entrypoints.ray_cluster")
-    gcs = ray.get_runtime_context().gcs_address  # the fixture's cluster, started without tokens
+    gcs = connected_gcs_address("unused")  # the fixture's cluster, started without tokens
     assert warn_if_unauthenticated(gcs) == NONE
     (record,) = caplog.records
     assert record.levelno == logging.WARNING and "without authentication" in record.getMessage()
