@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.benchmarks.stats import RequestResult
+from jaxserve.bench.stats import RequestResult
 from jaxserve.doctor import (
     FAIL,
     PASS,
