@@ -45,7 +45,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
     from jaxserve.config import CacheConfig
-    from jaxserve.outputs import RequestOutput
+    from jaxserve.request_output import RequestOutput
 
 PREFIX = "jaxserve:"
 """Prefix of the default namespace."""

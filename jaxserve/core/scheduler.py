@@ -56,10 +56,11 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from jaxserve.core.engine_core_output import DecodeTokens, EngineCoreOutput, SchedulerStats
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.outputs import DecodeTokens, EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import make_request_queue
+from jaxserve.core.runner_output import ModelRunnerOutput
 from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:

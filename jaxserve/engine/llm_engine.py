@@ -51,7 +51,7 @@ from jaxserve.core.ledger import LedgerHistory
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.outputs import RequestOutput
+from jaxserve.request_output import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import TokenMaskManager
 
@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 class EngineStats:
     """What the metrics layer reads after each step (``LLMEngine.get_stats``).
 
-    Field names follow ``jaxserve.core.outputs.SchedulerStats`` where they overlap.
+    Field names follow ``jaxserve.core.engine_core_output.SchedulerStats`` where they overlap.
 
     Gauges (now): num_running_reqs, num_waiting_reqs (preempted included), kv_cache_usage (used
     blocks / usable blocks, in [0, 1]), num_unfinished_reqs (parent requests not yet finished),

@@ -18,7 +18,7 @@ import time
 
 from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import EngineStats
-from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import get_tokenizer
 from jaxserve.tokenizer.detokenizer import IncrementalDetokenizer
