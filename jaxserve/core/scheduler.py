@@ -264,7 +264,7 @@ class Scheduler:
             if st.by_id.get(request.request_id) is request:  # its ledger: complete it now
                 request.ledger.decode_steps.extend(st.step_indices)
                 st.flushed.add(request.request_id)
-        request.ledger.finished(request)
+        request.close_ledger()
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
