@@ -1,6 +1,6 @@
 """What the scheduler hands the engine after each step (vLLM V1's ``v1/engine/__init__.py``):
-each request's news (``EngineCoreOutput``, or one ``DecodeTokens`` for a steady-decode step)
-and the scheduler's figures (``SchedulerStats``).
+each request's news, as an ``EngineCoreOutput``, or one ``DecodeTokens`` for a steady-decode
+step. (The scheduler's figures, ``SchedulerStats``, come from ``jaxserve/stats_schema.py``.)
 
 Plain dataclasses; no jax. The engine's output processor turns the news into the user-facing
 ``RequestOutput`` (``jaxserve/request_output.py``).
@@ -61,51 +61,3 @@ class DecodeTokens:
 
     req_ids: list[str]
     token_ids: list[int]
-
-
-@dataclasses.dataclass
-class SchedulerStats:
-    """Scheduler and KV-cache figures for metrics, read by the engine each step.
-
-    Gauges are the state now; ``*`` interval counters count since the previous ``make_stats()``.
-
-    Attributes:
-      num_running_reqs: requests holding KV blocks (gauge).
-      num_waiting_reqs: requests queued, including preempted ones (gauge).
-      kv_cache_usage: used blocks / (total - 1), in [0, 1] (gauge; cached-but-free blocks
-        count as free).
-      num_free_blocks: blocks in the free queue, evictable cached ones included (gauge).
-      prefix_cache_queries: prompt tokens looked up in the prefix cache (interval; only a
-        request's first admission counts, not the recompute after preemption).
-      prefix_cache_hits: of those, tokens found in the cache (interval).
-      prefix_cache_requests: requests looked up (interval).
-      num_evictions: cached blocks evicted to be reused (interval).
-      host_cache_hits: of prefix_cache_hits, tokens found in the host tier (interval).
-      host_kv_cache_usage: host-tier slots in use / all (gauge; 0.0 without offloading).
-      kv_offload_stored_tokens, kv_offload_loaded_tokens: tokens copied device -> host and
-        host -> device (interval).
-      kv_offload_resumed_loaded_tokens, kv_offload_resumed_recomputed_tokens: host-hit tokens
-        of resumed (preempted) requests loaded / recomputed by the cost model's choice
-        (interval).
-      num_preemptions: preemptions (interval).
-      num_scheduled_tokens: tokens scheduled (interval).
-      num_steps: schedule() calls (interval).
-    """
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_requests: int = 0
-    num_evictions: int = 0
-    host_cache_hits: int = 0
-    host_kv_cache_usage: float = 0.0
-    kv_offload_stored_tokens: int = 0
-    kv_offload_loaded_tokens: int = 0
-    kv_offload_resumed_loaded_tokens: int = 0
-    kv_offload_resumed_recomputed_tokens: int = 0
-    num_preemptions: int = 0
-    num_scheduled_tokens: int = 0
-    num_steps: int = 0

@@ -202,7 +202,6 @@ class FakeEngine:
             num_running_reqs=sum(len(r.samples) for r in running),
             num_waiting_reqs=sum(len(r.samples) for r in self._reqs.values() if not r.running),
             kv_cache_usage=min(1.0, used / (self.num_blocks - 1)),
-            num_unfinished_reqs=len(self._reqs),
             num_prompt_tokens_total=self._prompt_tokens_total,
             num_generation_tokens_total=self._generation_tokens_total,
             num_steps_total=self.num_steps,
