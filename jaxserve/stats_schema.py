@@ -75,6 +75,7 @@ STATS: tuple[Stat, ...] = (
         "Requests waiting to be scheduled (preempted included).",
         "num_requests_waiting",
     ),
+    # Used blocks / usable blocks, in [0, 1]; cached blocks no request holds count as free.
     Stat(
         "kv_cache_usage",
         GAUGE,
@@ -90,6 +91,7 @@ STATS: tuple[Stat, ...] = (
         "Preemptions (recompute) of running requests.",
         "num_preemptions",
     ),
+    # Only a request's first admission is looked up, not its recompute after a preemption.
     Stat(
         "prefix_cache_queries",
         COUNTER,
@@ -125,6 +127,7 @@ STATS: tuple[Stat, ...] = (
         "Tokens of KV copied from the host tier back to the device.",
         "kv_offload_loaded_tokens",
     ),
+    # The resumed requests' host hits, loaded or recomputed by the start-up cost probe's choice.
     Stat(
         "kv_offload_resumed_loaded_tokens",
         COUNTER,
@@ -147,6 +150,7 @@ STATS: tuple[Stat, ...] = (
         "host_kv_cache_usage_perc",
         type=float,
     ),
+    # Prompts of requests that produced their first token (or finished prompt-only) this step.
     Stat(
         "num_prompt_tokens",
         COUNTER,
