@@ -35,9 +35,9 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from jaxserve.benchmarks.client import completion_payload, send_completion  # noqa: E402
-from jaxserve.benchmarks.metrics_scrape import fetch_snapshot  # noqa: E402
-from jaxserve.benchmarks.workloads import TokenSource, WorkloadSpec, make_requests  # noqa: E402
+from jaxserve.bench.client import completion_payload, send_completion  # noqa: E402
+from jaxserve.bench.metrics_scrape import fetch_snapshot  # noqa: E402
+from jaxserve.bench.workloads import TokenSource, WorkloadSpec, make_requests  # noqa: E402
 from jaxserve.config import EngineArgs  # noqa: E402
 from jaxserve.entrypoints.ray_serve import make_ingress, start_replicas  # noqa: E402
 from jaxserve.entrypoints.router import POLICIES, Router  # noqa: E402

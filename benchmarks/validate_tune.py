@@ -20,10 +20,10 @@ import json
 import os
 import time
 
-from jaxserve.benchmarks.live_server import BackgroundServer
+from jaxserve.bench.live_server import BackgroundServer
 from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.tune.cli import token_source
+from jaxserve.tune.grid import token_source
 from jaxserve.tune.simulate import Setting, simulate
 from jaxserve.tune.step_model import calibrate_served, calibration_prompts
 from jaxserve.tune.trace import preset_trace

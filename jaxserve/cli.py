@@ -26,12 +26,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "offline inference over a JSONL file in the OpenAI batch format",
     ),
     "bench": (
-        "jaxserve.benchmarks.cli",
+        "jaxserve.bench.commands",
         "add_bench_parser",
         "benchmark a server (bench serve) or the offline engine (bench throughput)",
     ),
     "tune": (
-        "jaxserve.tune.cli",
+        "jaxserve.tune.grid",
         "add_tune_parser",
         "predict latency / throughput per scheduler setting for a workload and recommend one",
     ),

@@ -409,7 +409,12 @@ class EngineArgs:
         metadata=_meta("GiB of host memory for KV blocks evicted from the device (0: off)"),
     )
     kv_offloading_backend: str = dataclasses.field(
-        default="native", metadata=_meta("KV offloading implementation", choices=["native"])
+        default="native",
+        metadata=_meta(
+            "KV offloading implementation: native (our host block pool); vLLM's flag, kept so "
+            "vLLM command lines run (its other value, lmcache, is not implemented)",
+            choices=["native"],
+        ),
     )
     max_num_batched_tokens: int = dataclasses.field(
         default=8192, metadata=_meta("token budget per step")

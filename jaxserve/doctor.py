@@ -44,10 +44,10 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from jaxserve.benchmarks.client import completion_payload, send_completion
-from jaxserve.benchmarks.metrics_scrape import MetricsPoller, fetch_snapshot, run_figures
-from jaxserve.benchmarks.stats import RequestResult, compute_metrics
-from jaxserve.benchmarks.workloads import BenchRequest, TokenSource
+from jaxserve.bench.client import completion_payload, send_completion
+from jaxserve.bench.metrics_scrape import MetricsPoller, fetch_snapshot, run_figures
+from jaxserve.bench.stats import RequestResult, compute_metrics
+from jaxserve.bench.workloads import BenchRequest, TokenSource
 from jaxserve.tune.trace import Trace, TraceRequest, load_jsonl_trace, preset_trace
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
@@ -772,7 +772,7 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_checks(args: argparse.Namespace) -> list[Check]:
     """``diagnose`` from synchronous code (in a running event loop, e.g. a notebook, on a fresh
     loop in a worker thread). ``args``: the parsed ``doctor`` flags."""
-    from jaxserve.tune.cli import token_source
+    from jaxserve.tune.grid import token_source
 
     coro = diagnose(args, token_source())
     try:

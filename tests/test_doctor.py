@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from jaxserve.benchmarks.stats import RequestResult
+from jaxserve.bench.stats import RequestResult
 from jaxserve.doctor import (
     FAIL,
     PASS,

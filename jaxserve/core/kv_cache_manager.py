@@ -458,7 +458,6 @@ class KVCacheManager:
         """Usage now plus prefix-cache and eviction counters since the previous call (resets them)."""
         stats = KVCacheStats(
             usage=self.usage,
-            num_free_blocks=self.num_free_blocks,
             prefix_cache=self.prefix_cache_stats,
             num_evictions=self.block_pool.num_evictions,
             host_usage=self.host_pool.get_usage() if self.host_pool is not None else 0.0,

@@ -45,7 +45,7 @@ from jaxserve.metrics import EngineMetrics
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineArgs, EngineConfig
-    from jaxserve.outputs import RequestOutput
+    from jaxserve.request_output import RequestOutput
     from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

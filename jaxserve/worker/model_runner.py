@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.core.kv_cache_utils import load_beats_recompute
-from jaxserve.core.outputs import (
+from jaxserve.core.runner_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     ModelRunnerOutput,
     OneTokenEach,

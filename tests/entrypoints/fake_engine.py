@@ -18,7 +18,7 @@ import time
 
 from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import EngineStats
-from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import get_tokenizer
 from jaxserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -202,7 +202,6 @@ class FakeEngine:
             num_running_reqs=sum(len(r.samples) for r in running),
             num_waiting_reqs=sum(len(r.samples) for r in self._reqs.values() if not r.running),
             kv_cache_usage=min(1.0, used / (self.num_blocks - 1)),
-            num_unfinished_reqs=len(self._reqs),
             num_prompt_tokens_total=self._prompt_tokens_total,
             num_generation_tokens_total=self._generation_tokens_total,
             num_steps_total=self.num_steps,

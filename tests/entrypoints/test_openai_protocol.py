@@ -19,7 +19,7 @@ from jaxserve.entrypoints.openai.protocol import (
     CompletionRequest,
     TokenizeRequest,
 )
-from jaxserve.outputs import Logprob
+from jaxserve.request_output import Logprob
 
 
 def _err(model, body) -> APIError:

@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
 from jaxserve.entrypoints.openai.errors import APIError, from_value_error
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.request_output import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 

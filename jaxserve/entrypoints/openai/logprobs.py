@@ -31,7 +31,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.outputs import Logprob
+from jaxserve.request_output import Logprob
 
 _FLOOR = -9999.0
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

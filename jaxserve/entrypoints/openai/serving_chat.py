@@ -45,7 +45,7 @@ from jaxserve.entrypoints.openai.errors import APIError, from_value_error
 from jaxserve.entrypoints.openai.logprobs import chat_logprobs
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from jaxserve.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_tool_call
-from jaxserve.outputs import RequestOutput
+from jaxserve.request_output import RequestOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 

@@ -43,7 +43,7 @@ from jaxserve.entrypoints.openai.engine_calls import (
 from jaxserve.entrypoints.openai.errors import bad_request, from_value_error
 from jaxserve.entrypoints.openai.logprobs import CompletionLogprobs
 from jaxserve.entrypoints.openai.protocol import CompletionRequest
-from jaxserve.outputs import RequestOutput
+from jaxserve.request_output import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 

@@ -2,7 +2,7 @@
 
 What it measures and how follows vLLM's ``vllm bench serve`` (``benchmarks/serve.py``), so the
 figures compare: request throughput, output and total token throughput, and mean / median / p99
-of TTFT, TPOT, ITL and end-to-end latency (definitions in ``jaxserve.benchmarks.stats``).
+of TTFT, TPOT, ITL and end-to-end latency (definitions in ``jaxserve.bench.stats``).
 
 A run:
 
@@ -31,10 +31,10 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from jaxserve.benchmarks.client import completion_payload, send_completion
-from jaxserve.benchmarks.metrics_scrape import MetricsPoller, fetch_snapshot, run_figures
-from jaxserve.benchmarks.stats import RequestResult, compute_metrics, percentile_key
-from jaxserve.benchmarks.workloads import BenchRequest, poisson_arrivals
+from jaxserve.bench.client import completion_payload, send_completion
+from jaxserve.bench.metrics_scrape import MetricsPoller, fetch_snapshot, run_figures
+from jaxserve.bench.stats import RequestResult, compute_metrics, percentile_key
+from jaxserve.bench.workloads import BenchRequest, poisson_arrivals
 
 
 @dataclasses.dataclass

@@ -20,8 +20,8 @@ from typing import Any
 
 import aiohttp
 
-from jaxserve.benchmarks.stats import RequestResult
-from jaxserve.benchmarks.workloads import BenchRequest
+from jaxserve.bench.stats import RequestResult
+from jaxserve.bench.workloads import BenchRequest
 
 
 def completion_payload(

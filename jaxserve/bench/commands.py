@@ -20,7 +20,7 @@ import math
 import sys
 from typing import Any
 
-from jaxserve.benchmarks.workloads import (
+from jaxserve.bench.workloads import (
     PRESETS,
     PROMPT_FORMATS,
     WORKLOADS,
@@ -266,7 +266,7 @@ def _write(path: str | None, result: dict[str, Any], spec: WorkloadSpec) -> None
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     """The ``bench serve`` command; returns 0, 1 if a request failed, 2 on bad flags."""
-    from jaxserve.benchmarks.serve import ServeBenchConfig, format_table, run_serve_benchmark
+    from jaxserve.bench.serve import ServeBenchConfig, format_table, run_serve_benchmark
 
     try:
         spec = workload_spec(args)
@@ -318,7 +318,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
 def run_bench_throughput(args: argparse.Namespace) -> int:
     """The ``bench throughput`` command; returns 0, or 2 on bad flags or a refused request."""
-    from jaxserve.benchmarks.throughput import format_throughput, run_throughput
+    from jaxserve.bench.throughput import format_throughput, run_throughput
     from jaxserve.config import EngineArgs
     from jaxserve.engine.llm import LLM
 

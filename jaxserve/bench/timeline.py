@@ -6,7 +6,7 @@ done, and records after every step the engine's gauges (``LLMEngine.get_stats()`
 waiting requests, KV-cache usage) and counters (preemptions, scheduled tokens), and per request
 the host time of every step that gave it tokens. Times are ``time.perf_counter()`` seconds from
 the start of the run, so TTFT, TPOT, ITL and end-to-end latency mean what they mean in
-``jaxserve.benchmarks.stats`` (add -> first token, gaps between token-producing steps), without
+``jaxserve.bench.stats`` (add -> first token, gaps between token-producing steps), without
 HTTP in between.
 
 ``engine_variant(engine, **knobs)`` builds a new engine with other scheduler knobs (token
@@ -22,8 +22,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.benchmarks.stats import RequestResult, compute_metrics
-from jaxserve.benchmarks.workloads import BenchRequest
+from jaxserve.bench.stats import RequestResult, compute_metrics
+from jaxserve.bench.workloads import BenchRequest
 
 SCHEDULER_KNOBS = (
     "max_num_batched_tokens",

@@ -255,7 +255,7 @@ def calibrate(engine_args: Any) -> tuple[StepTimeModel, Any]:
 
 def token_source() -> Any:
     """Random prompt tokens from the bundled model's vocabulary (as ``bench serve`` draws them)."""
-    from jaxserve.benchmarks.workloads import TokenSource
+    from jaxserve.bench.workloads import TokenSource
     from jaxserve.model import default_model_path
     from jaxserve.tokenizer import get_tokenizer
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.benchmarks.workloads import BenchRequest
+from jaxserve.bench.workloads import BenchRequest
 
 
 def run_throughput(

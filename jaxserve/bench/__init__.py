@@ -1,4 +1,8 @@
-"""Benchmarks with vLLM's figures, and the helpers the notebooks use.
+"""``jaxserve bench``: load tests with vLLM's figures, and the helpers the notebooks use.
+
+The installed side of benchmarking (``jaxserve bench serve`` / ``bench throughput`` run from any
+directory); the repository's ``benchmarks/`` holds the development benchmarks (kernels, scheduler,
+engine) and their recorded figures, and imports this package where it needs a workload or a client.
 
 Modules (each imported on first use of one of its names below):
 
@@ -13,7 +17,7 @@ Modules (each imported on first use of one of its names below):
 * ``timeline``: stepping an ``LLMEngine`` and recording scheduler / KV-cache state per step;
   engine variants with other scheduler knobs around one warmed-up runner.
 * ``live_server``: serving an in-process engine over HTTP from a background thread.
-* ``cli``: the ``bench`` subcommand's parsers.
+* ``commands``: the ``bench serve`` / ``bench throughput`` parsers and what they run.
 """
 
 from __future__ import annotations

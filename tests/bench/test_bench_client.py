@@ -15,10 +15,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from jaxserve.benchmarks.client import completion_payload, send_completion
-from jaxserve.benchmarks.metrics_scrape import parse_metrics, run_figures, snapshot
-from jaxserve.benchmarks.stats import RequestResult, compute_metrics, summarize
-from jaxserve.benchmarks.workloads import (
+from jaxserve.bench.client import completion_payload, send_completion
+from jaxserve.bench.metrics_scrape import parse_metrics, run_figures, snapshot
+from jaxserve.bench.stats import RequestResult, compute_metrics, summarize
+from jaxserve.bench.workloads import (
     BenchRequest,
     TokenSource,
     WorkloadSpec,
@@ -273,7 +273,7 @@ def test_payload():
 
 
 def test_cli_flags_and_presets():
-    from jaxserve.benchmarks.cli import resolve, workload_spec
+    from jaxserve.bench.commands import resolve, workload_spec
     from jaxserve.cli import build_parser
 
     argv = ["bench", "serve", "--preset", "mixed", "--input-len", "12", "--num-prompts", "5"]
@@ -310,7 +310,7 @@ MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "
 def llm():
     if not os.path.isfile(os.path.join(MODEL_DIR, "config.json")):
         pytest.skip("the bundled model is missing")
-    from jaxserve.benchmarks import DEMO_ENGINE_ARGS
+    from jaxserve.bench import DEMO_ENGINE_ARGS
     from jaxserve.engine.llm import LLM
 
     return LLM(**DEMO_ENGINE_ARGS)
@@ -319,7 +319,7 @@ def llm():
 @pytest.fixture
 def server(llm):
     """A server around a fresh engine variant (empty prefix cache) of the module's model."""
-    from jaxserve.benchmarks import BackgroundServer, engine_variant
+    from jaxserve.bench import BackgroundServer, engine_variant
 
     srv = BackgroundServer(engine_variant(llm))
     yield srv
@@ -475,7 +475,7 @@ def test_bench_serve_reports_failures(server, tmp_path, capsys):
 
 
 def test_run_throughput(llm):
-    from jaxserve.benchmarks import format_throughput, run_throughput
+    from jaxserve.bench import format_throughput, run_throughput
 
     spec = WorkloadSpec(
         kind="shared-prefix",
@@ -500,7 +500,7 @@ def test_run_throughput(llm):
 
 
 def test_timeline_small_pool_preempts(llm):
-    from jaxserve.benchmarks import engine_variant, run_timeline
+    from jaxserve.bench import engine_variant, run_timeline
 
     reqs = make_requests(
         WorkloadSpec(kind="random", num_prompts=4, input_len=30, output_len=20, seed=7),
@@ -525,7 +525,7 @@ def test_timeline_small_pool_preempts(llm):
 
 
 def test_engine_variant_checks_knobs(llm):
-    from jaxserve.benchmarks import engine_variant
+    from jaxserve.bench import engine_variant
 
     with pytest.raises(ValueError, match="unknown knob.*block_size"):
         engine_variant(llm, block_size=32)
