@@ -199,7 +199,7 @@ MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tiny-l
 def test_quick_run_against_the_bundled_model_talks_and_finishes(capsys):
     if not os.path.isfile(os.path.join(MODEL_DIR, "config.json")):
         pytest.skip("the bundled model is missing")
-    from jaxserve.benchmarks import DEMO_ENGINE_ARGS, BackgroundServer
+    from jaxserve.bench import DEMO_ENGINE_ARGS, BackgroundServer
     from jaxserve.cli import build_parser
     from jaxserve.doctor import run_doctor
     from jaxserve.engine.llm import LLM
