@@ -55,10 +55,10 @@ from jaxserve.entrypoints.openai.api_server import (
     prepare,
     serve_until_signal,
 )
-from jaxserve.entrypoints.openai.common import ServingInfo
-from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.sse import DONE_EVENT, SSEEncoder
 from jaxserve.entrypoints.router import POLICIES, NoReplicaError, Router
+from jaxserve.serving.errors import APIError
+from jaxserve.serving.validation import ServingInfo
 
 logger = logging.getLogger(__name__)
 
@@ -168,13 +168,13 @@ class EngineReplica:
         final answer, or an error before acceptance (then without ``accepted``).
         """
         from jaxserve.engine.async_llm import EngineDeadError
-        from jaxserve.entrypoints.openai.common import check_queue
-        from jaxserve.entrypoints.openai.engine_calls import abort_all, engine_error
-        from jaxserve.entrypoints.openai.serving_chat import create_chat, stream_chat
-        from jaxserve.entrypoints.openai.serving_completion import (
+        from jaxserve.serving.chat import create_chat, stream_chat
+        from jaxserve.serving.completion import (
             create_completion,
             stream_completion,
         )
+        from jaxserve.serving.engine_calls import abort_all, engine_error
+        from jaxserve.serving.validation import check_queue
 
         probe = _AcceptProbe(self.llm)
         try:

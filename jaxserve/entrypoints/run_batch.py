@@ -40,8 +40,8 @@ from jaxserve.entrypoints.batch_io import (
     response_record,
 )
 from jaxserve.entrypoints.openai.api_server import serve_request
-from jaxserve.entrypoints.openai.common import ServingInfo
-from jaxserve.entrypoints.openai.errors import error_body
+from jaxserve.serving.errors import error_body
+from jaxserve.serving.validation import ServingInfo
 
 logger = logging.getLogger(__name__)
 

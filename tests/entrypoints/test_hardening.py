@@ -19,8 +19,8 @@ from server_harness import MODEL_DIR, LiveServer, assert_error, sse
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.api_server import build_app
-from jaxserve.entrypoints.openai.common import ServingInfo
 from jaxserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from jaxserve.serving.validation import ServingInfo
 from jaxserve.tokenizer.stop_strings import StopChecker
 
 CHAT = "/v1/chat/completions"
@@ -359,7 +359,7 @@ def test_serve_flags_in_help_and_startup_report(server):
 
 
 def test_cached_probe_rereads_after_ttl():
-    from jaxserve.entrypoints.openai.common import cached_probe
+    from jaxserve.serving.validation import cached_probe
 
     calls = []
     probe = cached_probe(lambda: calls.append(1) or len(calls), ttl_s=0.05)

@@ -1,6 +1,5 @@
-"""OpenAI-compatible API: request models (``protocol``), completions and chat serving, the aiohttp app.
+"""The HTTP transport of the OpenAI-compatible API (aiohttp): routes, middlewares, SSE writing.
 
-``api_server`` is the HTTP layer; ``serving_completion`` and ``serving_chat`` turn validated
-requests into engine calls and engine outputs into OpenAI-shaped response bodies as plain
-functions, so the batch CLI reuses them without HTTP.
+What a request means (validation, prompts, engine calls, response bodies) lives in
+``jaxserve.serving``; ``api_server`` reads bodies, calls it, and writes what it returns.
 """

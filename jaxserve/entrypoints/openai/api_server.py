@@ -44,11 +44,8 @@ import asyncio
 import dataclasses
 import hmac
 import importlib.metadata
-import json
 import logging
-import math
 import os
-import re
 import signal
 import socket
 import sys
@@ -62,15 +59,21 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from jaxserve.engine.async_llm import DEFAULT_STEP_TIMEOUT_S, EngineDeadError, RequestStream
-from jaxserve.entrypoints.openai.common import (
-    ServingInfo,
-    check_priority,
-    check_prompt_bytes,
-    check_prompt_ids,
-    check_queue,
+from jaxserve.entrypoints.openai.openapi import openapi_document
+from jaxserve.entrypoints.openai.sse import DONE_EVENT, SSEEncoder
+from jaxserve.serving.chat import (
+    create_chat,
+    messages_as_dicts,
+    prepare_chat,
+    stream_chat,
 )
-from jaxserve.entrypoints.openai.engine_calls import abort_all, engine_error
-from jaxserve.entrypoints.openai.errors import (
+from jaxserve.serving.completion import (
+    create_completion,
+    prepare_completion,
+    stream_completion,
+)
+from jaxserve.serving.engine_calls import abort_all, engine_error
+from jaxserve.serving.errors import (
     APIError,
     bad_request,
     error_body,
@@ -78,25 +81,20 @@ from jaxserve.entrypoints.openai.errors import (
     from_value_error,
     model_not_found,
 )
-from jaxserve.entrypoints.openai.openapi import openapi_document
-from jaxserve.entrypoints.openai.protocol import (
+from jaxserve.serving.json_io import dumps, parse_json_body
+from jaxserve.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from jaxserve.entrypoints.openai.serving_chat import (
-    create_chat,
-    messages_as_dicts,
-    prepare_chat,
-    stream_chat,
+from jaxserve.serving.validation import (
+    ServingInfo,
+    check_priority,
+    check_prompt_bytes,
+    check_prompt_ids,
+    check_queue,
 )
-from jaxserve.entrypoints.openai.serving_completion import (
-    create_completion,
-    prepare_completion,
-    stream_completion,
-)
-from jaxserve.entrypoints.openai.sse import DONE_EVENT, SSEEncoder, dumps
 
 logger = logging.getLogger(__name__)
 
@@ -128,49 +126,7 @@ _PARSE_OFF_LOOP_BYTES = 256 * 2**10
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
-# ---- JSON in and out ------------------------------------------------------------------------
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a valid JSON number")
-
-
-def _parse_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is out of the range of a float")
-    return value
-
-
-# What can smuggle an unpaired UTF-16 surrogate into a parsed string: a ``\\udXXX`` escape, a
-# UTF-8-encoded surrogate (json.loads decodes with "surrogatepass"), or a UTF-16/32 body (NUL bytes).
-_SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]|\x00")
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Parses a request body; NaN, Infinity and overflowing numbers are refused (strict JSON), and
-    so are unpaired UTF-16 surrogates (``"\\ud83d"`` alone), which no tokenizer can encode and no
-    response can carry (RFC 8259 section 8.2 leaves them undefined).
-
-    Raises:
-      APIError: 400 for malformed JSON, an unpaired surrogate, or a body that is not an object.
-    """
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_parse_float)
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    if _SURROGATE_HINT.search(raw):
-        try:
-            dumps(body)
-        except UnicodeEncodeError as exc:
-            bad = exc.object[exc.start : exc.end]
-            raise bad_request(
-                f"the request body is not valid JSON: a string holds an unpaired UTF-16 surrogate "
-                f"({bad.encode('unicode_escape').decode()}); strings must be valid Unicode"
-            ) from None
-    return body
+# ---- JSON out ------------------------------------------------------------------------------
 
 
 def json_response(

@@ -1,6 +1,6 @@
 """``/v1/chat/completions``: messages -> chat template -> engine request -> OpenAI response or chunks.
 
-Plain functions, no HTTP (the batch CLI reuses them), like ``serving_completion``:
+Plain functions, no HTTP (the batch CLI reuses them), like ``completion``:
 
     job = prepare_chat(request, info, tokenizer)          # 400s here (APIError)
     body = await create_chat(llm, job)                    # non-streaming response dict
@@ -25,28 +25,28 @@ from typing import Any
 
 from jaxserve.core.ledger import response_ledger
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
-from jaxserve.entrypoints.openai.common import (
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxserve.serving.engine_calls import (
+    collect_all,
+    engine_error,
+    merge_streams,
+    random_id,
+    start_requests,
+    usage,
+)
+from jaxserve.serving.errors import APIError, from_value_error
+from jaxserve.serving.logprobs import chat_logprobs
+from jaxserve.serving.protocol import ChatCompletionRequest, ChatMessage
+from jaxserve.serving.tool_calls import ToolPlan, plan_tools, template_tool_call
+from jaxserve.serving.validation import (
     ServingInfo,
     check_output_constraint,
     check_prompt_bytes,
     check_prompt_ids,
     check_sampler_memory,
-    random_id,
     resolve_max_tokens,
-    usage,
 )
-from jaxserve.entrypoints.openai.engine_calls import (
-    collect_all,
-    engine_error,
-    merge_streams,
-    start_requests,
-)
-from jaxserve.entrypoints.openai.errors import APIError, from_value_error
-from jaxserve.entrypoints.openai.logprobs import chat_logprobs
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from jaxserve.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_tool_call
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclasses.dataclass
@@ -272,7 +272,7 @@ async def stream_chat(
 ) -> tuple[list[RequestStream], AsyncIterator[dict[str, Any]]]:
     """Starts the engine request and returns it with the async iterator of chunk dicts.
 
-    Same contract as ``serving_completion.stream_completion``.
+    Same contract as ``completion.stream_completion``.
     """
     streams = await start_requests(
         llm,

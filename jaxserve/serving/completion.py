@@ -24,27 +24,27 @@ from typing import Any
 
 from jaxserve.core.ledger import response_ledger
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
-from jaxserve.entrypoints.openai.common import (
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.serving.engine_calls import (
+    collect_all,
+    engine_error,
+    merge_streams,
+    random_id,
+    start_requests,
+    usage,
+)
+from jaxserve.serving.errors import bad_request, from_value_error
+from jaxserve.serving.logprobs import CompletionLogprobs
+from jaxserve.serving.protocol import CompletionRequest
+from jaxserve.serving.validation import (
     ServingInfo,
     check_output_constraint,
     check_prompt_bytes,
     check_prompt_ids,
     check_sampler_memory,
-    random_id,
     resolve_max_tokens,
-    usage,
 )
-from jaxserve.entrypoints.openai.engine_calls import (
-    collect_all,
-    engine_error,
-    merge_streams,
-    start_requests,
-)
-from jaxserve.entrypoints.openai.errors import bad_request, from_value_error
-from jaxserve.entrypoints.openai.logprobs import CompletionLogprobs
-from jaxserve.entrypoints.openai.protocol import CompletionRequest
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass

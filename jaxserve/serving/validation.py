@@ -1,4 +1,4 @@
-"""What completions and chat serving share: the served model's facts, prompt checks, ids, usage.
+"""Request checks before the engine: the served model's facts (``ServingInfo``) and the checks that use them.
 
 Prompt checks follow vLLM's ``OpenAIServing._validate_input``: a prompt must be non-empty, its
 token ids inside the vocabulary, and no longer than ``max_model_len``; a ``max_tokens`` beyond
@@ -13,11 +13,10 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxserve.entrypoints.openai.errors import APIError, bad_request, model_not_found
+from jaxserve.serving.errors import APIError, bad_request, model_not_found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,11 +263,6 @@ def check_output_constraint(request: Any, params: Any, tokenizer: Any) -> None:
         raise bad_request(str(exc), param=request.constraint_field) from exc
 
 
-def random_id(prefix: str) -> str:
-    """An OpenAI-style id: ``cmpl-<32 hex>``, ``chatcmpl-<32 hex>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 def check_prompt_ids(ids: list[int], info: ServingInfo, field: str = "prompt") -> None:
     """Checks one prompt's token ids: non-empty, inside the vocabulary, short enough.
 
@@ -332,16 +326,6 @@ def resolve_max_tokens(
             param=field,
         )
     return requested
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI's ``usage`` object, with ``prompt_tokens_details.cached_tokens`` (prefix caching)."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
 
 
 def check_queue(llm: Any, info: ServingInfo) -> None:

@@ -1,4 +1,5 @@
-"""Starting a response's engine requests, collecting their final outputs, merging their streams.
+"""A response's engine requests: their ids, starting them, collecting their final outputs,
+merging their streams, and the ``usage`` they add up to.
 
 One OpenAI request may carry several prompts (``/v1/completions`` with a list); each becomes one
 engine request ``{response_id}-{prompt_index}`` whose ``n`` samples the engine fans out itself.
@@ -10,13 +11,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
-from jaxserve.entrypoints.openai.errors import APIError, from_value_error
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.serving.errors import APIError, from_value_error
+
+
+def random_id(prefix: str) -> str:
+    """An OpenAI-style id: ``cmpl-<32 hex>``, ``chatcmpl-<32 hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's ``usage`` object, with ``prompt_tokens_details.cached_tokens`` (prefix caching)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def engine_error(exc: EngineDeadError) -> APIError:
