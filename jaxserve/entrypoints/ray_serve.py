@@ -154,7 +154,7 @@ class EngineReplica:
 
     async def ledger(self, request_id: str) -> Any:
         """A finished request's ledger if this replica served it, else None."""
-        return self.llm.get_ledger(request_id)
+        return await self.llm.get_ledger(request_id)
 
     async def metrics(self) -> str:
         """This replica's Prometheus exposition."""

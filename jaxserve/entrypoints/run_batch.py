@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxserve.engine.async_llm import EngineDeadError
+from jaxserve.engine.protocol import EngineClient, EngineDeadError
 from jaxserve.entrypoints.batch_io import (
     BatchLine,
     LineError,
@@ -105,7 +105,7 @@ class BatchStats:
 
 
 async def run_batch(
-    llm: Any,
+    llm: EngineClient,
     lines: Sequence[BatchLine],
     write: Callable[[dict[str, Any]], None],
     *,
@@ -283,7 +283,7 @@ def _read_input(path: str) -> bytes:
         return f.read()
 
 
-def run_batch_main(args: argparse.Namespace, llm: Any = None) -> int:
+def run_batch_main(args: argparse.Namespace, llm: EngineClient | None = None) -> int:
     """The ``run-batch`` command.
 
     Args:

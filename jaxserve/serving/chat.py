@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxserve.core.ledger import response_ledger
-from jaxserve.engine.async_llm import EngineDeadError, RequestStream
+from jaxserve.engine.protocol import EngineClient, EngineDeadError, RequestOutputStream
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.serving.engine_calls import (
@@ -249,7 +249,7 @@ def build_chat_response(job: ChatJob, output: RequestOutput, tokenizer: Any) -> 
     return body
 
 
-async def create_chat(llm: Any, job: ChatJob) -> dict[str, Any]:
+async def create_chat(llm: EngineClient, job: ChatJob) -> dict[str, Any]:
     """Runs a non-streaming chat completion to the end and returns the response body.
 
     Raises:
@@ -268,8 +268,8 @@ async def create_chat(llm: Any, job: ChatJob) -> dict[str, Any]:
 
 
 async def stream_chat(
-    llm: Any, job: ChatJob
-) -> tuple[list[RequestStream], AsyncIterator[dict[str, Any]]]:
+    llm: EngineClient, job: ChatJob
+) -> tuple[list[RequestOutputStream], AsyncIterator[dict[str, Any]]]:
     """Starts the engine request and returns it with the async iterator of chunk dicts.
 
     Same contract as ``completion.stream_completion``.
@@ -286,7 +286,7 @@ async def stream_chat(
 
 
 async def _chunks(
-    job: ChatJob, streams: list[RequestStream], tokenizer: Any
+    job: ChatJob, streams: list[RequestOutputStream], tokenizer: Any
 ) -> AsyncIterator[dict[str, Any]]:
     request = job.request
     header = _header(job, "chat.completion.chunk")

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxserve.core.ledger import response_ledger
-from jaxserve.engine.async_llm import EngineDeadError, RequestStream
+from jaxserve.engine.protocol import EngineClient, EngineDeadError, RequestOutputStream
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.serving.engine_calls import (
@@ -188,7 +188,7 @@ def build_completion_response(
     return body
 
 
-async def create_completion(llm: Any, job: CompletionJob) -> dict[str, Any]:
+async def create_completion(llm: EngineClient, job: CompletionJob) -> dict[str, Any]:
     """Runs a non-streaming completion to the end and returns the response body.
 
     Raises:
@@ -207,8 +207,8 @@ async def create_completion(llm: Any, job: CompletionJob) -> dict[str, Any]:
 
 
 async def stream_completion(
-    llm: Any, job: CompletionJob
-) -> tuple[list[RequestStream], AsyncIterator[dict[str, Any]]]:
+    llm: EngineClient, job: CompletionJob
+) -> tuple[list[RequestOutputStream], AsyncIterator[dict[str, Any]]]:
     """Starts the engine requests and returns them with the async iterator of chunk dicts.
 
     The caller writes each chunk as an SSE event, then ``data: [DONE]``, and aborts the streams
@@ -230,7 +230,7 @@ async def stream_completion(
 
 
 async def _chunks(
-    job: CompletionJob, streams: list[RequestStream], tokenizer: Any
+    job: CompletionJob, streams: list[RequestOutputStream], tokenizer: Any
 ) -> AsyncIterator[dict[str, Any]]:
     request = job.request
     header = _header(job)

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from jaxserve.engine.async_llm import EngineDeadError, RequestStream
+from jaxserve.engine.protocol import EngineClient, EngineDeadError, RequestOutputStream
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.serving.errors import APIError, from_value_error
@@ -44,20 +44,20 @@ def engine_error(exc: EngineDeadError) -> APIError:
 
 
 async def start_requests(
-    llm: Any,
+    llm: EngineClient,
     request_id: str,
     prompts: Sequence[list[int]],
     params: Sequence[SamplingParams],
     *,
     priority: int = 0,
     cache_salt: str | None = None,
-) -> list[RequestStream]:
+) -> list[RequestOutputStream]:
     """Adds one engine request per prompt (ids ``{request_id}-{i}``) and returns their streams.
 
     Raises:
       APIError: 400 if the engine refused one (the others are aborted), 503 if it is dead.
     """
-    streams: list[RequestStream] = []
+    streams: list[RequestOutputStream] = []
     try:
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             streams.append(
@@ -75,13 +75,13 @@ async def start_requests(
     return streams
 
 
-def abort_all(streams: Sequence[RequestStream]) -> None:
+def abort_all(streams: Sequence[RequestOutputStream]) -> None:
     """Aborts every stream that has not finished (idempotent)."""
     for stream in streams:
         stream.abort()
 
 
-async def collect_final(stream: RequestStream) -> RequestOutput:
+async def collect_final(stream: RequestOutputStream) -> RequestOutput:
     """Consumes a stream and returns its final RequestOutput with every sample's latest state.
 
     Each sample's cumulative fields are kept from its latest appearance, so the result is whole
@@ -102,7 +102,7 @@ async def collect_final(stream: RequestStream) -> RequestOutput:
     )
 
 
-async def collect_all(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+async def collect_all(streams: Sequence[RequestOutputStream]) -> list[RequestOutput]:
     """``collect_final`` of every stream, concurrently; aborts them all if interrupted.
 
     Raises:
@@ -117,7 +117,7 @@ async def collect_all(streams: Sequence[RequestStream]) -> list[RequestOutput]:
 
 
 async def merge_streams(
-    streams: Sequence[RequestStream],
+    streams: Sequence[RequestOutputStream],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yields ``(prompt_index, output)`` from several streams as outputs arrive.
 
@@ -134,7 +134,7 @@ async def merge_streams(
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: RequestStream) -> None:
+    async def pump(i: int, stream: RequestOutputStream) -> None:
         try:
             async for output in stream:
                 queue.put_nowait((i, output))

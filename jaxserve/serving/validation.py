@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxserve.engine.protocol import EngineClient
 from jaxserve.serving.errors import APIError, bad_request, model_not_found
 
 
@@ -63,13 +64,9 @@ class ServingInfo:
     system_fingerprint: str = ""
 
     @classmethod
-    def from_engine(cls, llm: Any) -> ServingInfo:
-        """Reads the facts off an AsyncLLM (its ``engine_config`` and ``tokenizer``)."""
+    def from_engine(cls, llm: EngineClient) -> ServingInfo:
+        """Reads the facts off an engine (its ``engine_config``, ``tokenizer`` and ``vocab_size``)."""
         cfg = llm.engine_config
-        # Token ids must be known to both the model and the tokenizer (the detokenizer decodes them).
-        vocab = min(
-            v for v in (llm.tokenizer.vocab_size, getattr(llm.engine, "vocab_size", None)) if v
-        )
         import jax  # local: the server imports it anyway; keeps this module light for tests
 
         on_cpu = jax.default_backend() == "cpu"
@@ -81,7 +78,7 @@ class ServingInfo:
             model_name=cfg.model.served_model_name,
             model_path=cfg.model.model,
             max_model_len=cfg.scheduler.max_model_len,
-            vocab_size=vocab,
+            vocab_size=llm.vocab_size,
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill,
             max_waiting_requests=cfg.scheduler.max_waiting_requests,
@@ -328,7 +325,7 @@ def resolve_max_tokens(
     return requested
 
 
-def check_queue(llm: Any, info: ServingInfo) -> None:
+def check_queue(llm: EngineClient, info: ServingInfo) -> None:
     """Raises a 503 with ``Retry-After`` when the waiting queue is at ``max_waiting_requests``."""
     if info.max_waiting_requests and llm.num_waiting_requests >= info.max_waiting_requests:
         raise APIError(

@@ -330,7 +330,7 @@ async def _ledger(request: web.Request) -> web.Response:
     """``GET /v1/requests/{request_id}/ledger``: a finished request's ledger (engine request id
     or response id), or 404 ``ledger_not_found`` when unknown or past ``--ledger-history``."""
     request_id = request.match_info["request_id"]
-    return ledger_response(request_id, request.app[LLM_KEY].get_ledger(request_id))
+    return ledger_response(request_id, await request.app[LLM_KEY].get_ledger(request_id))
 
 
 def ledger_response(request_id: str, ledger: Any) -> web.Response:
@@ -360,8 +360,8 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    metrics = request.app[LLM_KEY].metrics
-    return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
+    body, content_type = await request.app[LLM_KEY].render_metrics()
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def _openapi(request: web.Request) -> web.Response:
