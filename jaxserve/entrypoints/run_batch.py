@@ -3,8 +3,8 @@
     jaxserve run-batch -i requests.jsonl -o results.jsonl [MODEL] [engine flags]
 
 Every input line is validated and served by the HTTP server's own code
-(``api_server.serve_request``: the same validation, engine calls and response bodies), without
-HTTP. All requests are handed to one engine at once, so continuous batching keeps the device
+(``jaxserve.serving.endpoints.OpenAIServing.serve_request``: the same validation, engine calls
+and response bodies), without HTTP. All requests are handed to one engine at once, so continuous batching keeps the device
 full; each record is written and flushed as its request finishes (completion order). The file
 format, the rule for failed lines and how a rerun resumes are in
 :mod:`jaxserve.entrypoints.batch_io` (vLLM's ``run_batch`` and the OpenAI Batch API).
@@ -39,9 +39,8 @@ from jaxserve.entrypoints.batch_io import (
     parse_input,
     response_record,
 )
-from jaxserve.entrypoints.openai.api_server import serve_request
+from jaxserve.serving.endpoints import OpenAIServing
 from jaxserve.serving.errors import error_body
-from jaxserve.serving.validation import ServingInfo
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class BatchStats:
         return text
 
 
-# ---- the async part: serve every line through the server's code ------------------------------------
+# ---- the async part: serve every line through the serving layer -------------------------------------
 
 
 async def run_batch(
@@ -134,13 +133,13 @@ async def run_batch(
     from tqdm.auto import tqdm
 
     stats = stats or BatchStats()
-    info = ServingInfo.from_engine(llm)
+    serving = OpenAIServing(llm)
     start = time.perf_counter()
 
     async def serve(item: BatchLine) -> tuple[BatchLine, int, dict[str, Any]]:
         try:
             request_body = {**item.body, "include_ledger": True} if include_ledger else item.body
-            status, body = await serve_request(llm, item.url, request_body, info)
+            status, body = await serving.serve_request(item.url, request_body)
         except Exception:  # noqa: BLE001 - a bug of ours; the server answers it with a 500 too
             logger.exception(
                 "internal error serving line %d (custom_id %r)", item.line, item.custom_id

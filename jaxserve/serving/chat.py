@@ -73,6 +73,11 @@ class ChatJob:
     tools: ToolPlan | None = None
     system_fingerprint: str = ""
 
+    @property
+    def first_prompt(self) -> list[int]:
+        """The prompt's token ids (what a router matches against replicas' caches)."""
+        return self.prompt_ids
+
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the plain dicts a chat template reads (content flattened to a string; an

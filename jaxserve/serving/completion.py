@@ -72,6 +72,11 @@ class CompletionJob:
     params: list[SamplingParams]
     system_fingerprint: str = ""
 
+    @property
+    def first_prompt(self) -> list[int]:
+        """The first prompt's token ids (what a router matches against replicas' caches)."""
+        return self.prompt_ids[0]
+
 
 def _prompts(
     request: CompletionRequest, tokenizer: Any, info: ServingInfo

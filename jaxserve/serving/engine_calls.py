@@ -37,10 +37,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def engine_error(exc: EngineDeadError) -> APIError:
-    """The error a client sees when the engine died under its request."""
-    return APIError(
-        f"the engine stopped serving: {exc}", status=503, type="server_error", code="engine_dead"
-    )
+    """The 503 a client sees when the engine died under its request, with the error's ``code``
+    ("engine_dead"; a subclass's own, such as "replica_died", with its own message)."""
+    message = f"the engine stopped serving: {exc}" if exc.code == "engine_dead" else str(exc)
+    return APIError(message, status=503, type="server_error", code=exc.code)
 
 
 async def start_requests(

@@ -1,6 +1,6 @@
 """Every engine implementation matches its Protocol (``jaxserve.engine.protocol``) member by member:
 ``LLMEngine`` and the server tests' scripted ``FakeEngine`` against ``EngineCore``; ``AsyncLLM``
-(and the Ray clients, in ``test_ray_clients_match_engine_client``) against ``EngineClient``. A
+and the Ray clients (``ReplicaClient``, ``ReplicaSet``) against ``EngineClient``. A
 method that one of them lacks, or whose parameters, defaults or async-ness differ, fails here,
 and so does a public method of the fake that the protocol does not declare."""
 
@@ -102,6 +102,21 @@ def test_async_llm_matches_engine_client(fake):
         assert problems(asyncio.run(stream()), RequestOutputStream) == []
     finally:
         llm.shutdown()
+
+
+def test_ray_clients_match_engine_client(fake):
+    pytest.importorskip("ray")
+    from jaxserve.entrypoints.ray_clients import RelayedStream, ReplicaSet
+    from jaxserve.entrypoints.router import Router
+    from jaxserve.serving.validation import ServingInfo
+
+    info = ServingInfo("m", MODEL_DIR, 256, fake.vocab_size, 64, True)
+    described = [{"info": info, "engine_config": fake.engine_config}] * 2
+    router = Router(2, "round-robin", 16, b"")
+    replicas = ReplicaSet([None, None], described, router, fake.tokenizer)  # no actors needed
+    assert problems(replicas, EngineClient) == []
+    assert problems(replicas.clients[0], EngineClient) == []
+    assert problems(RelayedStream(replicas.clients[0], "r", None), RequestOutputStream) == []
 
 
 def test_the_check_catches_drift(fake):

@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.entrypoints.openai.sse import SSEEncoder
+from jaxserve.entrypoints.http.sse import SSEEncoder
 from jaxserve.serving.json_io import dumps
 
 
