@@ -28,7 +28,7 @@ from jaxserve.engine.protocol import (
     RequestOutputStream,
 )
 from jaxserve.entrypoints.router import NoReplicaError, Router
-from jaxserve.serving.endpoints import Generation, OpenAIServing, Reply, StreamReply
+from jaxserve.serving.endpoints import Generation, Job, OpenAIServing, Reply, StreamReply
 from jaxserve.serving.errors import APIError
 from jaxserve.serving.validation import ServingInfo
 
@@ -514,7 +514,7 @@ class RoutedServing(OpenAIServing):
 
     engine: ReplicaSet
 
-    async def start(self, endpoint: Generation, job: Any) -> Reply:
+    async def start(self, endpoint: Generation, job: Job) -> Reply:
         """Starts the job on a replica.
 
         Raises:

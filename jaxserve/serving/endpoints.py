@@ -26,7 +26,7 @@ import asyncio
 import dataclasses
 import importlib.metadata
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import pydantic
 
@@ -59,6 +59,23 @@ from jaxserve.serving.validation import (
 Chunks = AsyncIterator[dict[str, Any]]
 
 
+class Job(Protocol):
+    """A prepared generating request (``CompletionJob``, ``ChatJob``), as this module reads it.
+
+    Attributes:
+      request: the validated body (``stream``, ``priority``, ``cache_salt`` are read here).
+      request_id: the response id; its engine requests are ``{request_id}-{i}``.
+    """
+
+    request: Any
+    request_id: str
+
+    @property
+    def first_prompt(self) -> list[int]:
+        """The first prompt's token ids (what a router matches against replicas' caches)."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """A generating endpoint: its request model and serving functions.
@@ -71,7 +88,7 @@ class Generation:
     """
 
     request_model: type[pydantic.BaseModel]
-    prepare: Callable[[Any, ServingInfo, Any], Any]
+    prepare: Callable[[Any, ServingInfo, Any], Job]
     create: Callable[[EngineClient, Any], Awaitable[dict[str, Any]]]
     stream: Callable[[EngineClient, Any], Awaitable[tuple[list[RequestOutputStream], Chunks]]]
 
@@ -168,7 +185,7 @@ class OpenAIServing:
 
     # -- generation ----------------------------------------------------------------------------
 
-    def prepare(self, url: str, body: dict[str, Any]) -> tuple[Generation, Any]:
+    def prepare(self, url: str, body: dict[str, Any]) -> tuple[Generation, Job]:
         """Validates a generating request's body and builds its job: ``(endpoint, job)``.
 
         Raises:
@@ -197,7 +214,7 @@ class OpenAIServing:
         endpoint, job = await asyncio.to_thread(self.prepare, url, body)
         return await self.start(endpoint, job)
 
-    async def start(self, endpoint: Generation, job: Any) -> Reply:
+    async def start(self, endpoint: Generation, job: Job) -> Reply:
         """Starts a prepared job on the engine (the Ray ingress picks a replica instead)."""
         return await self.start_on(self.engine, endpoint, job)
 
@@ -205,7 +222,7 @@ class OpenAIServing:
         self,
         engine: EngineClient,
         endpoint: Generation,
-        job: Any,
+        job: Job,
         headers: dict[str, str] | None = None,
     ) -> Reply:
         """Starts a prepared job on ``engine``: the whole response, or the stream once the

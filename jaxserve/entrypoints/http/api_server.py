@@ -367,7 +367,7 @@ async def run_server(
     engine requests aborted, their KV blocks freed).
 
     Args:
-      llm: the running AsyncLLM.
+      llm: the running engine client (an AsyncLLM, or the Ray replicas' ReplicaSet).
       host, port: where to listen (port 0 picks a free one).
       api_key: see ``build_app``.
       ready: called with (host, bound port) once listening.
