@@ -3,21 +3,13 @@
 A ``.gguf`` file carries the config (metadata keys ``{arch}.block_count``, ...), the weights
 (possibly quantised) and the tokenizer (vocabulary, merges, special ids, chat template). We map
 the metadata onto a Hugging Face style ``config.json`` dict, so ``ModelArchConfig.from_hf_config``
-stays the one parser of model shapes, and each GGUF tensor onto the HF tensor name our loader
-already knows:
-
-    token_embd.weight            model.embed_tokens.weight
-    output.weight                lm_head.weight (absent: tied embeddings)
-    output_norm.weight           model.norm.weight
-    blk.N.attn_{q,k,v}.{weight,bias}, blk.N.attn_output.weight   self_attn.{q,k,v,o}_proj
-    blk.N.attn_{q,k}_norm.weight self_attn.{q,k}_norm.weight (Qwen3)
-    blk.N.ffn_{gate,up,down}.weight   mlp.{gate,up,down}_proj.weight
-    blk.N.attn_norm / ffn_norm   input_layernorm / post_attention_layernorm
+stays the one parser of model shapes; the family module names each parameter's GGUF tensor
+(``weight_source(..., "gguf")``, e.g. ``jaxserve.model.models.llama``).
 
 Quantised tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...) are dequantised with
 ``gguf.quants.dequantize`` to float32 on the host and cast to the requested dtype. llama.cpp's
 converter permutes the rows of the q and k projections of ``llama`` models (HF's rotate-half
-RoPE layout -> interleaved pairs); we undo it, since our RoPE is HF's. Importing this module is
+RoPE layout -> interleaved pairs); the family's layout undoes it, since our RoPE is HF's. Importing this module is
 jax-free (the CLI checks paths with it before loading anything heavy).
 """
 
@@ -25,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from typing import Any
 
 import numpy as np
@@ -40,30 +31,8 @@ _ARCHS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-# Architectures whose q/k rows llama.cpp's converter permutes.
-_PERMUTED_QK = ("llama", "mistral")
-_QK_SUFFIXES = (".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")
-
-# HF tensor name (after "model.layers.N.") -> GGUF tensor name (after "blk.N.").
-_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_TOP_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "lm_head.weight": "output.weight",
-    "model.norm.weight": "output_norm.weight",
-}
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# GGUF architectures of the Llama layout, whose q bias means Llama's ``attention_bias``.
+_LLAMA_ARCHS = ("llama", "mistral")
 
 
 def is_gguf_path(path: Any) -> bool:
@@ -162,7 +131,7 @@ def gguf_hf_config(reader, path: str = "") -> dict[str, Any]:
         "rms_norm_eps": _f32(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": _f32(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": arch in _PERMUTED_QK and "blk.0.attn_q.bias" in tensor_names,
+        "attention_bias": arch in _LLAMA_ARCHS and "blk.0.attn_q.bias" in tensor_names,
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
     }
@@ -188,16 +157,6 @@ def _f32(x: float) -> float:
     return float(f"{float(x):.7g}")
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """The GGUF tensor name of a HF tensor name (see the module docstring)."""
-    if hf_name in _TOP_NAMES:
-        return _TOP_NAMES[hf_name]
-    m = _LAYER_RE.fullmatch(hf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
-        raise ModelLoadError(f"no GGUF tensor name for {hf_name}")
-    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-
-
 def dequantize(tensor) -> np.ndarray:
     """A ``gguf.ReaderTensor`` as float32 numpy in torch layout (``[out, in]`` for matrices).
 
@@ -213,21 +172,6 @@ def dequantize(tensor) -> np.ndarray:
         ) from e
     # GGUF lists dimensions innermost first; the numpy array is outermost first.
     return np.asarray(x, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
-
-
-def unpermute_qk(x: np.ndarray, n_head: int) -> np.ndarray:
-    """Undoes llama.cpp's q/k row permutation (``[n_head * d, ...]`` rows, or a bias).
-
-    llama.cpp writes row ``h*d + 2*i + j`` from HF row ``h*d + j*d/2 + i`` (j in {0, 1}).
-    """
-    rows = x.shape[0]
-    return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-
-def permute_qk(x: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's q/k row permutation (the inverse of ``unpermute_qk``), for writing GGUFs."""
-    rows = x.shape[0]
-    return x.reshape(n_head, 2, rows // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
 def gguf_generation_config(reader) -> dict[str, Any]:
@@ -265,24 +209,22 @@ def load_gguf(path: str, dtype: str = "auto"):
     """
     from flax import nnx
 
-    from jaxserve.model.loader import abstract_model, hf_tensor_name, resolve_dtype, to_our_layout
+    from jaxserve.model.loader import abstract_model, resolve_dtype, to_our_layout
 
     reader = open_gguf(path)
     hf = gguf_hf_config(reader, path)
     cfg = ModelArchConfig.from_hf_config(hf)
     jdtype = resolve_dtype(dtype, cfg)
-    arch = hf["model_type"]
     tensors = {t.name: t for t in reader.tensors}
-    graphdef, abs_state = nnx.split(abstract_model(cfg, jdtype))
+    model = abstract_model(cfg, jdtype)
+    graphdef, abs_state = nnx.split(model)
     flat = []
     for p, var in nnx.to_flat_state(abs_state):
-        name, kind = hf_tensor_name(p)
-        gname = gguf_tensor_name(name)
+        source = model.weight_source(p, cfg, "gguf")
+        gname = source.name
         if gname not in tensors:
-            raise ModelLoadError(f"tensor {gname} ({name}) not found in {path}")
+            raise ModelLoadError(f"tensor {gname} not found in {path}")
         x = dequantize(tensors[gname])
-        if arch in _PERMUTED_QK and gname.endswith(_QK_SUFFIXES):
-            x = unpermute_qk(x, cfg.num_heads if ".attn_q." in gname else cfg.num_kv_heads)
-        flat.append((p, var.replace(to_our_layout(x, gname, var.shape, kind, jdtype))))
+        flat.append((p, var.replace(to_our_layout(x, gname, var.shape, source.layout, jdtype))))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model, cfg, gguf_generation_config(reader)

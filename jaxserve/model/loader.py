@@ -1,17 +1,8 @@
 """Building a model with weights: Hugging Face safetensors, our orbax layout, or random (dummy).
 
-``load_model`` is the single entry point the engine uses. HF tensor names map onto our parameters
-as below (Linear weights are stored ``[out, in]`` by torch, ``[in, ...]`` here):
-
-    model.embed_tokens.weight [v, e]                  -> embed_tokens [v, e]
-    model.layers.N.self_attn.{q,k,v}_proj.weight      -> layers.N.self_attn.{q,k,v}_proj [e, h, d]
-    model.layers.N.self_attn.{q,k,v}_proj.bias        -> layers.N.self_attn.{q,k,v}_bias [h, d]
-    model.layers.N.self_attn.o_proj.weight [e, h*d]   -> layers.N.self_attn.o_proj [h, d, e]
-    model.layers.N.self_attn.{q,k}_norm.weight        -> layers.N.self_attn.{q,k}_norm.weight [d]
-    model.layers.N.mlp.{gate,up}_proj.weight [f, e]   -> layers.N.mlp.{gate,up}_proj [e, f]
-    model.layers.N.mlp.down_proj.weight [e, f]        -> layers.N.mlp.down_proj [f, e]
-    model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight  (as is)
-    lm_head.weight [v, e]                             -> lm_head [v, e]  (absent when tied)
+``load_model`` is the single entry point the engine uses. The architecture picks the family
+class (``jaxserve.model.registry``); the family names where each of its parameters is stored
+and in what layout (``weight_source``, see ``jaxserve.model.weight_mapping``).
 """
 
 from __future__ import annotations
@@ -19,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
-import math
 import os
 from typing import Any
 
@@ -27,9 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelArchConfig, ModelLoadError, read_hf_config
-from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.orbax_params import PARAMS_DIR, restore_params
 from jaxserve.model.presets import PRESET_HF_CONFIGS
+from jaxserve.model.registry import resolve_model_class
+from jaxserve.model.weight_mapping import Layout
 
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "gguf", "dummy")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -58,46 +49,20 @@ def resolve_dtype(dtype: str, cfg: ModelArchConfig):
     return DTYPES[dtype]
 
 
-def abstract_model(cfg: ModelArchConfig, dtype) -> LlamaForCausalLM:
-    """The model with ``jax.ShapeDtypeStruct`` parameters: shapes only, nothing allocated."""
-    return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+def abstract_model(cfg: ModelArchConfig, dtype) -> nnx.Module:
+    """The model of ``cfg``'s architecture with ``jax.ShapeDtypeStruct`` parameters: shapes
+    only, nothing allocated."""
+    model_cls = resolve_model_class(cfg.architecture)
+    return nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
-def dummy_model(cfg: ModelArchConfig, dtype, seed: int = 0) -> LlamaForCausalLM:
+def dummy_model(cfg: ModelArchConfig, dtype, seed: int = 0) -> nnx.Module:
     """Random weights of ``cfg`` drawn on device with ``jax.random`` directly in ``dtype``.
 
     Eager on purpose: layers share shapes, so only a handful of small random-normal programs are
     compiled, where jitting the whole initialiser compiles one program per parameter.
     """
-    return LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
-
-
-def hf_tensor_name(path: tuple) -> tuple[str, int | None]:
-    """Our parameter path -> (HF tensor name, how to convert).
-
-    The second item is None for "copy as is", 0 for "reshape", or n_in >= 1 for "transpose a torch
-    Linear weight whose first n_in of our axes are its input".
-    """
-    *prefix, last = [str(p) for p in path]
-    if last == "embed_tokens":
-        return "model.embed_tokens.weight", None
-    if last == "lm_head":
-        return "lm_head.weight", None
-    module = ".".join(["model", *prefix])
-    if last.endswith("_proj"):
-        return f"{module}.{last}.weight", 2 if last == "o_proj" else 1
-    if last.endswith("_bias"):
-        return f"{module}.{last[: -len('_bias')]}_proj.bias", 0
-    return f"{module}.{last}", None  # norm weights: "...layernorm.weight", "norm.weight"
-
-
-def hf_shape(our_shape: tuple[int, ...], kind: int | None) -> tuple[int, ...]:
-    """The torch shape that ``kind`` turns into ``our_shape`` (see ``hf_tensor_name``)."""
-    if kind is None:
-        return tuple(our_shape)
-    if kind == 0:
-        return (math.prod(our_shape),)
-    return (math.prod(our_shape[kind:]), math.prod(our_shape[:kind]))
+    return resolve_model_class(cfg.architecture)(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
 def _safetensors_index(model_dir: str) -> dict[str, str]:
@@ -125,7 +90,7 @@ def _safetensors_index(model_dir: str) -> dict[str, str]:
     return out
 
 
-def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> LlamaForCausalLM:
+def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> nnx.Module:
     """Builds the model from HF ``*.safetensors`` (sharded with an index or not).
 
     Raises:
@@ -134,13 +99,15 @@ def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> LlamaForCau
     """
     from safetensors import safe_open  # local: dummy/orbax loading works without safetensors
 
-    graphdef, abs_state = nnx.split(abstract_model(cfg, dtype))
+    model = abstract_model(cfg, dtype)
+    graphdef, abs_state = nnx.split(model)
     index = _safetensors_index(model_dir)
     flat = []
     with contextlib.ExitStack() as stack:
         files: dict[str, Any] = {}
         for path, var in nnx.to_flat_state(abs_state):
-            name, kind = hf_tensor_name(path)
+            source = model.weight_source(path, cfg, "hf")
+            name = source.name
             if name not in index:
                 raise ModelLoadError(
                     f"tensor {name} not found in the safetensors files of {model_dir}"
@@ -148,24 +115,24 @@ def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> LlamaForCau
             if index[name] not in files:
                 files[index[name]] = stack.enter_context(safe_open(index[name], framework="numpy"))
             tensor = files[index[name]].get_tensor(name)
-            flat.append((path, var.replace(to_our_layout(tensor, name, var.shape, kind, dtype))))
+            layout = source.layout
+            flat.append((path, var.replace(to_our_layout(tensor, name, var.shape, layout, dtype))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def to_our_layout(tensor, name: str, shape: tuple[int, ...], kind: int | None, dtype):
-    """A torch-layout tensor (numpy) -> our parameter of ``shape`` in ``dtype`` (a jax array).
+def to_our_layout(tensor, name: str, shape: tuple[int, ...], layout: Layout, dtype):
+    """A stored tensor (numpy, of ``layout.stored_shape(shape)``) -> our parameter of ``shape``
+    in ``dtype`` (a jax array).
 
-    ``kind`` is ``hf_tensor_name``'s second item. Raises ModelLoadError naming ``name``, the
-    expected and the found shapes when the tensor does not have the torch shape of ``shape``.
+    Raises ModelLoadError naming ``name``, the expected and the found shapes when the tensor
+    does not have the stored shape of ``shape``.
     """
-    want = hf_shape(shape, kind)
+    want = layout.stored_shape(shape)
     if tuple(tensor.shape) != want:
         raise ModelLoadError(
             f"shape mismatch for tensor {name}: expected {list(want)}, got {list(tensor.shape)}"
         )
-    x = jnp.asarray(tensor)
-    x = x.reshape(shape) if kind == 0 else x.T.reshape(shape) if kind else x
-    return x.astype(dtype)
+    return layout.to_ours(jnp.asarray(tensor), shape).astype(dtype)
 
 
 def read_generation_config(model_dir: str) -> dict[str, Any]:
@@ -192,7 +159,7 @@ def detect_load_format(model_dir: str) -> str:
 
 def load_model(
     model_path: str | dict, dtype: str = "auto", load_format: str = "auto", seed: int = 0
-) -> tuple[LlamaForCausalLM, ModelArchConfig, dict[str, Any]]:
+) -> tuple[nnx.Module, ModelArchConfig, dict[str, Any]]:
     """Loads a model for serving.
 
     Args:

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 from model_testing import PagedRunner, dense_logits, tiny_config
 
-from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.loader import abstract_model
+from jaxserve.model.models.llama import LlamaForCausalLM
 
 SEQ_A = [1, 5, 9, 33, 7, 100, 12, 64, 3, 90, 17, 44, 8, 21, 5, 77]  # 16 tokens
 SEQ_B = [1, 40, 2, 11, 120, 6, 7, 99, 55, 31]  # 10 tokens
@@ -111,8 +111,8 @@ def test_parameters_carry_logical_axes():
         tiny_config(architectures=["Qwen2ForCausalLM"]), dtype=jnp.float32, rngs=nnx.Rngs(0)
     )
     attn = model.layers[0].self_attn
-    assert attn.q_proj.get_metadata()["out_sharding"] == ("embed", "q_heads", "head_dim")
-    assert attn.k_bias.get_metadata()["out_sharding"] == ("kv_heads", "head_dim")
-    assert attn.o_proj.get_metadata()["out_sharding"] == ("q_heads", "head_dim", "embed")
-    assert model.layers[1].mlp.down_proj.get_metadata()["out_sharding"] == ("mlp", "embed")
-    assert model.embed_tokens.get_metadata()["out_sharding"] == ("vocab", "embed")
+    assert attn.q_proj.weight.get_metadata()["out_sharding"] == ("embed", "q_heads", "head_dim")
+    assert attn.k_proj.bias.get_metadata()["out_sharding"] == ("kv_heads", "head_dim")
+    assert attn.o_proj.weight.get_metadata()["out_sharding"] == ("q_heads", "head_dim", "embed")
+    assert model.layers[1].mlp.down_proj.weight.get_metadata()["out_sharding"] == ("mlp", "embed")
+    assert model.embed_tokens.weight.get_metadata()["out_sharding"] == ("vocab", "embed")

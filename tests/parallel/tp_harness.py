@@ -79,7 +79,7 @@ def run(name: str, tp: int, backend: str, max_tokens: int = MAX_TOKENS) -> dict:
     engine = llm.llm_engine
     stats = engine.get_stats()
     runner = engine.runner
-    q = runner.state["layers"][0]["self_attn"]["q_proj"][...]
+    q = runner.state["layers"][0]["self_attn"]["q_proj"]["weight"][...]
     k_cache = runner.kv_caches[0][0]
     return {
         "model": name,
