@@ -234,8 +234,8 @@ class LLMEngine:
 
         from jaxserve import distributed
         from jaxserve.model.attention import resolve_attention_backend
-        from jaxserve.model.gguf_loader import is_gguf_path
         from jaxserve.model.loader import load_model
+        from jaxserve.model.readers.gguf_reader import is_gguf_path
         from jaxserve.worker.model_runner import ModelRunner
 
         t0 = time.perf_counter()

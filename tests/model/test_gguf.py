@@ -14,6 +14,8 @@ from flax import nnx
 
 from jaxserve.model import ModelLoadError, default_model_path
 from jaxserve.model.loader import load_model
+from jaxserve.model.readers.base import TensorSpec
+from jaxserve.model.readers.gguf_reader import GGUFFileReader
 from jaxserve.model.weight_mapping import Layout, permute_qk, unpermute_qk
 from jaxserve.tokenizer import get_tokenizer
 
@@ -140,6 +142,12 @@ def test_quantised_tensors_dequantise_within_their_error(tiny, tmp_path):
         err = np.abs(got - tensors[gname]).max() / np.abs(tensors[gname]).max()
         assert err <= TOLERANCE[chosen[gname]] + 1e-7, (gname, chosen[gname].name, err)
     assert loaded.embed_tokens.weight.get_value().dtype == jnp.float32
+    with GGUFFileReader(str(path)) as reader:  # the header's GGML types, torch-layout shapes
+        assert reader.naming == "gguf" and set(reader.names()) == set(tensors)
+        for name, x in tensors.items():
+            assert reader.spec(name) == TensorSpec(x.shape, chosen[name].name), name
+        name = "blk.1.ffn_down.weight"
+        np.testing.assert_array_equal(reader.read(name, (slice(2, 5),)), reader.read(name)[2:5])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])

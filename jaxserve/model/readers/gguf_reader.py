@@ -1,27 +1,31 @@
-"""GGUF checkpoints (llama.cpp's one-file format) of the Llama family, read with the ``gguf`` package.
+"""GGUF checkpoints (llama.cpp's one-file format), read with the ``gguf`` package.
 
 A ``.gguf`` file carries the config (metadata keys ``{arch}.block_count``, ...), the weights
 (possibly quantised) and the tokenizer (vocabulary, merges, special ids, chat template). We map
-the metadata onto a Hugging Face style ``config.json`` dict, so ``ModelArchConfig.from_hf_config``
-stays the one parser of model shapes; the family module names each parameter's GGUF tensor
-(``weight_source(..., "gguf")``, e.g. ``jaxserve.model.models.llama``).
+the metadata onto a Hugging Face style ``config.json`` dict (``gguf_hf_config``), so
+``ModelArchConfig.from_hf_config`` stays the one parser of model shapes; the family module
+names each parameter's GGUF tensor and layout (``weight_source(..., "gguf")``, including
+llama.cpp's q/k row permutation, undone because our RoPE is HF's rotate-half).
 
-Quantised tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...) are dequantised with
-``gguf.quants.dequantize`` to float32 on the host and cast to the requested dtype. llama.cpp's
-converter permutes the rows of the q and k projections of ``llama`` models (HF's rotate-half
-RoPE layout -> interleaved pairs); the family's layout undoes it, since our RoPE is HF's. Importing this module is
-jax-free (the CLI checks paths with it before loading anything heavy).
+``GGUFFileReader`` reads tensors by GGUF name. Quantised tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q2_K..Q6_K, ...) are dequantised with ``gguf.quants.dequantize`` to float32 on the host; the
+loader casts them to the requested dtype. A slice (``read(name, index)``) dequantises the
+whole tensor, then slices (GGUF blocks run along rows, so a row slice could be cut from the
+quantised bytes first). Importing this module is jax-free (the CLI checks paths with it before
+loading anything heavy).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from jaxserve.model.config import ModelArchConfig, ModelLoadError
+from jaxserve.model.config import ModelLoadError
+from jaxserve.model.readers.base import CheckpointReader, TensorSpec
 
 GGUF_SUFFIX = ".gguf"
 # general.architecture -> HF architecture. Mistral GGUFs say "llama".
@@ -193,38 +197,39 @@ def gguf_generation_config(reader) -> dict[str, Any]:
     return out
 
 
-def load_gguf(path: str, dtype: str = "auto"):
-    """Builds the model from a GGUF file.
+class GGUFFileReader(CheckpointReader):
+    """The tensors of a ``.gguf`` file by GGUF name (naming "gguf"), dequantised to float32
+    in torch layout; ``spec`` gives the GGML type as the dtype.
 
-    Args:
-      path: the ``.gguf`` file.
-      dtype: "auto" (see ``gguf_hf_config``), "float32" or "bfloat16".
-
-    Returns:
-      ``(model, ModelArchConfig, generation_config dict)`` as ``load_model``.
+    Attributes:
+      gguf: the underlying ``gguf.GGUFReader`` (metadata: ``gguf_hf_config``,
+        ``gguf_generation_config``; shared with the tokenizer, see ``open_gguf``).
 
     Raises:
-      ModelLoadError: missing file or gguf package, unsupported architecture / metadata /
-        quantisation, a missing tensor or a shape mismatch (naming the tensor).
+      ModelLoadError: as ``open_gguf``.
     """
-    from flax import nnx
 
-    from jaxserve.model.loader import abstract_model, resolve_dtype, to_our_layout
+    naming = "gguf"
 
-    reader = open_gguf(path)
-    hf = gguf_hf_config(reader, path)
-    cfg = ModelArchConfig.from_hf_config(hf)
-    jdtype = resolve_dtype(dtype, cfg)
-    tensors = {t.name: t for t in reader.tensors}
-    model = abstract_model(cfg, jdtype)
-    graphdef, abs_state = nnx.split(model)
-    flat = []
-    for p, var in nnx.to_flat_state(abs_state):
-        source = model.weight_source(p, cfg, "gguf")
-        gname = source.name
-        if gname not in tensors:
-            raise ModelLoadError(f"tensor {gname} not found in {path}")
-        x = dequantize(tensors[gname])
-        flat.append((p, var.replace(to_our_layout(x, gname, var.shape, source.layout, jdtype))))
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    return model, cfg, gguf_generation_config(reader)
+    def __init__(self, path: str):
+        self.where = path
+        self.gguf = open_gguf(path)
+        self._tensors = {t.name: t for t in self.gguf.tensors}
+
+    def names(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def spec(self, name: str) -> TensorSpec:
+        t = self._tensors[name]
+        # GGUF lists dimensions innermost first.
+        return TensorSpec(tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name)
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        x = dequantize(self._tensors[name])
+        return x if index is None else x[index]
+
+    def close(self) -> None:
+        """Nothing to release: the parsed file stays cached for the tokenizer (``open_gguf``)."""
