@@ -13,10 +13,8 @@ import dataclasses
 import os
 from typing import Any, Literal
 
-AttentionBackend = Literal["auto", "pallas", "pallas-gpu", "pallas-tpu", "reference"]
-ATTENTION_BACKEND_CHOICES = ("auto", "pallas", "pallas-gpu", "pallas-tpu", "reference")
-"""What ``--attention-backend`` accepts (resolved per platform by
-``jaxserve.model.attention.resolve_attention_backend``); "pallas" is the platform's kernel."""
+from jaxserve.model.attention_backends import ATTENTION_BACKEND_CHOICES
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 

@@ -233,7 +233,7 @@ class LLMEngine:
         import jax
 
         from jaxserve import distributed
-        from jaxserve.model.attention import resolve_attention_backend
+        from jaxserve.model.attention_backends import resolve_attention_backend
         from jaxserve.model.loader import load_model
         from jaxserve.model.readers.gguf_reader import is_gguf_path
         from jaxserve.worker.model_runner import ModelRunner

@@ -52,11 +52,8 @@ from jaxserve.core.outputs import (
     OneTokenEach,
     TokenLogprobs,
 )
-from jaxserve.model.attention import (
-    cache_head_dim,
-    resolve_attention_backend,
-    token_bucket_multiple,
-)
+from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
+from jaxserve.model.attention_backends import resolve_attention_backend
 from jaxserve.model.sharding import kv_cache_sharding, make_mesh, place_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import compilation

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.config import ATTENTION_BACKEND_CHOICES, EngineArgs, RunnerConfig
-from jaxserve.model.attention import (
+from jaxserve.config import EngineArgs, RunnerConfig
+from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
+from jaxserve.model.attention_backends import (
+    ATTENTION_BACKEND_CHOICES,
     ATTENTION_BACKENDS,
-    cache_head_dim,
     resolve_attention_backend,
-    token_bucket_multiple,
 )
 from jaxserve.worker.batch_builder import resolve_token_buckets
 
