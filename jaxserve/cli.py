@@ -42,9 +42,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "long prompts) against a live server",
     ),
     "generate": (
-        "jaxserve.reference_generate",
+        "jaxserve.generate",
         "add_generate_parser",
-        "greedy text from the dense reference generator (no KV cache, no batching)",
+        "text continuation of one prompt through the engine (as LLM.generate)",
     ),
     "convert": (
         "jaxserve.model.checkpoint",

@@ -25,7 +25,7 @@ import os
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.config import ModelArchConfig
+from jaxserve.model.arch_config import ModelArchConfig
 from jaxserve.model.loader import abstract_model
 
 COMMON = dict(

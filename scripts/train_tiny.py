@@ -44,7 +44,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxserve.model.config import ModelArchConfig  # noqa: E402
+from jaxserve.model.arch_config import ModelArchConfig  # noqa: E402
 from jaxserve.model.loader import load_safetensors  # noqa: E402
 from jaxserve.model.models.llama import LlamaForCausalLM  # noqa: E402
 

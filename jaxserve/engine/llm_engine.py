@@ -56,7 +56,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import TokenMaskManager
 
 if TYPE_CHECKING:
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.worker.model_runner import ModelRunner
 

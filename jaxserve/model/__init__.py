@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from jaxserve.model.config import ModelArchConfig, ModelLoadError
+from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError
 from jaxserve.model.presets import PRESET_HF_CONFIGS
 from jaxserve.model.registry import register_model, supported_architectures
 

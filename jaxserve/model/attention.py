@@ -6,7 +6,7 @@ then attends every query token to its sequence's cached tokens through the block
 one flat token batch). The metadata describing the batch is an explicit pytree passed into the
 jitted step (see docs/ARCHITECTURE.md, "Attention metadata").
 
-Backends (``--attention-backend``): "reference" (pure jnp, any platform; the key-chunked
+Backends (``--attention-backend``): "xla" (pure jnp compiled by XLA, any platform; the key-chunked
 ``jaxserve.model.chunked_attention``, whose cost follows the contexts present), "pallas-gpu" (our
 Pallas Triton kernel, ``pallas_kernels/ragged_paged_attention.py``), "pallas-tpu" (our Pallas
 Mosaic-TPU kernel, ``pallas_kernels/ragged_paged_attention_tpu.py``); resolving the flag per
@@ -66,9 +66,9 @@ class PagedAttentionMetadata:
       query_start_loc: int32 ``[S + 1]``, cumulative query lengths; sequence i's tokens are
         ``q[query_start_loc[i]:query_start_loc[i + 1]]``, the last tokens of the sequence.
       num_seqs: int32 ``[]``, real sequences (the rest of S is padding).
-      backend: static; one of ``ATTENTION_BACKENDS`` ("reference", "pallas-gpu", "pallas-tpu").
+      backend: static; one of ``ATTENTION_BACKENDS`` ("xla", "pallas-gpu", "pallas-tpu").
       interpret: static; run the Pallas kernel in Pallas interpret mode (the TPU kernel in TPU
-        interpret mode); ignored by "reference".
+        interpret mode); ignored by "xla".
       mesh: static; the tensor-parallel mesh ``("model",)`` when it has more than one device,
         else None. With a mesh the cache write and the attention run per shard of heads
         (``shard_map``); the metadata arrays are replicated.
@@ -79,7 +79,7 @@ class PagedAttentionMetadata:
     context_lens: jax.Array
     query_start_loc: jax.Array
     num_seqs: jax.Array
-    backend: str = "reference"
+    backend: str = "xla"
     interpret: bool = False
     mesh: Mesh | None = None
 
@@ -159,7 +159,7 @@ def _write_and_attend(q, k, v, kv_cache, metadata, kwargs) -> tuple[jax.Array, K
     elif metadata.backend == "pallas-tpu":
         attend = ragged_paged_attention_tpu
         kwargs["interpret"] = metadata.interpret
-    else:  # "reference": chunked over the keys present (the oracle gathers whole rows)
+    else:  # "xla": chunked over the keys present (the kernels' oracle gathers whole rows)
         attend = chunked_paged_attention
     out = attend(
         q,

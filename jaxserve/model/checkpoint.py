@@ -19,7 +19,7 @@ import shutil
 import jax
 from flax import nnx
 
-from jaxserve.model.config import ModelLoadError, read_hf_config
+from jaxserve.model.arch_config import ModelLoadError, read_hf_config
 from jaxserve.model.loader import load_model
 from jaxserve.model.readers.gguf_reader import gguf_hf_config, is_gguf_path, open_gguf
 from jaxserve.model.readers.orbax_reader import PARAMS_DIR

@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.model.config import ModelArchConfig, ModelLoadError, read_hf_config
+from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError, read_hf_config
 from jaxserve.model.presets import PRESET_HF_CONFIGS
 from jaxserve.model.readers.base import CheckpointReader
 from jaxserve.model.readers.gguf_reader import (

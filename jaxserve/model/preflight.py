@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import os
 
-from jaxserve.model.config import ModelArchConfig, ModelLoadError, read_hf_config
+from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError, read_hf_config
 from jaxserve.model.presets import PRESET_HF_CONFIGS
 
 

@@ -77,7 +77,7 @@ from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
     from jaxserve.core.sched_output import SchedulerOutput
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.structured import StepTokenMask
     from jaxserve.worker.kv_cache_alloc import KVCacheSpec
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from model_testing import GOLDEN_ARCHS, PagedRunner, dense_logits, golden_path
 
-from jaxserve.model.config import ModelArchConfig
+from jaxserve.model.arch_config import ModelArchConfig
 from jaxserve.model.loader import load_model
 
 ATOL = 1e-4

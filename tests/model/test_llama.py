@@ -50,9 +50,9 @@ def _run_paged(model, backend, block_size=4, schedule=SCHEDULE, interpret=False)
     ],
     ids=["llama", "mistral-window", "qwen2-bias-tied", "qwen3-qknorm"],
 )
-def test_paged_matches_dense_reference_backend(overrides):
+def test_paged_matches_dense_xla_backend(overrides):
     model = LlamaForCausalLM(tiny_config(**overrides), dtype=jnp.float32, rngs=nnx.Rngs(0))
-    paged = _run_paged(model, "reference")
+    paged = _run_paged(model, "xla")
     for name, seq in (("a", SEQ_A), ("b", SEQ_B)):
         n = len(paged[name])
         dense = dense_logits(model, seq)[:n]

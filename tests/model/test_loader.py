@@ -15,7 +15,7 @@ from flax import nnx
 from model_testing import dense_logits, golden_path, tiny_hf_config
 from safetensors.numpy import load_file, save_file
 
-from jaxserve.model.config import ModelArchConfig, ModelLoadError
+from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError
 from jaxserve.model.loader import (
     abstract_model,
     eos_token_ids,

@@ -13,7 +13,7 @@ from model_testing import golden_path
 from safetensors.numpy import load_file
 
 from jaxserve.model import default_model_path
-from jaxserve.model.config import ModelLoadError
+from jaxserve.model.arch_config import ModelLoadError
 from jaxserve.model.loader import load_model
 from jaxserve.model.readers.base import TensorSpec
 from jaxserve.model.readers.orbax_reader import OrbaxReader

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxserve.model.config import RopeConfig
+    from jaxserve.model.arch_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:

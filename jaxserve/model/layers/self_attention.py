@@ -20,8 +20,8 @@ from jaxserve.model.layers.norm import RMSNorm
 from jaxserve.model.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.model.attention import KVCache, PagedAttentionMetadata
-    from jaxserve.model.config import ModelArchConfig
 
 
 class SelfAttention(nnx.Module):

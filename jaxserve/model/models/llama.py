@@ -47,8 +47,8 @@ from jaxserve.model.layers.self_attention import SelfAttention
 from jaxserve.model.weight_mapping import COPY, FLATTEN, Layout, TensorSource, flat_name
 
 if TYPE_CHECKING:
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.model.attention import KVCache, PagedAttentionMetadata
-    from jaxserve.model.config import ModelArchConfig
 
 
 # Our module path (after "layers.N.") -> GGUF tensor name (after "blk.N.").

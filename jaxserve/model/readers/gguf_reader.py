@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.model.config import ModelLoadError
+from jaxserve.model.arch_config import ModelLoadError
 from jaxserve.model.readers.base import CheckpointReader, TensorSpec
 
 GGUF_SUFFIX = ".gguf"

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import jax
 
-from jaxserve.model.config import ModelLoadError
+from jaxserve.model.arch_config import ModelLoadError
 from jaxserve.model.readers.base import CheckpointReader, TensorSpec
 from jaxserve.model.weight_mapping import flat_name
 

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from jaxserve.model.config import ModelLoadError
+from jaxserve.model.arch_config import ModelLoadError
 from jaxserve.model.readers.base import CheckpointReader, TensorSpec
 
 # safetensors' dtype names -> numpy's.
