@@ -6,26 +6,29 @@ family are ``Linear`` layers, and a new family builds its projections from it to
 is not a ``Linear`` (it shares its matrix with the embedding lookup when tied; see
 ``embedding.py``).
 
-The seam's contract, for the two features that will use it:
+The seam's contract, for the two features that will use it (neither is built yet):
 
-* **Quantized weights** (``--quantization``, compressed-tensors, GGUF kept quantized): the
-  layer keeps ``weight`` narrow (int8, float8_e4m3fn, or packed GGUF blocks, same logical
+* **Quantized weights** (#31: ``--quantization``, compressed-tensors, GGUF kept quantized): the
+  layer will keep ``weight`` narrow (int8, float8_e4m3fn, or packed GGUF blocks, same logical
   axes) beside a ``weight_scale`` parameter (per output channel: ``[*out_shape]`` with
-  ``out_axes``; per block for GGUF) and dequantizes inside ``project``, in the jitted step
-  (a mixed-precision ``dot_general`` then the scale, or widen then dot). ``__call__``'s
-  signature, shapes and dtypes do not change, so no caller does. The loader fills both
-  parameters by name (the family's ``weight_source`` names ``<proj>.weight_scale``), and
-  ``repeat_output`` / ``repeat_input`` repeat the scales with the weight.
-* **LoRA adapters**: ``__call__(x, lora=None)`` gains the step's adapter batch, carried in the
-  step's metadata beside ``PagedAttentionMetadata``: each token's adapter slot (int32 ``[T]``,
-  -1 for the base model), the permutation that sorts tokens by slot and the group sizes
-  (``[max_loras]``). The layer then holds ``lora_a [max_loras, *in_shape, r]`` and
-  ``lora_b [max_loras, r, *out_shape]`` (zero-padded to ``max_lora_rank``) and adds
-  ``scale * ragged_dot(ragged_dot(x_sorted, lora_a), lora_b)``, unsorted, to ``y`` before the
-  bias. ``lora=None`` (a base-only step, or no ``--enable-lora``) adds no operation.
+  ``out_axes``; per block for GGUF) and dequantize inside ``project``, in the jitted step (a
+  mixed-precision ``dot_general`` then the scale, or widen then dot). ``__call__``'s signature,
+  shapes and dtypes stay as they are, so no caller changes. The loader fills both parameters by
+  name (the family's ``weight_source`` names ``<proj>.weight_scale``), and ``repeat_output`` /
+  ``repeat_input`` repeat the scales with the weight.
+* **LoRA adapters** (#33): ``__call__(x, lora=None)`` will take the step's adapter batch, which
+  the family passes to each projection from the step's metadata (carried beside
+  ``PagedAttentionMetadata``): each token's adapter slot (int32 ``[T]``, -1 for the base model),
+  the permutation that sorts tokens by slot and the group sizes (``[max_loras]``). The layer
+  then holds ``lora_a [max_loras, *in_shape, r]`` and ``lora_b [max_loras, r, *out_shape]``
+  (zero-padded to ``max_lora_rank``) and adds ``scale * ragged_dot(ragged_dot(x_sorted,
+  lora_a), lora_b)``, unsorted, to ``y`` before the bias. ``lora=None`` (a base-only step, or
+  no ``--enable-lora``) adds no operation.
 
-Until then the plain path below is the whole layer: one ``einsum`` and an optional bias add,
-the same HLO the model compiled to before this layer existed.
+Today the plain path below is the whole layer: one ``einsum`` and an optional bias add. It
+compiles to the flops of the per-projection einsums it replaced; o_proj now contracts its
+(heads, head_dim) axes in order, which saves two transposes per layer (bytes accessed -2.3%
+for the bundled model's paged step at 64 tokens).
 """
 
 from __future__ import annotations
