@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -60,6 +61,12 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.check(need_tokenizer=True)  # a bad path or flag: one line, before loading
+    path = engine_args.resolved_model_path()
+    if not (os.path.isdir(path) or os.path.isfile(path)):
+        raise ValueError(
+            f"generate takes a text prompt, and the dummy preset {path!r} has no tokenizer; "
+            "pass a model directory (--load-format dummy gives it random weights)"
+        )
     llm = LLM(**dataclasses.asdict(engine_args))
     tokenizer = llm.get_tokenizer()
     prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)

@@ -78,3 +78,11 @@ def test_generate_command(model, monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == " ".join(map(str, expected))
     assert lines[2] == f"generated_token_ids: {expected}"
+
+
+def test_a_dummy_preset_without_tokenizer_is_refused_before_loading():
+    parser = argparse.ArgumentParser()
+    add_generate_parser(parser.add_subparsers())
+    args = parser.parse_args(["generate", "hi", "llama-3.1-8b", "--load-format", "dummy"])
+    with pytest.raises(ValueError, match="dummy preset 'llama-3.1-8b' has no tokenizer"):
+        args.func(args)
