@@ -1,29 +1,86 @@
 """Constraints -> llguidance grammars and matchers, checked against the model's tokenizer.
 
-    llt = ll_tokenizer(tokenizer)                         # cached per tokenizer object
-    check_structured_outputs(spec, tokenizer, "response_format")   # ValueError naming the field
-    matcher = new_matcher(spec, tokenizer)                # a fresh LLMatcher (copy of a cached one)
+    llt = ll_tokenizer(tokenizer)                               # cached per tokenizer object
+    compiled = compile_constraint(spec, tokenizer, "response_format")   # ValueError naming it
+    matcher = compiled.template.deep_copy()                     # one request's matcher
 
 A constraint is compiled once per distinct grammar text and tokenizer (an LRU of
-``MATCHER_CACHE_SIZE`` template matchers); each request gets a ``deep_copy`` of the template
+``MATCHER_CACHE_SIZE`` compiled templates); each request gets a ``deep_copy`` of the template
 (microseconds), so ``n > 1`` and many requests with one schema pay the compile once.
+
+Admission checks (each a ``ValueError`` naming the request field, which the server answers with
+a 400): the grammar compiles within ``PARSER_LIMITS`` (llguidance's fuel and size limits), a
+Lark / GBNF grammar derives at least one finite string (``lark_check``), the first token mask
+allows something (a regex such as ``[^\\s\\S]`` matches no text), and a short probe walk
+(``PROBE_STEPS`` tokens along the highest allowed token id) stays within the limits and costs
+at most ``MAX_MASK_CPU_S`` per mask: lexers that blow up, like ``(a{1000}){1000}``, fail there
+instead of mid-generation, and grammars whose every mask is slow do not slow the steps they
+share with other requests. All of it runs where the caller runs it: in the server's request
+worker thread, not on the engine thread (llguidance releases the GIL while it compiles and
+computes masks), at most ``COMPILE_SLOTS`` at a time.
+
+JSON numbers (``bound_numbers``): a schema's ``integer`` without bounds gets int64's
+(``INT_BOUND``), a ``number`` without bounds gets ``FLOAT_BOUND`` and without ``multipleOf``
+gets ``FLOAT_DECIMALS`` decimals, so a weak model cannot write digits until ``max_tokens``
+(``json_object`` gets an any-JSON schema whose numbers are bounded the same way). On by default
+(``--structured-outputs-bounded-numbers``); a request turns it off with
+``structured_outputs.bounded_numbers: false`` or ``"x-guidance": {"bounded_numbers": false}``
+at the top of its schema.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import json
+import os
+import statistics
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.structured.lark_check import derives_finite_string
 
 if TYPE_CHECKING:
     from jaxserve.tokenizer import Tokenizer
 
 MATCHER_CACHE_SIZE = 256
 """Compiled template matchers kept (distinct grammars x tokenizers)."""
+
+PARSER_LIMITS: dict[str, Any] = {}
+"""llguidance ``LLParserLimits`` overrides; none: its defaults (lexer fuel 1M at compile and
+200k per mask, 2,000 Earley items per row, 50k items and 250k lexer states per mask, grammars
+of 500k symbols). Lower compile fuel would refuse real tool schemas (50 tools of 8 parameters
+need more than 200k)."""
+
+MAX_MASK_CPU_S = 0.002
+"""Most CPU seconds (median over the probe walk, the first mask left out) one token mask of an
+admitted grammar may take; above it the constraint is refused at admission. Everyday grammars
+take far less (JSON schemas, tool schemas, word regexes: 0.01-0.05 ms at 4k and 49k
+vocabularies); nested counted repeats cost 0.9 / 3.5 / 9 ms (``(a{100}){100}``, 200, 300 at
+4k; 3 / 12 / 31 ms at 49k) and would slow every request that shares their steps."""
+
+COMPILE_SLOTS = max(1, (os.cpu_count() or 2) // 2)
+"""Constraints compiled at once (request worker threads wait for a slot): compiles release
+the GIL, so without a bound a burst of heavy grammars takes every core from the engine."""
+PROBE_STEPS = 8
+"""Tokens of the admission probe walk (each one mask; well under a millisecond for everyday
+grammars)."""
+
+INT_BOUND = 2**63 - 1024
+"""Bound put on JSON integers a schema leaves unbounded: |n| <= 2**63 - 1024, inside int64
+(llguidance reads bounds as doubles, and 2**63 - 1 would round out of int64)."""
+
+FLOAT_BOUND = 1e15
+"""Bound put on JSON numbers a schema leaves unbounded: |x| <= 1e15 (no exponent)."""
+
+FLOAT_DECIMALS = 9
+"""Most decimals of a JSON number whose schema has no ``multipleOf`` (``multipleOf: 1e-9``)."""
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """JSON layout the grammar enforces: ``json.dumps``'s default separators, no other whitespace
@@ -131,8 +188,122 @@ def ll_tokenizer(tokenizer: Tokenizer) -> Any:
     return llg.LLTokenizer(llg.TokenizerWrapper(_TokenizerShim(tokenizer)))
 
 
-def grammar_text(spec: StructuredOutputsParams, field: str) -> str:
+def _bounded_any() -> dict[str, Any]:
+    """Any JSON value, numbers bounded as :func:`bound_numbers` bounds them (``$defs`` key
+    ``jaxserve_any``)."""
+    ref = {"$ref": "#/$defs/jaxserve_any"}
+    number = {"type": "number", "minimum": -FLOAT_BOUND, "maximum": FLOAT_BOUND}
+    number["multipleOf"] = 10.0**-FLOAT_DECIMALS
+    return {
+        "anyOf": [
+            {"type": "null"},
+            {"type": "boolean"},
+            number,
+            {"type": "string"},
+            {"type": "array", "items": ref},
+            {"type": "object", "additionalProperties": ref},
+        ]
+    }
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else")
+
+
+def _bound_in_place(schema: Any, depth: int = 0) -> None:
+    if not isinstance(schema, dict) or depth > 256:
+        return
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    has_min = "minimum" in schema or "exclusiveMinimum" in schema
+    has_max = "maximum" in schema or "exclusiveMaximum" in schema
+    if "number" in types:
+        if not has_min:
+            schema["minimum"] = -FLOAT_BOUND
+        if not has_max:
+            schema["maximum"] = FLOAT_BOUND
+        if "multipleOf" not in schema:
+            schema["multipleOf"] = 10.0**-FLOAT_DECIMALS
+    elif "integer" in types:
+        if not has_min:
+            schema["minimum"] = -INT_BOUND
+        if not has_max:
+            schema["maximum"] = INT_BOUND
+    for key in _SUBSCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for value in sub.values():
+                _bound_in_place(value, depth + 1)
+    for key in _SUBSCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for value in sub:
+                _bound_in_place(value, depth + 1)
+    for key in _SUBSCHEMA_ONE:
+        _bound_in_place(schema.get(key), depth + 1)
+
+
+def bound_numbers(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a JSON schema whose unbounded numbers are bounded: every ``integer`` without a
+    minimum / maximum gets ``-INT_BOUND`` / ``INT_BOUND``, every ``number`` gets
+    ``-FLOAT_BOUND`` / ``FLOAT_BOUND`` and, without ``multipleOf``, ``multipleOf:
+    1e-FLOAT_DECIMALS``. Bounds the schema sets are kept. Free-form values (``{}``, undeclared
+    properties) are left alone."""
+    out = copy.deepcopy(schema)
+    _bound_in_place(out)
+    return out
+
+
+def _schema_and_bounding(spec: StructuredOutputsParams, default: bool) -> tuple[Any, bool]:
+    """The JSON schema of a json / json_object constraint (our ``x-guidance`` key taken out)
+    and whether its numbers are bounded."""
+    bounded = default if spec.bounded_numbers is None else spec.bounded_numbers
+    if spec.kind == "json_object":
+        if not bounded:
+            return {"type": "object"}, False
+        return {
+            "$defs": {"jaxserve_any": _bounded_any()},
+            "type": "object",
+            "additionalProperties": {"$ref": "#/$defs/jaxserve_any"},
+        }, True
+    schema = spec.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+    if isinstance(schema, dict) and isinstance(schema.get("x-guidance"), dict):
+        options = dict(schema["x-guidance"])
+        if "bounded_numbers" in options:
+            flag = options.pop("bounded_numbers")
+            if not isinstance(flag, bool):
+                raise ValueError("x-guidance.bounded_numbers must be a boolean")
+            if spec.bounded_numbers is None:
+                bounded = flag
+            schema = {**schema, "x-guidance": options}
+            if not options:
+                del schema["x-guidance"]
+    if bounded and isinstance(schema, dict):
+        schema = bound_numbers(schema)
+    return schema, bounded
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex (Rust ``regex`` syntax) that matches exactly it."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def grammar_text(spec: StructuredOutputsParams, field: str, bounded_numbers: bool = True) -> str:
     """The llguidance grammar (its JSON text) of a constraint.
+
+    ``choice`` compiles to one regex alternation (a single lexeme: 16k entries compile in
+    ~0.1 s, where a Lark rule of alternatives exceeds llguidance's 2,000 Earley items per row
+    at about 2,000 entries). ``bounded_numbers`` is the default for JSON constraints that do
+    not say (see :func:`bound_numbers`).
 
     Raises:
       ValueError: the JSON schema is not JSON, or a GBNF grammar does not convert (names
@@ -142,28 +313,127 @@ def grammar_text(spec: StructuredOutputsParams, field: str) -> str:
     matcher = llg.LLMatcher
     kind = spec.kind
     try:
-        if kind == "json_object":
-            return matcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
-        if kind == "json":
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+        if kind in ("json_object", "json"):
+            schema, _ = _schema_and_bounding(spec, bounded_numbers)
             return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if kind == "regex":
             return matcher.grammar_from_regex(spec.regex)
         if kind == "choice":
-            return matcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in spec.choice)
-            )
+            return matcher.grammar_from_regex("|".join(_regex_literal(c) for c in spec.choice))
         return llg.grammar_from("grammar", spec.grammar)
     except ValueError as exc:
         raise ValueError(f"{field}: {exc}") from None
 
 
+def _lark_text(grammar: str) -> str | None:
+    """Lark text of a ``grammar`` constraint (GBNF converted as llguidance converts it)."""
+    try:
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        return any_to_lark(grammar)
+    except Exception:  # noqa: BLE001 - the compile step reports what is wrong with it
+        return None
+
+
+def _allowed_ids(row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Token ids whose bit is set in an int32 [W] mask row."""
+    return np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab_size])[0]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompiledConstraint:
+    """A constraint compiled against one tokenizer and checked at admission.
+
+    Attributes:
+      template: an ``llguidance.LLMatcher`` at the start of the output; requests take a
+        ``deep_copy`` (never consume tokens on it).
+      kind: the constraint kind (``StructuredOutputsParams.kind``).
+    """
+
+    template: Any
+    kind: str
+
+
 _lock = threading.Lock()
-_templates: OrderedDict[tuple[int, str], Any] = OrderedDict()
+_templates: OrderedDict[tuple[int, str], CompiledConstraint] = OrderedDict()
 
 
-def _template(spec: StructuredOutputsParams, tokenizer: Tokenizer, field: str) -> Any:
-    grammar = grammar_text(spec, field)
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0] if error.strip() else "unknown error"
+
+
+def _check_start(template: Any, tokenizer: Tokenizer, kind: str, field: str) -> None:
+    """The admission probe: the first mask allows some text, and a short walk along the
+    highest allowed token ids stays within the limits and within ``MAX_MASK_CPU_S`` per mask.
+
+    Raises:
+      ValueError: the constraint matches no text, the walk hit a limit, or its masks cost too
+        much (names ``field``).
+    """
+    import llguidance.numpy as lln
+
+    vocab = tokenizer.vocab_size
+    eos = tokenizer.eos_token_id
+    row = np.zeros((1, (vocab + 31) // 32), np.int32)
+    probe = template.deep_copy()
+    costs = []
+    for step in range(PROBE_STEPS + 1):
+        if not probe.is_error():
+            t0 = time.thread_time()
+            lln.fill_next_token_bitmask(probe, row, 0)
+            if step:
+                costs.append(time.thread_time() - t0)
+        ids = _allowed_ids(row[0], vocab)
+        text_ids = ids[ids != eos] if eos is not None else ids
+        if probe.is_error():
+            if step == 0 and not len(text_ids):
+                raise ValueError(f"{field}: the {kind} constraint matches no text")
+            raise ValueError(
+                f"{field}: the {kind} constraint does not compile within limits: "
+                f"{_first_line(probe.get_error())}"
+            )
+        if not len(text_ids) or probe.is_stopped():
+            break
+        if not probe.consume_tokens([int(text_ids[-1])]):
+            raise ValueError(
+                f"{field}: the {kind} constraint does not compile within limits: "
+                f"{_first_line(probe.get_error())}"
+            )
+    if costs and statistics.median(costs) > MAX_MASK_CPU_S:
+        raise ValueError(
+            f"{field}: the {kind} constraint is too costly: each token mask takes about "
+            f"{1e3 * statistics.median(costs):.0f} ms of CPU, more than the limit of "
+            f"{1e3 * MAX_MASK_CPU_S:.0f} ms (simplify it, e.g. nested counted repeats)"
+        )
+
+
+_compile_slots = threading.BoundedSemaphore(COMPILE_SLOTS)
+
+
+def compile_constraint(
+    spec: StructuredOutputsParams,
+    tokenizer: Tokenizer,
+    field: str = "structured_outputs",
+    bounded_numbers: bool = True,
+) -> CompiledConstraint:
+    """Compiles ``spec`` against ``tokenizer`` and runs the admission checks (cached per grammar
+    and tokenizer; thread-safe; call it off the engine thread).
+
+    Args:
+      spec: the constraint.
+      tokenizer: the model's tokenizer.
+      field: the request field named in errors (``response_format``, ``tools``, ...).
+      bounded_numbers: the default for JSON constraints that do not say (the engine's
+        ``--structured-outputs-bounded-numbers``).
+
+    Raises:
+      ValueError: llguidance missing, no tokenizer, or the constraint does not compile within
+        ``PARSER_LIMITS``, derives no finite string, or matches no text; the message starts
+        with ``field``.
+    """
+    if tokenizer is None:
+        raise ValueError(f"{field}: structured outputs need a tokenizer, and this model has none")
+    grammar = grammar_text(spec, field, bounded_numbers)
     llt = ll_tokenizer(tokenizer)
     key = (id(llt), grammar)
     with _lock:
@@ -173,35 +443,38 @@ def _template(spec: StructuredOutputsParams, tokenizer: Tokenizer, field: str) -
             return found
     import llguidance
 
-    template = llguidance.LLMatcher(llt, grammar, log_level=0)
-    if template.is_error():
-        error = template.get_error().splitlines()[0]
-        raise ValueError(f"{field}: the {spec.kind} constraint does not compile: {error}")
+    kind = spec.kind
+    if kind == "grammar":
+        lark = _lark_text(spec.grammar)
+        if lark is not None and derives_finite_string(lark) is False:
+            raise ValueError(
+                f"{field}: the grammar derives no finite string (its start rule never ends, "
+                'e.g. start: "a" start), so no answer could ever be complete'
+            )
+    limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+    with _compile_slots:
+        template = llguidance.LLMatcher(llt, grammar, log_level=0, limits=limits)
+        if template.is_error():
+            error = _first_line(template.get_error())
+            raise ValueError(f"{field}: the {kind} constraint does not compile: {error}")
+        _check_start(template, tokenizer, kind, field)
+    compiled = CompiledConstraint(template, kind)
     with _lock:
-        _templates[key] = template
+        _templates[key] = compiled
         while len(_templates) > MATCHER_CACHE_SIZE:
             _templates.popitem(last=False)
-    return template
+    return compiled
 
 
 def check_structured_outputs(
-    spec: StructuredOutputsParams, tokenizer: Tokenizer | None, field: str = "structured_outputs"
+    spec: StructuredOutputsParams,
+    tokenizer: Tokenizer | None,
+    field: str = "structured_outputs",
+    bounded_numbers: bool = True,
 ) -> None:
-    """Compiles ``spec`` against ``tokenizer`` (cached), so a bad one is refused up front.
+    """:func:`compile_constraint` for its checks only (a bad constraint is refused up front).
 
     Raises:
-      ValueError: llguidance missing, no tokenizer, or the constraint does not compile; the
-        message starts with ``field`` (e.g. ``response_format``).
+      ValueError: as :func:`compile_constraint`.
     """
-    if tokenizer is None:
-        raise ValueError(f"{field}: structured outputs need a tokenizer, and this model has none")
-    _template(spec, tokenizer, field)
-
-
-def new_matcher(spec: StructuredOutputsParams, tokenizer: Tokenizer) -> Any:
-    """A fresh ``llguidance.LLMatcher`` for one request (a copy of the cached template).
-
-    Raises:
-      ValueError: as :func:`check_structured_outputs`.
-    """
-    return _template(spec, tokenizer, "structured_outputs").deep_copy()
+    compile_constraint(spec, tokenizer, field, bounded_numbers)

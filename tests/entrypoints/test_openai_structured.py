@@ -282,7 +282,18 @@ def test_required_tool_choice_streams_the_same_calls(oai):
             deltas += chunk.choices[0].delta.tool_calls or []
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+    # #39: like a named call, each call streams as a head (index, id, name) and then its
+    # arguments piece by piece (it came as one delta at the end).
+    joined: dict[int, list] = {}
+    for d in deltas:
+        if d.id is not None:
+            assert d.index not in joined and d.function.name and d.type == "function"
+            joined[d.index] = [d.function.name, d.function.arguments or ""]
+        else:
+            assert d.function.name is None
+            joined[d.index][1] += d.function.arguments
+    assert len(deltas) > 2 * len(joined)
+    assert [tuple(joined[i]) for i in sorted(joined)] == [
         (c.function.name, c.function.arguments) for c in choice.message.tool_calls
     ]
 

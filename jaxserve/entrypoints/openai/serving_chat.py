@@ -27,10 +27,10 @@ from jaxserve.core.ledger import response_ledger
 from jaxserve.engine.async_llm import EngineDeadError, RequestStream
 from jaxserve.entrypoints.openai.common import (
     ServingInfo,
-    check_output_constraint,
     check_prompt_bytes,
     check_prompt_ids,
     check_sampler_memory,
+    prepare_token_masks_of,
     random_id,
     resolve_max_tokens,
     usage,
@@ -137,11 +137,12 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
     except ValueError as exc:
         raise _chat_field_error(exc, field) from exc
     check_sampler_memory(params, info)
-    check_output_constraint(request, params, tokenizer)
     if tools is not None and tools.constraint is not None:
         params = params.clone(structured_outputs=tools.constraint)
     if tools is not None and tools.parser is not None and tools.parser.needs_special_tokens:
         params = params.clone(skip_special_tokens=False)  # the call marker is a special token
+    forced = tools is not None and tools.constraint is not None
+    prepare_token_masks_of(request, params, tokenizer, info, "tools" if forced else None)
     return ChatJob(
         request=request,
         request_id=random_id("chatcmpl"),
@@ -180,9 +181,8 @@ def _plan_tools(request: ChatCompletionRequest, info: ServingInfo, tokenizer: An
         for tool in plan.tools:
             schema = tool["function"].get("parameters")
             if schema is not None:
-                check_structured_outputs(StructuredOutputsParams(json=schema), tokenizer, "tools")
-        if plan.constraint is not None:
-            check_structured_outputs(plan.constraint, tokenizer, "tools")
+                spec = StructuredOutputsParams(json=schema)
+                check_structured_outputs(spec, tokenizer, "tools", info.bounded_numbers)
     except ValueError as exc:
         raise from_value_error(exc) from exc
     return plan
@@ -221,7 +221,7 @@ def build_chat_response(job: ChatJob, output: RequestOutput, tokenizer: Any) -> 
         finish_reason = completion.finish_reason
         extractor = job.tools.extractor() if job.tools is not None else None
         if extractor is not None:
-            message["content"], calls = extractor.final(completion.text)
+            message["content"], calls = extractor.final(completion.text, finish_reason)
             if calls:
                 message["tool_calls"] = [c.as_openai() for c in calls]
                 finish_reason = _tool_finish(finish_reason, len(calls))
