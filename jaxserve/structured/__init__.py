@@ -43,6 +43,7 @@ backend. Module map:
 from jaxserve.structured.grammar import (
     check_structured_outputs,
     compile_constraint,
+    compile_constraint_future,
     llguidance_available,
 )
 from jaxserve.structured.manager import StepTokenMask, TokenMaskManager
@@ -54,6 +55,7 @@ __all__ = [
     "TokenMaskPlan",
     "check_structured_outputs",
     "compile_constraint",
+    "compile_constraint_future",
     "llguidance_available",
     "prepare_token_masks",
 ]

@@ -131,7 +131,8 @@ class TokenMaskManager:
                 bounded_numbers=self.bounded_numbers,
                 vocab_size=self.vocab_size,
             )
-        matcher = plan.constraint.template.deep_copy() if plan.constraint is not None else None
+        compiled = plan.compiled()  # done: AsyncLLM awaited it (or it was prepared here)
+        matcher = compiled.template.deep_copy() if compiled is not None else None
         self._states[req_id] = _RequestMaskState(plan, matcher)
 
     def drop(self, req_ids: Any) -> None:

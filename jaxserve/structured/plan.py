@@ -1,7 +1,9 @@
 """A request's token-mask preprocessing, done once and off the engine thread.
 
-    plan = prepare_token_masks(params, tokenizer)   # TokenMaskPlan | None; ValueError naming
-    params.token_mask_plan = plan                   # the field (the server: a worker thread)
+    plan = prepare_token_masks(params, tokenizer, wait=False)   # the server's worker thread
+    params.token_mask_plan = plan
+    await plan.ready()            # AsyncLLM.add_request: the compile ends in its own thread;
+                                  # ValueError naming the field if it is refused
 
 Everything in a ``TokenMaskPlan`` grows with the request (the grammar, the allowed ids, the bad
 words) and is made here, in time linear in it: the grammar compiled and checked
@@ -15,13 +17,20 @@ shared by a request's ``n`` samples.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxserve.structured.bad_words import BadWords
-from jaxserve.structured.grammar import CompiledConstraint, compile_constraint
+from jaxserve.structured.grammar import (
+    CompiledConstraint,
+    compile_constraint_future,
+    yield_gil,
+)
 
 if TYPE_CHECKING:
     from jaxserve.sampling_params import SamplingParams
@@ -40,20 +49,42 @@ class TokenMaskPlan:
     Attributes:
       tokenizer: the tokenizer it was made with (a manager with another one prepares anew).
       num_words: W = ceil(vocab_size / 32), the width of mask rows.
-      constraint: the compiled grammar (structured outputs), or None.
+      constraint: the future of the compiled grammar (structured outputs; resolves to a
+        ``CompiledConstraint`` or raises the ValueError that refuses it), or None.
       fixed_row: int32 [W], the tokens ``allowed_token_ids`` allows minus the one-token bad
         words (bit ``t % 32`` of word ``t // 32``); None when it allows every token.
       bad_words: the automaton of the multi-token bad words, or None.
+      checks: futures of other compiles the request must pass (a chat's tool schemas).
     """
 
     tokenizer: Any
     num_words: int
-    constraint: CompiledConstraint | None
+    constraint: concurrent.futures.Future | None
     fixed_row: np.ndarray | None
     bad_words: BadWords | None
+    checks: tuple[concurrent.futures.Future, ...] = ()
 
     def __reduce__(self) -> tuple:
         return (_no_plan, ())
+
+    async def ready(self) -> None:
+        """Waits, without holding a thread, until the plan's compiles are done.
+
+        Raises:
+          ValueError: a compile refused its constraint (names the field).
+        """
+        for future in (self.constraint, *self.checks):
+            if future is not None:
+                await asyncio.wrap_future(future)
+
+    def compiled(self) -> CompiledConstraint | None:
+        """The compiled grammar, waited for if it is not done yet (the engine thread gets
+        plans whose compile ``ready`` already awaited).
+
+        Raises:
+          ValueError: the constraint is refused (names the field).
+        """
+        return None if self.constraint is None else self.constraint.result()
 
 
 def _bits(token_ids: Any, words: int) -> np.ndarray:
@@ -71,7 +102,9 @@ def bad_word_token_ids(words: list[str], tokenizer: Tokenizer) -> list[tuple[int
     newline = tokenizer.encode("\n", add_special_tokens=False)
     cut = len(newline)
     seen: dict[tuple[int, ...], None] = {}
-    for word in words:
+    for i, word in enumerate(words):
+        if i % 32 == 31:
+            yield_gil()
         for text in (word, " " + word):
             ids = tokenizer.encode("\n" + text, add_special_tokens=False)
             if ids[:cut] == newline:
@@ -90,6 +123,8 @@ def prepare_token_masks(
     bounded_numbers: bool = True,
     field: str = "structured_outputs",
     vocab_size: int = 0,
+    wait: bool = True,
+    checks: Sequence[concurrent.futures.Future] = (),
 ) -> TokenMaskPlan | None:
     """The TokenMaskPlan of ``params`` (None when it needs no token mask). Thread-safe; meant
     for a worker thread.
@@ -100,12 +135,17 @@ def prepare_token_masks(
       bounded_numbers: the engine's default for JSON numbers (see ``grammar.bound_numbers``).
       field: the request field that carries the constraint, for error messages.
       vocab_size: the mask width's vocabulary when there is no tokenizer (the model's).
+      wait: wait for the grammar's compile (and ``checks``) here; False returns at once, and
+        ``TokenMaskPlan.ready`` awaits them (a refused constraint then raises there).
+      checks: futures of other compiles the request must pass (kept on the plan; a plan is
+        made for them even when ``params`` need no mask).
 
     Raises:
       ValueError: no tokenizer where one is needed, or the constraint is refused at admission
-        (``grammar.compile_constraint``); the message starts with the field.
+        (``grammar.compile_constraint_future``; with ``wait``); the message starts with the
+        field.
     """
-    if not params.needs_token_mask:
+    if not params.needs_token_mask and not checks:
         return None
     if tokenizer is None and (params.structured_outputs is not None or params.bad_words):
         name = "bad_words" if params.structured_outputs is None else field
@@ -114,7 +154,7 @@ def prepare_token_masks(
     words = (vocab + 31) // 32
     constraint = None
     if params.structured_outputs is not None:
-        constraint = compile_constraint(
+        constraint = compile_constraint_future(
             params.structured_outputs, tokenizer, field, bounded_numbers=bounded_numbers
         )
     fixed = None
@@ -129,4 +169,9 @@ def prepare_token_masks(
             fixed = fixed & ~_bits(single, words)
         if any(len(s) > 1 for s in sequences):
             automaton = BadWords(s for s in sequences if len(s) > 1)
-    return TokenMaskPlan(tokenizer, words, constraint, fixed, automaton)
+    plan = TokenMaskPlan(tokenizer, words, constraint, fixed, automaton, tuple(checks))
+    if wait:
+        plan.compiled()
+        for future in plan.checks:
+            future.result()
+    return plan

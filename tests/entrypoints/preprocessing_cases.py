@@ -4,7 +4,8 @@ by tests/entrypoints/test_preprocessing_ratios.py and benchmarks/bench_preproces
 For each request feature whose preprocessing grows with the request (bad words, allowed token
 ids, logit bias, stop strings, grammars, tool schemas, long prompts) ``worst_case(name, k)`` is
 a completions / chat body at the largest size the server accepts (``jaxserve.sampling_params``
-caps), made distinct per ``k`` so no cache hides its preprocessing. ``measure_ratio`` times a
+caps), made distinct per ``k`` so no cache hides its preprocessing; "heavy_regex_x8" is F2's
+case, 8 requests at once with a regex refused at admission. ``measure_ratio`` times a
 small greedy request alone and beside one such request, interleaved, and returns the ratio of
 the fastest of each (the shared dev box's load adds latency at random; the fastest run is the
 one it disturbed least): 1 means the worst case costs the small request nothing.
@@ -17,6 +18,7 @@ import dataclasses
 import time
 from typing import Any
 
+from jaxserve.entrypoints.openai.tool_calls import MAX_TOOLS
 from jaxserve.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
@@ -83,19 +85,24 @@ def worst_case(name: str, k: int, max_prompt_bytes: int) -> tuple[str, dict[str,
     if name == "stop":
         stops = [_letters(k * 100 + i, MAX_STOP_STRING_CHARS) for i in range(MAX_STOP_STRINGS)]
         return COMPL, {**base, "stop": stops}
+    if name == "heavy_regex_x8":  # F2: refused at admission (sent 8 times at once)
+        return COMPL, {
+            **base,
+            "structured_outputs": {"regex": f"{_letters(k, 3)}(a{{1000}}){{1000}}"},
+        }
     if name == "regex":  # the costliest per-step mask admitted: ~1 ms of CPU at 4k vocabulary
         regex = f"{_letters(k, 3)}(a{{100}}){{100}}"
         return COMPL, {**base, "structured_outputs": {"regex": regex}}
     if name == "choice":
         choices = [f"{_letters(k, 2)} choice {i}" for i in range(MAX_CHOICES)]
         return COMPL, {**base, "structured_outputs": {"choice": choices}}
-    if name == "tool_schemas":
+    if name in ("tool_schemas", "tool_schemas_none"):  # one forced constraint / 128 checks
         body = {
             "messages": [{"role": "user", "content": "Call a tool."}],
             "max_tokens": WORST_MAX_TOKENS,
             "ignore_eos": True,
-            "tools": [_tool(i, k) for i in range(50)],
-            "tool_choice": "required",
+            "tools": [_tool(i, k) for i in range(MAX_TOOLS)],
+            "tool_choice": "required" if name == "tool_schemas" else "none",
         }
         return CHAT, body
     if name == "prompt":  # the longest string the byte bound lets through to the tokenizer
@@ -111,8 +118,10 @@ CASES = (
     "logit_bias",
     "stop",
     "regex",
+    "heavy_regex_x8",
     "choice",
     "tool_schemas",
+    "tool_schemas_none",
     "prompt",
 )
 
@@ -154,10 +163,11 @@ async def measure_ratio(client: Any, name: str, max_prompt_bytes: int, reps: int
         url, body = worst_case(name, k, max_prompt_bytes)
         t_alone = await _timed(client, COMPL, SMALL)
         t0 = time.perf_counter()
-        worst = asyncio.ensure_future(client.post(url, json=body))
+        copies = 8 if name.endswith("_x8") else 1
+        worst = [asyncio.ensure_future(client.post(url, json=body)) for _ in range(copies)]
         await asyncio.sleep(0.005)  # the worst request is in its preprocessing
         t_beside = await _timed(client, COMPL, SMALL)
-        status = (await worst).status_code
+        status = max([(await w).status_code for w in worst])
         t_worst = time.perf_counter() - t0
         if k:  # round 0 warms up
             alone.append(t_alone)

@@ -371,6 +371,10 @@ def test_auto_tool_choice_with_a_model_that_does_not_call_returns_content(oai):
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        (  # OpenAI's limit: each tool's schema is compiled at admission
+            {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+            "tools",
+        ),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",

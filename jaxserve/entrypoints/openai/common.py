@@ -256,27 +256,42 @@ def check_priority(priority: int, info: ServingInfo) -> None:
 
 
 def prepare_token_masks_of(
-    request: Any, params: Any, tokenizer: Any, info: ServingInfo, field: str | None = None
+    request: Any,
+    params: Any,
+    tokenizer: Any,
+    info: ServingInfo,
+    field: str | None = None,
+    checks: Any = (),
 ) -> Any:
     """Attaches the request's token-mask plan to ``params`` (``SamplingParams.token_mask_plan``):
-    the output constraint compiled and checked, bad words tokenized, allowed ids as a mask row.
-    Called in the request's worker thread, so the engine thread only copies the plan; a
-    constraint the engine cannot use is a 400 before anything runs. Returns ``params``.
-    ``field``: the field that carries the constraint (default the request's
-    ``constraint_field``).
+    bad words tokenized, allowed ids as a mask row, the output constraint's compile started.
+    Called in the request's worker thread, so the engine thread only copies the plan; the
+    compile ends in a compile thread and ``AsyncLLM.add_request`` awaits it, so a constraint
+    the engine cannot use is a 400 before anything runs, and a slow compile holds no worker
+    thread. Returns ``params``.
+
+    Args:
+      field: the field that carries the constraint (default the request's
+        ``constraint_field``).
+      checks: futures of other compiles the request must pass (a chat's tool schemas).
 
     Raises:
       APIError: 400 naming the field the client used (``response_format``,
-        ``structured_outputs``, ``tools``, ``bad_words``).
+        ``structured_outputs``, ``tools``, ``bad_words``) when that shows before compiling.
     """
-    if not params.needs_token_mask:
+    if not params.needs_token_mask and not checks:
         return params
     from jaxserve.structured import prepare_token_masks
 
     field = field or request.constraint_field
     try:
         params.token_mask_plan = prepare_token_masks(
-            params, tokenizer, bounded_numbers=info.bounded_numbers, field=field
+            params,
+            tokenizer,
+            bounded_numbers=info.bounded_numbers,
+            field=field,
+            wait=False,
+            checks=checks,
         )
     except ValueError as exc:
         raise from_value_error(exc) from exc

@@ -142,7 +142,8 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
     if tools is not None and tools.parser is not None and tools.parser.needs_special_tokens:
         params = params.clone(skip_special_tokens=False)  # the call marker is a special token
     forced = tools is not None and tools.constraint is not None
-    prepare_token_masks_of(request, params, tokenizer, info, "tools" if forced else None)
+    checks = tools.checks if tools is not None else ()
+    prepare_token_masks_of(request, params, tokenizer, info, "tools" if forced else None, checks)
     return ChatJob(
         request=request,
         request_id=random_id("chatcmpl"),
@@ -156,13 +157,14 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
 
 
 def _plan_tools(request: ChatCompletionRequest, info: ServingInfo, tokenizer: Any) -> Any:
-    """The request's ToolPlan (``tool_calls.plan_tools``), with every tool's parameter schema
-    and the forcing grammar compiled now.
+    """The request's ToolPlan (``tool_calls.plan_tools``), with the compile of every tool's
+    parameter schema started (``ToolPlan.checks``: the engine call awaits them).
 
     Raises:
       APIError: 400 naming ``tools`` or ``tool_choice``.
     """
-    from jaxserve.structured import check_structured_outputs
+    from jaxserve.structured import compile_constraint_future
+    from jaxserve.structured.grammar import yield_gil
 
     try:
         plan = plan_tools(
@@ -178,14 +180,19 @@ def _plan_tools(request: ChatCompletionRequest, info: ServingInfo, tokenizer: An
                 "tool_choice: a required or named tool choice cannot be combined with "
                 "response_format / structured_outputs"
             )
-        for tool in plan.tools:
+        checks = []
+        # "required" compiles every tool's schema into its constraint: no separate checks.
+        for tool in plan.tools if plan.mode != "required" else ():
+            yield_gil()
             schema = tool["function"].get("parameters")
             if schema is not None:
                 spec = StructuredOutputsParams(json=schema)
-                check_structured_outputs(spec, tokenizer, "tools", info.bounded_numbers)
+                checks.append(
+                    compile_constraint_future(spec, tokenizer, "tools", info.bounded_numbers)
+                )
     except ValueError as exc:
         raise from_value_error(exc) from exc
-    return plan
+    return dataclasses.replace(plan, checks=tuple(checks))
 
 
 def _tool_finish(finish_reason: str | None, num_calls: int) -> str | None:

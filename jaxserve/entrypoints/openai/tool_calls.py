@@ -39,6 +39,8 @@ from typing import Any
 from jaxserve.sampling_params import StructuredOutputsParams
 
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+MAX_TOOLS = 128
+"""Most tools one request may list (OpenAI's limit); each schema is compiled at admission."""
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
 
 
@@ -200,6 +202,8 @@ class ToolPlan:
       named: the forced function's name (mode "named").
       parser: the text parser (mode "auto").
       constraint: the grammar that forces calls (modes "required" and "named").
+      checks: futures of the tools' parameter-schema compiles (the serving layer's; each
+        resolves, or raises the ValueError that refuses its schema).
     """
 
     mode: str
@@ -207,6 +211,7 @@ class ToolPlan:
     named: str | None = None
     parser: ToolParser | None = None
     constraint: StructuredOutputsParams | None = None
+    checks: tuple[Any, ...] = ()
 
     def extractor(self) -> ToolCallExtractor | None:
         """A fresh per-choice extractor, or None when the text is plain content."""
@@ -225,14 +230,16 @@ def plan_tools(
       None without tools (and ``tool_choice`` absent or "none").
 
     Raises:
-      ValueError: a malformed tool (message starts with ``tools``), or a ``tool_choice`` that
-        names no tool, needs tools, or needs a ``--tool-call-parser`` (starts with
-        ``tool_choice``).
+      ValueError: more than ``MAX_TOOLS`` tools or a malformed one (message starts with
+        ``tools``), or a ``tool_choice`` that names no tool, needs tools, or needs a
+        ``--tool-call-parser`` (starts with ``tool_choice``).
     """
     if not tools:
         if tool_choice not in (None, "none"):
             raise ValueError("tool_choice: needs a non-empty tools list")
         return None
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"tools has {len(tools)} tools; at most {MAX_TOOLS} are allowed")
     names = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
