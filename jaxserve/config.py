@@ -48,7 +48,7 @@ class ModelConfig:
         work without one).
       structured_outputs_bounded_numbers: JSON numbers a schema leaves unbounded are bounded
         (integers within int64, floats with |x| <= 1e15 and at most 9 decimals; see
-        ``jaxserve.structured.grammar.bound_numbers``), so forced JSON always finishes; a
+        ``jaxserve.structured.json_numbers``), so forced JSON always finishes; a
         request may say otherwise (``structured_outputs.bounded_numbers``).
 
     Raises:

@@ -79,7 +79,7 @@ class StructuredOutputsParams:
       json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
       bounded_numbers: JSON numbers the schema leaves unbounded are limited to what JSON
         consumers accept (integers within int64, floats with a bounded count of digits; see
-        ``jaxserve.structured.grammar.bound_numbers``); None takes the engine's default
+        ``jaxserve.structured.json_numbers``); None takes the engine's default
         (``--structured-outputs-bounded-numbers``, on). Only for ``json`` / ``json_object``.
 
     Whether the constraint compiles is checked by ``jaxserve.structured`` (it needs the

@@ -30,9 +30,13 @@ JSON schema, regex, Lark and GBNF grammars behind one matcher type, computes mas
 token trie with a parallel executor, and is what vLLM and SGLang use as their "guidance"
 backend. Module map:
 
-* :mod:`jaxserve.structured.grammar` — our tokenizer as an ``LLTokenizer``, grammar text of a
-  constraint (JSON numbers bounded), admission checks (``ValueError`` naming the request
-  field), cached compiled templates.
+* :mod:`jaxserve.structured.grammar` — our tokenizer as an ``LLTokenizer``, the grammar text
+  of a constraint.
+* :mod:`jaxserve.structured.json_numbers` — JSON numbers a schema leaves unbounded, bounded.
+* :mod:`jaxserve.structured.admission` — compiles once per grammar, admission checks
+  (``ValueError`` naming the request field), cached compiled templates (and refusals).
+* :mod:`jaxserve.structured.threads` — how preprocessing shares the CPU and the GIL with the
+  engine thread (compile threads at low priority, ``yield_gil``).
 * :mod:`jaxserve.structured.lark_check` — does a Lark grammar derive any finite string.
 * :mod:`jaxserve.structured.bad_words` — the bad-words automaton.
 * :mod:`jaxserve.structured.plan` — :class:`TokenMaskPlan` and ``prepare_token_masks``.
@@ -40,12 +44,12 @@ backend. Module map:
   grammar's end of a request, and the per-step :class:`StepTokenMask`.
 """
 
-from jaxserve.structured.grammar import (
+from jaxserve.structured.admission import (
     check_structured_outputs,
     compile_constraint,
     compile_constraint_future,
-    llguidance_available,
 )
+from jaxserve.structured.grammar import llguidance_available
 from jaxserve.structured.manager import StepTokenMask, TokenMaskManager
 from jaxserve.structured.plan import TokenMaskPlan, prepare_token_masks
 

@@ -89,7 +89,7 @@ class TokenMaskManager:
     Args:
       tokenizer: the model's tokenizer (token bytes for the grammar; its EOS ends a grammar).
       bounded_numbers: the default for JSON numbers of requests that do not say (see
-        ``jaxserve.structured.grammar.bound_numbers``).
+        ``jaxserve.structured.json_numbers``).
       vocab_size: the mask width's vocabulary without a tokenizer (the model's).
 
     Not thread-safe: the engine thread calls it.

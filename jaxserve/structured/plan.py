@@ -25,12 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxserve.structured.admission import CompiledConstraint, compile_constraint_future
 from jaxserve.structured.bad_words import BadWords
-from jaxserve.structured.grammar import (
-    CompiledConstraint,
-    compile_constraint_future,
-    yield_gil,
-)
+from jaxserve.structured.threads import yield_gil
 
 if TYPE_CHECKING:
     from jaxserve.sampling_params import SamplingParams

@@ -16,7 +16,8 @@ import pytest
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.structured import TokenMaskManager, compile_constraint, prepare_token_masks
 from jaxserve.structured.bad_words import BadWords
-from jaxserve.structured.grammar import INT_BOUND, continuation_ids
+from jaxserve.structured.grammar import continuation_ids
+from jaxserve.structured.json_numbers import INT_BOUND
 from jaxserve.structured.lark_check import derives_finite_string
 
 pytest.importorskip("llguidance")

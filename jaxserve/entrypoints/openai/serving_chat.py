@@ -164,7 +164,7 @@ def _plan_tools(request: ChatCompletionRequest, info: ServingInfo, tokenizer: An
       APIError: 400 naming ``tools`` or ``tool_choice``.
     """
     from jaxserve.structured import compile_constraint_future
-    from jaxserve.structured.grammar import yield_gil
+    from jaxserve.structured.threads import yield_gil
 
     try:
         plan = plan_tools(
