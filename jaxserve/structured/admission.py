@@ -236,17 +236,23 @@ def compile_constraint_future(
         elif isinstance(error, ValueError):
             _answer(mine, str(error), field)
         else:
-            mine.set_exception(error)
+            _answer(mine, error, field)
 
     shared.add_done_callback(relay)
     return mine
 
 
 def _answer(future: concurrent.futures.Future, found: Any, field: str) -> None:
-    if isinstance(found, str):
-        future.set_exception(ValueError(f"{field}: {found}"))
-    else:
-        future.set_result(found)
+    """Resolves one caller's future (unless the caller cancelled it: its client left)."""
+    try:
+        if isinstance(found, str):
+            future.set_exception(ValueError(f"{field}: {found}"))
+        elif isinstance(found, BaseException):
+            future.set_exception(found)
+        else:
+            future.set_result(found)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def compile_constraint(

@@ -237,3 +237,22 @@ def test_json_object_numbers_are_bounded(tok):
 )
 def test_lark_grammars_that_derive_no_finite_string(grammar, finite):
     assert derives_finite_string(grammar) is finite
+
+
+def test_one_compile_per_grammar_shared_refusals_cached_cancels_harmless(tok):
+    from jaxserve.structured import compile_constraint_future
+
+    spec = StructuredOutputsParams(regex="[a-z]{1,5}-shared-compile")
+    first = compile_constraint_future(spec, tok, "structured_outputs")
+    second = compile_constraint_future(spec, tok, "response_format")
+    second.cancel()  # its client left while the compile ran
+    compiled = first.result(timeout=60)
+    again = compile_constraint_future(spec, tok, "tools")
+    assert again.done() and again.result() is compiled  # cached: no second compile
+    empty = StructuredOutputsParams(regex="[^\\s\\S]")
+    with pytest.raises(ValueError, match="^tools: the regex constraint matches no text"):
+        compile_constraint_future(empty, tok, "tools").result(timeout=60)
+    refused = compile_constraint_future(empty, tok, "response_format")
+    assert refused.done()  # the refusal is kept too, and names each caller's field
+    with pytest.raises(ValueError, match="^response_format: "):
+        refused.result()
