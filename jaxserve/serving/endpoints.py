@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.metadata
+import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -57,6 +59,7 @@ from jaxserve.serving.validation import (
 )
 
 Chunks = AsyncIterator[dict[str, Any]]
+logger = logging.getLogger(__name__)
 
 
 class Job(Protocol):
@@ -151,16 +154,57 @@ class StreamReply:
 Reply = JSONReply | StreamReply
 
 
-def validate(model: type[pydantic.BaseModel], body: dict[str, Any]) -> Any:
-    """``model`` validated from a parsed JSON body.
+MAX_LOGGED_UNKNOWN_FIELDS = 256
+"""Distinct unknown field names logged per process; past it one line says the rest are not
+(a client sending random names must not grow the set without end)."""
+
+_logged_unknown_fields: set[str] = set()
+_logged_unknown_lock = threading.Lock()
+
+
+def log_unknown_fields(request: pydantic.BaseModel, where: str) -> None:
+    """Logs a warning, once per field name and process, for each top-level field of a
+    request body that the server does not know and ignores (vLLM logs them too; OpenAI
+    clients send fields we do not serve, so they are not an error)."""
+    extra = request.model_extra
+    if not extra:
+        return
+    new = []
+    with _logged_unknown_lock:
+        for name in sorted(extra):
+            if len(_logged_unknown_fields) >= MAX_LOGGED_UNKNOWN_FIELDS:
+                break
+            if name not in _logged_unknown_fields:
+                _logged_unknown_fields.add(name)
+                new.append(name)
+        full = len(_logged_unknown_fields) >= MAX_LOGGED_UNKNOWN_FIELDS
+    for name in new:
+        logger.warning(
+            "%s: the request field %r is not known to this server and is ignored (logged once "
+            "per field name)",
+            where,
+            name[:100],
+        )
+    if new and full:
+        logger.warning(
+            "%d unknown request field names logged; further ones are not",
+            MAX_LOGGED_UNKNOWN_FIELDS,
+        )
+
+
+def validate(model: type[pydantic.BaseModel], body: dict[str, Any], where: str = "") -> Any:
+    """``model`` validated from a parsed JSON body; unknown top-level fields are ignored and
+    logged (:func:`log_unknown_fields`; ``where`` names the endpoint in the log line).
 
     Raises:
       APIError: 400 naming the first bad field.
     """
     try:
-        return model.model_validate(body)
+        request = model.model_validate(body)
     except pydantic.ValidationError as exc:
         raise from_validation_error(exc) from None
+    log_unknown_fields(request, where or model.__name__)
+    return request
 
 
 def version() -> str:
@@ -201,7 +245,7 @@ class OpenAIServing:
                 param="url",
                 code="not_found",
             )
-        request = validate(endpoint.request_model, body)
+        request = validate(endpoint.request_model, body, url)
         check_priority(request.priority, self.info)
         return endpoint, endpoint.prepare(request, self.info, self.engine.tokenizer)
 
@@ -336,7 +380,7 @@ class OpenAIServing:
         Raises:
           APIError: 400 for a bad body or a text too long to tokenize, 404 for another model.
         """
-        request = validate(TokenizeRequest, body)
+        request = validate(TokenizeRequest, body, "/tokenize")
         self.info.check_model(request.model)
         # Off the event loop: a long prompt must not stall /health and every other client.
         tokens = await asyncio.to_thread(self._tokenize, request)
@@ -364,7 +408,7 @@ class OpenAIServing:
           APIError: 400 for a bad body or a token id outside the vocabulary, 404 for another
             model.
         """
-        request = validate(DetokenizeRequest, body)
+        request = validate(DetokenizeRequest, body, "/detokenize")
         self.info.check_model(request.model)
         if request.tokens:
             check_prompt_ids(
