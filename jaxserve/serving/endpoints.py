@@ -360,15 +360,19 @@ class OpenAIServing:
         return ledger
 
     def health(self) -> JSONReply:
-        """``GET /health``: 200 while the engine serves, 503 with the reason when it does not
-        (the engine's own body when it gives one: the Ray replicas' counts)."""
+        """``GET /health``: 200 while the engine serves, 503 with the reason when it does not:
+        dead, stalled (no loop turn completed within the step timeout while work is queued) or
+        shutting down (the engine's own body when it gives one: the Ray replicas' counts)."""
         health = self.engine.health()
         if health.detail is not None:
             return JSONReply(health.detail, 200 if health.healthy else 503)
         if health.healthy:
             return JSONReply(None)
-        message = f"the engine is dead: {health.error!r}"
-        return JSONReply(error_body(message, "server_error", code="engine_dead"), 503)
+        if health.code == "engine_dead":
+            message = f"the engine is dead: {health.error!r}"
+        else:
+            message = str(health.error) if health.error is not None else health.code
+        return JSONReply(error_body(message, "server_error", code=health.code), 503)
 
     async def metrics(self) -> tuple[bytes, str]:
         """``GET /metrics``: the Prometheus exposition and its content type."""

@@ -66,6 +66,9 @@ class FakeEngine:
       fail_at_step: ``step()`` raises RuntimeError on this step number (1-based), or never.
       hang_at_step: ``step()`` blocks on this step number until ``release_hang`` is set (a
         device that never returns), or never.
+      hang_at_add: ``add_request()`` blocks on this call number (1-based) until
+        ``release_hang`` is set (host-side work that never returns, as #38 F1's bad-words
+        masks did), or never.
 
     Attributes:
       num_steps: steps run so far (tests check the idle engine does not spin).
@@ -82,6 +85,7 @@ class FakeEngine:
         step_s: float = 0.002,
         fail_at_step: int | None = None,
         hang_at_step: int | None = None,
+        hang_at_add: int | None = None,
         served_model_name: str = "fake-model",
         max_waiting_requests: int = 0,
         max_num_batched_tokens: int = 8192,
@@ -109,6 +113,8 @@ class FakeEngine:
         self.step_s = step_s
         self.fail_at_step = fail_at_step
         self.hang_at_step = hang_at_step
+        self.hang_at_add = hang_at_add
+        self.num_adds = 0
         self.release_hang = threading.Event()
         self.num_steps = 0
         self._reqs: dict[str, _Req] = {}
@@ -129,6 +135,9 @@ class FakeEngine:
         arrival_time: float | None = None,
     ) -> None:
         self._check_thread()
+        self.num_adds += 1
+        if self.num_adds == self.hang_at_add:
+            self.release_hang.wait()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError(

@@ -7,6 +7,7 @@ in-flight requests finish within ``--shutdown-timeout-s`` (abort them after) and
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -60,13 +61,97 @@ def test_hung_step_marks_engine_dead_and_server_exits_nonzero():
 def test_watchdog_leaves_slow_but_live_steps_alone():
     llm = AsyncLLM(FakeEngine(MODEL_DIR, step_s=0.2), step_timeout_s=0.6)
     srv = LiveServer(llm)
+    health: list[int] = []
     try:
         with httpx.Client(base_url=srv.url, timeout=20) as c:
-            r = c.post(COMPL, json={"prompt": "x", "max_tokens": 6})
+            t = threading.Thread(
+                target=lambda: health.append(c.post(COMPL, json={"prompt": "x", "max_tokens": 6}))
+            )
+            t.start()
+            while t.is_alive():  # the engine is busy (0.2 s steps) but alive: /health 200
+                health.append(c.get("/health").status_code)
+                time.sleep(0.05)
+            r = health.pop()
             assert r.status_code == 200 and not llm.errored
+            assert len(health) > 5 and set(health) == {200}, health
     finally:
         srv.close()
         llm.shutdown()
+
+
+def test_health_turns_503_when_host_side_work_stalls_and_the_watchdog_fires():
+    """#38 F7: a request whose host-side preprocessing never returns (F1's bad-words masks in
+    ``add_request``) froze the engine while ``/health`` said 200 and the step watchdog, which
+    watched model steps only, never fired. Now ``/health`` is 503 ``engine_stalled`` once the
+    loop turn outlives the step timeout, and the watchdog kills the engine."""
+    engine = FakeEngine(MODEL_DIR, step_s=0.01, hang_at_add=2)
+    llm = AsyncLLM(engine, step_timeout_s=1.0)
+    srv = LiveServer(llm, dead_grace_s=1.0)
+    results: dict[str, object] = {}
+    try:
+        with httpx.Client(base_url=srv.url, timeout=20) as c:
+            assert c.post(COMPL, json={"prompt": "x", "max_tokens": 3}).status_code == 200
+            assert c.get("/health").status_code == 200
+
+            def stuck():
+                with httpx.Client(base_url=srv.url, timeout=20) as own:
+                    results["stuck"] = own.post(COMPL, json={"prompt": "y", "max_tokens": 3})
+
+            t = threading.Thread(target=stuck)
+            t.start()
+            start = time.monotonic()
+            codes = []
+            while time.monotonic() - start < 10:
+                r = c.get("/health")
+                if r.status_code == 503:
+                    codes.append(r.json()["error"]["code"])
+                    if codes[-1] == "engine_dead":
+                        break
+                else:
+                    assert time.monotonic() - start < 1.2, "still 200 past the step timeout"
+                time.sleep(0.05)
+            assert codes and codes[-1] == "engine_dead", codes
+            assert set(codes) <= {"engine_stalled", "engine_dead"}
+            assert "host-side work" in str(llm.dead_error)
+            t.join(10)
+            assert_error(results["stuck"], 503, code="engine_dead")
+        assert srv.wait_stopped(10) == 1
+        assert srv.internal_errors == []
+    finally:
+        engine.release_hang.set()
+        srv.close()
+        llm.shutdown()
+
+
+def test_health_reports_a_stall_before_the_watchdog_and_shutdown():
+    """``AsyncLLM.health``: ``engine_stalled`` as soon as a loop turn outlives the step timeout
+    (the watchdog may poll up to a second later), ``shutting_down`` after ``shutdown``."""
+    engine = FakeEngine(MODEL_DIR, step_s=0.001, hang_at_step=1)
+    llm = AsyncLLM(engine, step_timeout_s=600)  # the watchdog stays out of it
+    try:
+        llm.step_timeout_s = 0.3
+
+        async def start():
+            from jaxserve.sampling_params import SamplingParams
+
+            return await llm.add_request("r", "x", SamplingParams(max_tokens=2))
+
+        asyncio.run(start())
+        assert llm.health().healthy
+        time.sleep(0.5)
+        health = llm.health()
+        assert not health.healthy and health.code == "engine_stalled"
+        assert "model step" in str(health.error)
+        engine.release_hang.set()
+        deadline = time.monotonic() + 5
+        while not llm.health().healthy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert llm.health().healthy  # the step came back: alive again
+    finally:
+        engine.release_hang.set()
+        llm.shutdown()
+    health = llm.health()
+    assert not health.healthy and health.code == "shutting_down"
 
 
 class _Proc:
