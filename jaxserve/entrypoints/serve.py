@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import socket
-import sys
 import time
 from typing import Any
 
@@ -24,6 +23,7 @@ from jaxserve.engine.async_llm import DEFAULT_STEP_TIMEOUT_S, AsyncLLM
 from jaxserve.entrypoints.http.api_server import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     Timeouts,
+    exit_now,
     serve_until_signal,
 )
 from jaxserve.entrypoints.ray_serve import add_ray_args, start_replicas, uses_ray
@@ -64,15 +64,17 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--step-timeout-s",
         type=float,
         default=DEFAULT_STEP_TIMEOUT_S,
-        help="watchdog: a model step running longer than this marks the engine dead (/health "
-        "503, pending requests get an error, exit 1); 0 disables it",
+        help="liveness and watchdog: a turn of the engine loop (a model step, or host-side work "
+        "such as adding requests) running longer than this makes /health 503 engine_stalled, "
+        "then marks the engine dead (pending requests get an error, exit 1); 0 disables it",
     )
     parser.add_argument(
         "--shutdown-timeout-s",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="on SIGTERM/SIGINT stop accepting and let in-flight requests finish for up to "
-        "this long, then abort them and exit 0",
+        "this long, then cut them with a 503 (streams: an error event and [DONE]) and exit 0 "
+        "within this window + 1 s",
     )
     add_ray_args(parser)  # Ray itself is imported only if used
     parser.set_defaults(func=run_serve)
@@ -170,7 +172,7 @@ def run_serve(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     llm = AsyncLLM.from_engine_args(engine_args, step_timeout_s=args.step_timeout_s)
     print(startup_report(llm, time.perf_counter() - start, args), flush=True)
-    sys.exit(serve_until_signal(llm, args))
+    exit_now(serve_until_signal(llm, args))
 
 
 def run_ray_serve(args: argparse.Namespace) -> None:
@@ -213,4 +215,4 @@ def run_ray_serve(args: argparse.Namespace) -> None:
         what=f"{ingress.info.model_name} ({args.data_parallel_size} replicas)",
     )
     ray.shutdown()
-    sys.exit(code)
+    exit_now(code)

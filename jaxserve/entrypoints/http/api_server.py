@@ -40,7 +40,10 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import os
 import signal
+import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -73,9 +76,27 @@ class Timeouts:
     body_s: float = 60.0
 
 
+@dataclasses.dataclass
+class Drain:
+    """A server's shutdown state: the generating requests in flight and whether the drain window
+    has run out (the requests still in flight are then cut: :func:`run_server`).
+
+    Attributes:
+      in_flight: the handler tasks of generating requests that have not answered yet.
+      cut: True once the window ran out; a handler cancelled then answers with
+        :func:`shutdown_cut_error` instead of a truncated response.
+      window_s: the drain window, seconds (named in the error).
+    """
+
+    in_flight: set[asyncio.Task] = dataclasses.field(default_factory=set)
+    cut: bool = False
+    window_s: float = 0.0
+
+
 SERVING = web.AppKey("serving", OpenAIServing)
 TIMEOUTS_KEY = web.AppKey("timeouts", Timeouts)
 DRAINING = web.AppKey("draining", asyncio.Event)
+DRAIN = web.AppKey("drain", Drain)
 API_KEY = web.AppKey("api_key", object)
 INTERNAL_ERRORS = web.AppKey("internal_errors", list)
 
@@ -122,6 +143,30 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
     return parse_json_body(raw)
 
 
+def shutdown_cut_error(window_s: float) -> APIError:
+    """The 503 a request gets when the server shuts down under it: it was still running when
+    the drain window (``--shutdown-timeout-s``) ran out."""
+    return APIError(
+        f"the server shut down before this request finished: it was still running when the "
+        f"drain window of {window_s:g} s (--shutdown-timeout-s) ran out; retry it elsewhere",
+        status=503,
+        type="server_error",
+        code="shutting_down",
+        headers={"Connection": "close"},
+    )
+
+
+def _was_cut(request: web.Request) -> bool:
+    """True when the handler was cancelled because the drain window ran out (not because its
+    client went away); the task's cancellation is then taken back, so it can answer."""
+    if not request.app[DRAIN].cut:
+        return False
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    return True
+
+
 async def _send(request: web.Request, reply: Reply) -> web.StreamResponse:
     """Writes a serving reply: a JSON body (none when ``reply.body`` is None), or SSE events."""
     if isinstance(reply, StreamReply):
@@ -144,6 +189,7 @@ async def _write_sse(request: web.Request, reply: StreamReply) -> web.StreamResp
     )
     encoder = SSEEncoder()
     streams = reply.streams
+    cut = False
     try:
         await response.prepare(request)
         held: list[bytes] = []
@@ -156,8 +202,20 @@ async def _write_sse(request: web.Request, reply: StreamReply) -> web.StreamResp
         await response.write_eof(b"".join(held))
     except ConnectionResetError:  # the client went away; its requests are aborted below
         pass
+    except asyncio.CancelledError:  # the client went away, or the drain window ran out
+        if not _was_cut(request):
+            raise
+        cut = True
     finally:
         await reply.close()
+    if cut:  # an error event and [DONE], not a truncated body (a whole event was written last)
+        error = shutdown_cut_error(request.app[DRAIN].window_s)
+        if not response.prepared:
+            raise error
+        try:
+            await response.write_eof(encoder.event(error.body()) + DONE_EVENT)
+        except ConnectionResetError:
+            pass
     return response
 
 
@@ -178,8 +236,19 @@ def _check_not_draining(request: web.Request) -> None:
 def _generation_handler(url: str) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
         _check_not_draining(request)
-        body = await _read_json(request)
-        return await _send(request, await request.app[SERVING].generate(url, body))
+        drain = request.app[DRAIN]
+        task = asyncio.current_task()
+        assert task is not None
+        drain.in_flight.add(task)
+        try:
+            body = await _read_json(request)
+            return await _send(request, await request.app[SERVING].generate(url, body))
+        except asyncio.CancelledError:  # the client went away, or the drain window ran out
+            if not _was_cut(request):
+                raise
+            raise shutdown_cut_error(drain.window_s) from None  # a stream answers in _write_sse
+        finally:
+            drain.in_flight.discard(task)
 
     return handler
 
@@ -333,6 +402,7 @@ def build_app(
     app[INTERNAL_ERRORS] = []
     app[TIMEOUTS_KEY] = Timeouts(header_timeout_s, body_timeout_s)
     app[DRAINING] = asyncio.Event()
+    app[DRAIN] = Drain()
     app.router.add_post("/v1/completions", _generation_handler("/v1/completions"))
     app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
     app.router.add_get("/v1/models", _models)
@@ -385,7 +455,7 @@ async def run_server(
         app,
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=shutdown_timeout_s,
+        shutdown_timeout=CUT_ANSWER_S,  # our own drain() has waited for the handlers
         keepalive_timeout=app[TIMEOUTS_KEY].header_s,
     )
     await runner.setup()
@@ -413,8 +483,38 @@ async def run_server(
                 llm.num_pending_requests,
                 shutdown_timeout_s,
             )
-        await runner.cleanup()  # stop listening, wait for handlers, cancel the rest
+        await drain(runner, app[DRAIN], shutdown_timeout_s)
+        await runner.cleanup()  # idle connections closed; every handler has answered
     return 1 if llm.errored else 0
+
+
+CUT_ANSWER_S = 0.5
+"""How long cut handlers get to write their 503 / error event once the drain window ran out."""
+
+
+async def drain(runner: web.AppRunner, state: Drain, window_s: float) -> None:
+    """Stops listening, then lets the generating requests in flight finish for up to
+    ``window_s``; those still running then are cut: each handler is cancelled with
+    ``state.cut`` set, which aborts its engine requests and answers a 503 ``shutting_down``
+    (a JSON body, or on a stream an error event and ``[DONE]``) within ``CUT_ANSWER_S``."""
+    for site in list(runner.sites):
+        await site.stop()  # no new connections; open ones get 503 shutting_down (DRAINING)
+    state.window_s = window_s
+    deadline = time.monotonic() + window_s
+    while state.in_flight and (left := deadline - time.monotonic()) > 0:
+        await asyncio.wait(set(state.in_flight), timeout=left)
+    if not state.in_flight:
+        return
+    logger.warning(
+        "shutting down: the drain window (%g s) ran out; cutting %d requests with a 503",
+        window_s,
+        len(state.in_flight),
+    )
+    state.cut = True
+    tasks = set(state.in_flight)
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks, timeout=CUT_ANSWER_S)
 
 
 def serve_until_signal(
@@ -430,16 +530,27 @@ def serve_until_signal(
     ``app`` replaces the app built from ``args`` (the Ray ingress builds its own), ``what`` the
     served model's name in the "serving ..." line.
 
+    Returns within ``--shutdown-timeout-s`` + 1 s of the signal: the drain window, the cut
+    requests' answers, then the engine thread's current step if it ends in time (it is not
+    waited for past that, nor are worker threads still tokenizing a prompt; see
+    :func:`exit_now`).
+
     Returns:
       The exit code: 0 after a signal, 1 if the engine died or its thread did not stop (a step
       hung through the drain).
     """
+    signalled: list[float] = []
 
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            signalled.append(time.monotonic())
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         served = app or build_app(
             llm,
             api_key=args.api_key,
@@ -457,9 +568,53 @@ def serve_until_signal(
             ready=lambda h, p: print(f"serving {name} on http://{h}:{p}", flush=True),
         )
 
-    code = asyncio.run(main())
-    llm.shutdown(timeout=1.0 if llm.errored else 5.0)  # a dead engine's thread may be hung
+    code = run_loop(main())
+    if signalled:  # what is left of window + 1 s (the engine thread ends after its step)
+        left = signalled[0] + args.shutdown_timeout_s + SHUTDOWN_SLACK_S - time.monotonic()
+        timeout = max(0.1, left)
+    else:
+        timeout = 1.0 if llm.errored else 5.0  # a dead engine's thread may be hung
+    llm.shutdown(timeout=timeout)
     if llm.is_running:
         logger.error("the engine thread did not stop (a step is hung); exiting anyway")
         code = code or 1
     return code
+
+
+SHUTDOWN_SLACK_S = 0.8
+"""A signalled server returns this long after its drain window at the latest (the process
+exit's own cost keeps it under the promised window + 1 s)."""
+
+
+def run_loop(main: Awaitable[int]) -> int:
+    """``asyncio.run(main)``, except that at the end worker threads still running (a long
+    prompt being tokenized by a request that was cut) are not waited for: ``asyncio.run`` waits
+    up to 300 s for the default executor's threads."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()  # the default executor is shut down without waiting
+
+
+def exit_now(code: int) -> None:
+    """Ends the process with ``code`` at once, after flushing the logs and standard streams:
+    ``sys.exit`` would wait for worker threads still running (Python joins the executors'
+    threads at exit), which can outlive the shutdown window by seconds."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
