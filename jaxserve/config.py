@@ -359,9 +359,23 @@ class EngineArgs:
     model: str | None = dataclasses.field(
         default=None,
         metadata=_meta(
-            "model directory (HF or our orbax layout), .gguf file, or 'smollm2' (the demo-model "
-            "extra); default: the bundled checkpoint",
+            "model directory (HF or our orbax layout), .gguf file, Hugging Face Hub id "
+            "(org/name: downloaded, or read from the cache with HF_HUB_OFFLINE=1), or 'smollm2' "
+            "(the demo-model extra); default: the bundled checkpoint",
             positional=True,
+        ),
+    )
+    revision: str | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "Hub model ids: the branch, tag or commit to use; default: the default branch"
+        ),
+    )
+    download_dir: str | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "Hub model ids: the cache directory to download into and read from; default: "
+            "the Hugging Face cache (HF_HUB_CACHE, HF_HOME)"
         ),
     )
     dtype: str = dataclasses.field(
@@ -560,13 +574,21 @@ class EngineArgs:
 
     def resolved_model_path(self) -> str:
         """The model path; the bundled checkpoint when ``model`` is None; the demo model's GGUF
-        for ``"smollm2"`` (when no such file or directory exists here).
+        for ``"smollm2"`` (when no such file or directory exists here); for a Hugging Face Hub
+        id (``org/name`` that is no local path) its local snapshot at ``revision``, downloaded
+        into ``download_dir`` or the Hub's cache first when online
+        (``jaxserve.model.hub.resolve_hub_model``).
 
         Raises:
-          ValueError: ``"smollm2"`` without the demo-model extra installed (says how to install).
+          ValueError: ``"smollm2"`` without the demo-model extra installed (says how to install);
+            a Hub id that cannot be had (ModelLoadError: one line saying why).
         """
         # local: keeps this module jax-free
         from jaxserve.model import DEMO_MODEL_NAME, default_model_path, demo_model_path
+        from jaxserve.model.hub import is_hub_id, resolve_hub_model
+
+        if is_hub_id(self.model):
+            return resolve_hub_model(self.model, self.revision, self.download_dir)
 
         if self.model == DEMO_MODEL_NAME and not os.path.exists(self.model):
             path = demo_model_path()
@@ -607,7 +629,12 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({model_max_len})"
             )
-        name = self.served_model_name or os.path.basename(os.path.normpath(self.model or path))
+        from jaxserve.model.hub import is_hub_id
+
+        if is_hub_id(self.model):  # vLLM's default: the id clients already know
+            name = self.served_model_name or str(self.model)
+        else:
+            name = self.served_model_name or os.path.basename(os.path.normpath(self.model or path))
         if not self.served_model_name and name.lower().endswith(".gguf"):
             name = name[: -len(".gguf")]  # "SmolLM2-135M-Instruct.Q4_1"
         buckets: tuple[int, ...] = ()
