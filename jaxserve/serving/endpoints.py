@@ -23,6 +23,7 @@ Every failure a client can cause is an ``APIError``; a dead engine is a 503 ``en
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import importlib.metadata
 import logging
@@ -226,6 +227,11 @@ class OpenAIServing:
     def __init__(self, engine: EngineClient, info: ServingInfo | None = None) -> None:
         self.engine = engine
         self.info = info or ServingInfo.from_engine(engine)
+        # Response id -> the caller that created it, when callers are told apart (several API
+        # keys): ledgers are readable by their creator only. Bounded like the ledger history.
+        self._owners: collections.OrderedDict[str, str] = collections.OrderedDict()
+        history = getattr(getattr(engine, "engine_config", None), "ledger_history", 1000)
+        self.max_owners = 2 * max(int(history), 0) + 1024
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -249,14 +255,36 @@ class OpenAIServing:
         check_priority(request.priority, self.info)
         return endpoint, endpoint.prepare(request, self.info, self.engine.tokenizer)
 
-    async def generate(self, url: str, body: dict[str, Any]) -> Reply:
+    async def generate(self, url: str, body: dict[str, Any], owner: str | None = None) -> Reply:
         """Serves one generating request: prepared off the event loop, then :meth:`start`.
+
+        Args:
+          url, body: the endpoint's path and the parsed JSON body.
+          owner: who sends it, when callers are told apart (the API key's id); only the same
+            owner may read its ledger (:meth:`ledger`). None: anyone may.
 
         Raises:
           APIError: 4xx for bad input, 503 when the engine is dead or its queue is full.
         """
         endpoint, job = await asyncio.to_thread(self.prepare, url, body)
+        if owner is not None:
+            self._remember_owner(job.request_id, owner)
         return await self.start(endpoint, job)
+
+    def _remember_owner(self, response_id: str, owner: str) -> None:
+        self._owners[response_id] = owner
+        while len(self._owners) > self.max_owners:
+            self._owners.popitem(last=False)
+
+    def owner_of(self, request_id: str) -> str | None:
+        """The owner recorded for a response id, or for an engine request id
+        (``{response_id}-{i}``); None when unknown."""
+        owner = self._owners.get(request_id)
+        if owner is None:
+            response_id, dash, index = request_id.rpartition("-")
+            if dash and index.isdigit():
+                owner = self._owners.get(response_id)
+        return owner
 
     async def start(self, endpoint: Generation, job: Job) -> Reply:
         """Starts a prepared job on the engine (the Ray ingress picks a replica instead)."""
@@ -341,18 +369,25 @@ class OpenAIServing:
             raise model_not_found(name)
         return self.model_card()
 
-    async def ledger(self, request_id: str) -> dict[str, Any]:
+    async def ledger(self, request_id: str, owner: str | None = None) -> dict[str, Any]:
         """``GET /v1/requests/{request_id}/ledger``: a finished request's ledger (engine request
         id or response id).
 
+        Ids are capabilities: 128 random bits, never listed, so whoever holds one may read its
+        ledger. When callers are told apart (``owner`` given: several API keys), only the
+        caller that created the request may.
+
         Raises:
-          APIError: 404 ``ledger_not_found`` when unknown or past ``--ledger-history``.
+          APIError: 404 ``ledger_not_found`` when unknown, past ``--ledger-history``, or (with
+            ``owner``) created by another caller or by no known one.
         """
-        ledger = await self.engine.get_ledger(request_id)
+        ledger = None
+        if owner is None or self.owner_of(request_id) == owner:
+            ledger = await self.engine.get_ledger(request_id)
         if ledger is None:
             raise APIError(
-                f"no ledger for request {request_id!r}: unknown, unfinished, or older than the "
-                "last --ledger-history finished requests",
+                f"no ledger for request {request_id!r}: unknown, unfinished, older than the "
+                "last --ledger-history finished requests, or created with another API key",
                 status=404,
                 param="request_id",
                 code="ledger_not_found",

@@ -55,7 +55,8 @@ class _Req:
 
 
 class FakeEngine:
-    """``EngineCore`` over a scripted "model" (see the module docstring); it keeps no ledgers.
+    """``EngineCore`` over a scripted "model" (see the module docstring); its ledgers are
+    stand-ins (a finished request's id and token count).
 
     Args:
       model_dir: a model directory with a tokenizer (the bundled checkpoint).
@@ -118,6 +119,8 @@ class FakeEngine:
         self.release_hang = threading.Event()
         self.num_steps = 0
         self._reqs: dict[str, _Req] = {}
+        self._ledgers: dict[str, dict[str, Any]] = {}  # finished requests (any thread reads)
+        self._ledger_lock = threading.Lock()
         self._owner: threading.Thread | None = None
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -202,10 +205,23 @@ class FakeEngine:
             outputs.append(self._advance(req, now))
             if outputs[-1].finished:
                 del self._reqs[req.request_id]
+                with self._ledger_lock:
+                    self._ledgers[req.request_id] = {
+                        "request_id": req.request_id,
+                        "output_tokens": sum(len(s.token_ids) for s in req.samples),
+                    }
         return outputs
 
     def get_ledger(self, request_id: str) -> dict[str, Any] | None:
-        return None  # no ledgers: the scripted steps schedule nothing
+        """A stand-in ledger of a finished request (its id and output tokens; the scripted steps
+        schedule nothing), by engine request id or response id (``{id}-0``, ``-1``, ...)."""
+        with self._ledger_lock:
+            if request_id in self._ledgers:
+                return dict(self._ledgers[request_id])
+            parts = []
+            while (part := self._ledgers.get(f"{request_id}-{len(parts)}")) is not None:
+                parts.append(dict(part))
+        return {"request_id": request_id, "requests": parts} if parts else None
 
     def close(self) -> None:
         pass

@@ -24,7 +24,8 @@ Every failure a client can cause is an OpenAI-style 4xx (``APIError``); a middle
 anything else into a logged 500 and counts it in ``app[INTERNAL_ERRORS]`` (tests assert it
 stays 0). With ``--api-key`` the ``/v1/*``, ``/tokenize`` and ``/detokenize`` routes need
 ``Authorization: Bearer <key>`` (401 otherwise); ``/health``, ``/metrics`` and ``/version`` stay
-open, as in vLLM. With ``--max-waiting-requests`` a request that finds that many requests
+open, as in vLLM. With several keys (``--api-key`` repeated or a comma list) a request's ledger
+is readable only with the key that created it; ``--no-ledger-route`` removes the ledger route. With ``--max-waiting-requests`` a request that finds that many requests
 waiting gets a 503 with ``Retry-After``.
 
 If the engine dies, in-flight requests get an error (503 ``engine_dead``, or an error event on
@@ -44,7 +45,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -98,6 +99,8 @@ TIMEOUTS_KEY = web.AppKey("timeouts", Timeouts)
 DRAINING = web.AppKey("draining", asyncio.Event)
 DRAIN = web.AppKey("drain", Drain)
 API_KEY = web.AppKey("api_key", object)
+KEY_ID = web.RequestKey("api_key_id", str)
+"""Which of several API keys authenticated a request (its index, as a string)."""
 INTERNAL_ERRORS = web.AppKey("internal_errors", list)
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -242,7 +245,8 @@ def _generation_handler(url: str) -> Handler:
         drain.in_flight.add(task)
         try:
             body = await _read_json(request)
-            return await _send(request, await request.app[SERVING].generate(url, body))
+            reply = await request.app[SERVING].generate(url, body, owner=request.get(KEY_ID))
+            return await _send(request, reply)
         except asyncio.CancelledError:  # the client went away, or the drain window ran out
             if not _was_cut(request):
                 raise
@@ -262,7 +266,9 @@ async def _model(request: web.Request) -> web.Response:
 
 
 async def _ledger(request: web.Request) -> web.Response:
-    return json_response(await request.app[SERVING].ledger(request.match_info["request_id"]))
+    serving = request.app[SERVING]
+    ledger = await serving.ledger(request.match_info["request_id"], owner=request.get(KEY_ID))
+    return json_response(ledger)
 
 
 async def _health(request: web.Request) -> web.StreamResponse:
@@ -351,24 +357,40 @@ class _JSONErrorServer(web.Server):
         return _JSONErrorHandler(self, loop=self._loop, **self._kwargs)
 
 
-def _auth_middleware(api_key: str) -> Any:
-    expected = api_key.encode()
+def api_keys(values: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The API keys of ``--api-key`` values (each may be a comma-separated list; blanks are
+    dropped), in order, without duplicates."""
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    keys = [key.strip() for value in values for key in value.split(",")]
+    return tuple(dict.fromkeys(key for key in keys if key))
+
+
+def _auth_middleware(keys: tuple[str, ...]) -> Any:
+    expected = [key.encode() for key in keys]
+    tell_apart = len(keys) > 1  # one key: every caller is the same one
 
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path.startswith(_PROTECTED_PREFIXES):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             # The scheme is case-insensitive (RFC 7235); the key is compared in constant time, as
-            # bytes: aiohttp keeps bytes that are not UTF-8 as surrogate escapes, and turning
-            # them back into those bytes (not re-encoding them) can never raise.
+            # bytes, with every key (which one matched takes no longer to find): aiohttp keeps
+            # bytes that are not UTF-8 as surrogate escapes, and turning them back into those
+            # bytes (not re-encoding them) can never raise.
             given_bytes = given.strip().encode("utf-8", "surrogateescape")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, expected):
+            matches = [hmac.compare_digest(given_bytes, key) for key in expected]
+            if scheme.lower() != "bearer" or not any(matches):
                 raise APIError(
                     "invalid or missing API key (send 'Authorization: Bearer <key>')",
                     status=401,
                     type="invalid_request_error",
                     code="invalid_api_key",
                 )
+            if tell_apart:
+                request[KEY_ID] = str(matches.index(True))
         return await handler(request)
 
     return auth
@@ -377,28 +399,34 @@ def _auth_middleware(api_key: str) -> Any:
 def build_app(
     llm: EngineClient,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     info: ServingInfo | None = None,
     header_timeout_s: float = Timeouts.header_s,
     body_timeout_s: float = Timeouts.body_s,
     serving: OpenAIServing | None = None,
+    ledger_route: bool = True,
 ) -> web.Application:
     """The aiohttp application serving ``llm``.
 
     Args:
       llm: the engine client (an AsyncLLM, or the Ray replicas' client).
-      api_key: require ``Authorization: Bearer <api_key>`` on the API routes; None: open.
+      api_key: require ``Authorization: Bearer <key>`` on the API routes with one of these keys
+        (a key, a comma-separated list, or a sequence of either: :func:`api_keys`); None or
+        empty: open. With several keys a ledger is readable only with the key that created its
+        request.
+      ledger_route: serve ``GET /v1/requests/{id}/ledger`` (False: 404, as any unknown route).
       info: the served model's facts (default: read from ``llm``).
       header_timeout_s, body_timeout_s: see :class:`Timeouts`.
       serving: what answers the routes (default ``OpenAIServing(llm, info)``; the Ray ingress
         passes one that picks a replica per request).
     """
     middlewares = [_errors_middleware]
-    if api_key:
-        middlewares.append(_auth_middleware(api_key))
+    keys = api_keys(api_key)
+    if keys:
+        middlewares.append(_auth_middleware(keys))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[SERVING] = serving or OpenAIServing(llm, info)
-    app[API_KEY] = api_key
+    app[API_KEY] = keys or None
     app[INTERNAL_ERRORS] = []
     app[TIMEOUTS_KEY] = Timeouts(header_timeout_s, body_timeout_s)
     app[DRAINING] = asyncio.Event()
@@ -407,7 +435,8 @@ def build_app(
     app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
-    app.router.add_get("/v1/requests/{request_id}/ledger", _ledger)
+    if ledger_route:
+        app.router.add_get("/v1/requests/{request_id}/ledger", _ledger)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/version", _version)
@@ -556,6 +585,7 @@ def serve_until_signal(
             api_key=args.api_key,
             header_timeout_s=args.request_header_timeout_s,
             body_timeout_s=args.request_body_timeout_s,
+            ledger_route=getattr(args, "ledger_route", True),
         )
         name = what or llm.model_name
         return await run_server(
