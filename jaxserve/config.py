@@ -402,8 +402,11 @@ class EngineArgs:
     tool_call_parser: str = dataclasses.field(
         default="",
         metadata=_meta(
-            "chat tool-call format to parse into tool_calls: llama3_json, hermes (Qwen), "
-            "mistral; default: none (tool_choice auto is refused)",
+            "chat tool-call format to parse into tool_calls for tool_choice auto: llama3_json "
+            "(Llama 3.1/3.2 templates), hermes (Qwen2.5/Qwen3 <tool_call>), mistral "
+            "([TOOL_CALLS], Mistral v0.3+); auto also needs a chat template that renders tools "
+            "(SmolLM2's and the bundled model's do not: use tool_choice required or a named "
+            "function); default: none (tool_choice auto is refused)",
             choices=["", *TOOL_CALL_PARSERS],
         ),
     )
