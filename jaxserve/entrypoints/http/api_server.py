@@ -128,9 +128,31 @@ def json_response(
     )
 
 
+def _check_json_media_type(request: web.Request) -> None:
+    """Bodies are JSON: no ``Content-Type``, ``application/json`` or ``application/*+json``
+    (as FastAPI, and so vLLM, reads them); another media type is a 415."""
+    given = request.headers.get("Content-Type")
+    if given is None:
+        return
+    kind = given.split(";", 1)[0].strip().lower()
+    if kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")):
+        return
+    raise APIError(
+        f"the request body must be JSON: send Content-Type: application/json (got {given[:100]!r})",
+        status=415,
+        code="unsupported_media_type",
+    )
+
+
 async def _read_json(request: web.Request) -> dict[str, Any]:
     """The parsed body; a client that takes longer than the body timeout to send it gets a 408
-    and its connection closed (a byte-per-second body must not hold a connection forever)."""
+    and its connection closed (a byte-per-second body must not hold a connection forever).
+
+    Raises:
+      APIError: 415 for a media type other than JSON, 408 as above, 400 for a body that is not
+        a JSON object in UTF-8.
+    """
+    _check_json_media_type(request)
     timeout = request.app[TIMEOUTS_KEY].body_s
     try:
         raw = await asyncio.wait_for(request.read(), timeout)
@@ -283,7 +305,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _openapi(request: web.Request) -> web.Response:
     """``GET /openapi.json``: the API's OpenAPI document (``openapi.openapi_document``)."""
-    return json_response(openapi_document(request.app[SERVING].info.model_name))
+    return json_response(openapi_document(request.app[SERVING].info))
 
 
 async def _version(request: web.Request) -> web.Response:
