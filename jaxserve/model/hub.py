@@ -8,7 +8,7 @@ Online, the repository's config, tokenizer and safetensors files are downloaded 
 cache (``HF_HUB_CACHE``, ``HF_HOME``; or ``--download-dir``) unless they are there already; with
 ``HF_HUB_OFFLINE=1`` only the cache is read. A failure (not cached while offline, no network,
 an unknown repository or revision, a gated model without ``HF_TOKEN``) is a
-:class:`~jaxserve.model.config.ModelLoadError` with one line that says what to do. Everything
+:class:`~jaxserve.model.arch_config.ModelLoadError` with one line that says what to do. Everything
 after this step (the preflight checks, the loader) sees a plain model directory.
 """
 
@@ -18,7 +18,7 @@ import functools
 import os
 import re
 
-from jaxserve.model.config import ModelLoadError
+from jaxserve.model.arch_config import ModelLoadError
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
 """``org/name`` as the Hub spells repository ids."""
