@@ -64,8 +64,10 @@ def test_generate_prints_a_greedy_continuation_of_the_prompt():
     tok = get_tokenizer(path)
     assert prompt_ids == tok.encode("The king said")
     assert 0 < len(output_ids) <= 12
-    assert "\n".join(text_lines) == tok.decode(output_ids, skip_special_tokens=True)
-    assert "\n".join(text_lines).strip(), "the bundled model should write some text"
+    # echoed: the prompt, then its continuation (#39: only the continuation was printed)
+    text = "\n".join(text_lines)
+    assert text == tok.decode(prompt_ids + output_ids, skip_special_tokens=True), text
+    assert text.startswith("The king said") and text.removeprefix("The king said").strip()
     model, _, _ = load_model(path)
     ids = np.asarray([prompt_ids + output_ids], np.int32)
     logits = np.asarray(model.forward_dense(ids)[0])  # [L, vocab]
