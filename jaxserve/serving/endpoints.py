@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import importlib.metadata
 import logging
@@ -155,6 +156,25 @@ class StreamReply:
 Reply = JSONReply | StreamReply
 
 
+LARGE_BODY_BYTES = 256 * 2**10
+"""A request body above this many bytes is large: it is parsed and prepared in the large-body
+lane (:func:`off_loop`), one at a time, never in the threads small requests use."""
+
+_large_lane = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="jaxserve-large-body"
+)
+
+
+async def off_loop(fn: Callable[..., Any], *args: Any, large: bool = False) -> Any:
+    """``fn(*args)`` in a worker thread: the default pool, or for a large body the large-body
+    lane (one thread). #38: eight 15.7 MB prompts, each parsed, checked and refused in the
+    default pool, took every worker and the GIL, and a small request beside them waited 8x its
+    time alone; in one lane at most one such body is being worked on at any time."""
+    if not large:
+        return await asyncio.to_thread(fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(_large_lane, fn, *args)
+
+
 MAX_LOGGED_UNKNOWN_FIELDS = 256
 """Distinct unknown field names logged per process; past it one line says the rest are not
 (a client sending random names must not grow the set without end)."""
@@ -255,18 +275,22 @@ class OpenAIServing:
         check_priority(request.priority, self.info)
         return endpoint, endpoint.prepare(request, self.info, self.engine.tokenizer)
 
-    async def generate(self, url: str, body: dict[str, Any], owner: str | None = None) -> Reply:
+    async def generate(
+        self, url: str, body: dict[str, Any], owner: str | None = None, large: bool = False
+    ) -> Reply:
         """Serves one generating request: prepared off the event loop, then :meth:`start`.
 
         Args:
           url, body: the endpoint's path and the parsed JSON body.
           owner: who sends it, when callers are told apart (the API key's id); only the same
             owner may read its ledger (:meth:`ledger`). None: anyone may.
+          large: the body was large (over ``LARGE_BODY_BYTES``): prepared in the large-body
+            lane (:func:`off_loop`).
 
         Raises:
           APIError: 4xx for bad input, 503 when the engine is dead or its queue is full.
         """
-        endpoint, job = await asyncio.to_thread(self.prepare, url, body)
+        endpoint, job = await off_loop(self.prepare, url, body, large=large)
         if owner is not None:
             self._remember_owner(job.request_id, owner)
         return await self.start(endpoint, job)

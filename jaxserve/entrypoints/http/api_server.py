@@ -55,7 +55,14 @@ from aiohttp.web_request import BaseRequest
 from jaxserve.engine.protocol import EngineClient
 from jaxserve.entrypoints.http.openapi import openapi_document
 from jaxserve.entrypoints.http.sse import DONE_EVENT, SSEEncoder
-from jaxserve.serving.endpoints import OpenAIServing, Reply, StreamReply, version
+from jaxserve.serving.endpoints import (
+    LARGE_BODY_BYTES,
+    OpenAIServing,
+    Reply,
+    StreamReply,
+    off_loop,
+    version,
+)
 from jaxserve.serving.errors import APIError, error_body
 from jaxserve.serving.json_io import dumps, parse_json_body
 from jaxserve.serving.validation import ServingInfo
@@ -105,7 +112,6 @@ INTERNAL_ERRORS = web.AppKey("internal_errors", list)
 
 MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-_PARSE_OFF_LOOP_BYTES = 256 * 2**10
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -145,7 +151,12 @@ def _check_json_media_type(request: web.Request) -> None:
 
 
 async def _read_json(request: web.Request) -> dict[str, Any]:
-    """The parsed body; a client that takes longer than the body timeout to send it gets a 408
+    """The parsed body (see :func:`_read_json_sized`)."""
+    return (await _read_json_sized(request))[0]
+
+
+async def _read_json_sized(request: web.Request) -> tuple[dict[str, Any], bool]:
+    """The parsed body, and whether it was large (over ``LARGE_BODY_BYTES``: parsed in the large-body lane); a client that takes longer than the body timeout to send it gets a 408
     and its connection closed (a byte-per-second body must not hold a connection forever).
 
     Raises:
@@ -163,9 +174,9 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
             code="request_timeout",
             headers={"Connection": "close"},
         ) from None
-    if len(raw) > _PARSE_OFF_LOOP_BYTES:  # a 16 MB body takes the loop ~0.2 s to parse
-        return await asyncio.to_thread(parse_json_body, raw)
-    return parse_json_body(raw)
+    if len(raw) > LARGE_BODY_BYTES:  # a 16 MB body takes ~0.2 s to parse: off the loop, in
+        return await off_loop(parse_json_body, raw, large=True), True  # the large-body lane
+    return parse_json_body(raw), False
 
 
 def shutdown_cut_error(window_s: float) -> APIError:
@@ -266,8 +277,9 @@ def _generation_handler(url: str) -> Handler:
         assert task is not None
         drain.in_flight.add(task)
         try:
-            body = await _read_json(request)
-            reply = await request.app[SERVING].generate(url, body, owner=request.get(KEY_ID))
+            body, large = await _read_json_sized(request)
+            serving = request.app[SERVING]
+            reply = await serving.generate(url, body, owner=request.get(KEY_ID), large=large)
             return await _send(request, reply)
         except asyncio.CancelledError:  # the client went away, or the drain window ran out
             if not _was_cut(request):
