@@ -194,9 +194,26 @@ class _Proc:
             raise AssertionError("did not exit:\n" + "".join(self.lines)) from None
 
 
+@pytest.fixture
+def spawn():
+    """Starts ``fake_serve.py`` subprocesses (``spawn(*flags)``); kills any still running at the
+    end, so a failing test leaves no server behind."""
+    procs: list[_Proc] = []
+
+    def start(*flags: str) -> _Proc:
+        procs.append(_Proc(*flags))
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        if proc.p.poll() is None:
+            proc.p.kill()
+            proc.p.wait(10)
+
+
 @pytest.mark.slow
-def test_process_exits_nonzero_when_a_step_hangs():
-    proc = _Proc("--hang-at-step", "2", "--step-timeout-s", "0.5")
+def test_process_exits_nonzero_when_a_step_hangs(spawn):
+    proc = spawn("--hang-at-step", "2", "--step-timeout-s", "0.5")
     with httpx.Client(base_url=proc.url, timeout=20) as c:
         r = c.post(COMPL, json={"prompt": "x", "max_tokens": 5})
         assert_error(r, 503, code="engine_dead")
@@ -204,8 +221,8 @@ def test_process_exits_nonzero_when_a_step_hangs():
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_requests_and_exits_zero():
-    proc = _Proc("--step-s", "0.05", "--shutdown-timeout-s", "20")
+def test_sigterm_drains_in_flight_requests_and_exits_zero(spawn):
+    proc = spawn("--step-s", "0.05", "--shutdown-timeout-s", "20")
     with httpx.Client(base_url=proc.url, timeout=30) as c:
         body = {"prompt": "x", "max_tokens": 30, "stream": True}
         with c.stream("POST", COMPL, json=body) as r:
@@ -221,13 +238,13 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero():
 
 
 @pytest.mark.slow
-def test_sigterm_past_the_drain_window_tells_clients_and_exits_in_time():
+def test_sigterm_past_the_drain_window_tells_clients_and_exits_in_time(spawn):
     """#38 F3: requests still running when the drain window runs out are cut with an answer (a
     stream: an error event ``shutting_down`` and ``[DONE]``; a non-streaming request: a 503 JSON
     body), not a truncated chunked body or an empty reply, and the process exits within the
     window plus 1 s (it overran: 10 s -> 16.4 s, 2 s -> ~4 s)."""
     window = 1.0
-    proc = _Proc("--step-s", "0.05", "--shutdown-timeout-s", str(window))
+    proc = spawn("--step-s", "0.05", "--shutdown-timeout-s", str(window))
     plain: dict[str, object] = {}
     with httpx.Client(base_url=proc.url, timeout=30) as c:
 
