@@ -156,7 +156,8 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
 
 
 async def _read_json_sized(request: web.Request) -> tuple[dict[str, Any], bool]:
-    """The parsed body, and whether it was large (over ``LARGE_BODY_BYTES``: parsed in the large-body lane); a client that takes longer than the body timeout to send it gets a 408
+    """The parsed body, and whether it was large (over ``LARGE_BODY_BYTES``: parsed in the
+    large-body lane). A client that takes longer than the body timeout to send it gets a 408
     and its connection closed (a byte-per-second body must not hold a connection forever).
 
     Raises:
