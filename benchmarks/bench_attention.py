@@ -621,7 +621,7 @@ def report_floors(rep: Reporter, p: Problem, repeat: int):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a subset: the target shapes")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run in interpret mode")
     parser.add_argument("--no-sweep", action="store_true", help="only the automatic tiling")

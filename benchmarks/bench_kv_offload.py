@@ -145,7 +145,7 @@ def copy_bandwidth(engine: LLMEngine, num_blocks: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=default_model_path())
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--load-format", default="auto", help="dummy: random weights (8B shapes)")

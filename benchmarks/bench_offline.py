@@ -51,7 +51,9 @@ from jaxserve.config import EngineArgs  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     EngineArgs.add_cli_args(parser, positional_model=False)
     parser.add_argument("--num-prompts", type=int, default=64)

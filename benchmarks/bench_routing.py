@@ -46,7 +46,9 @@ from jaxserve.entrypoints.router import POLICIES, Router  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in order")

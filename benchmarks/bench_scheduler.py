@@ -258,7 +258,7 @@ def callgrind_instructions() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs per workload; the fastest is reported"

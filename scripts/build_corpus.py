@@ -198,7 +198,7 @@ def _is_valid(doc: str, fraction: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="data/corpus", help="output directory")
     ap.add_argument(
         "--cache",

@@ -127,7 +127,7 @@ def write_fixture(out_dir: str, name: str, seed: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join("tests", "fixtures", "tp"))
     args = parser.parse_args()
     for seed, name in enumerate(FIXTURES):

@@ -237,7 +237,7 @@ def transformers_logit_diff(out_dir: str, probe: np.ndarray, ref: np.ndarray) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--corpus", default="data/corpus", help="dir with train_ids.npy, valid_ids.npy")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokenizer-dir", default="checkpoints/tiny-llama")

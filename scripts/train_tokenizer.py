@@ -109,7 +109,7 @@ def pack(sp: spm.SentencePieceProcessor, text_path: str, ids_path: str, threads:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--corpus", default="data/corpus")
     ap.add_argument("--out", default="checkpoints/tiny-llama")
     ap.add_argument("--vocab-size", type=int, default=4096)

@@ -64,8 +64,10 @@ def test_generate_prints_a_greedy_continuation_of_the_prompt():
     tok = get_tokenizer(path)
     assert prompt_ids == tok.encode("The king said")
     assert 0 < len(output_ids) <= 12
-    assert "\n".join(text_lines) == tok.decode(output_ids, skip_special_tokens=True)
-    assert "\n".join(text_lines).strip(), "the bundled model should write some text"
+    # echoed: the prompt, then its continuation (#39: only the continuation was printed)
+    text = "\n".join(text_lines)
+    assert text == tok.decode(prompt_ids + output_ids, skip_special_tokens=True), text
+    assert text.startswith("The king said") and text.removeprefix("The king said").strip()
     model, _, _ = load_model(path)
     ids = np.asarray([prompt_ids + output_ids], np.int32)
     logits = np.asarray(model.forward_dense(ids)[0])  # [L, vocab]
@@ -165,3 +167,53 @@ def test_serve_rejects_a_process_id_outside_the_job_by_name():
     )
     assert out.returncode == 2
     assert "process_id must be in [0, 2)" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, closest",
+    [
+        (["serve", "--max-num-seq", "4"], "--max-num-seqs"),  # #39: was taken as --max-num-seqs
+        (["serve", "--max-model-length=64"], "--max-model-len"),
+        (["bench", "serve", "--num-prompt", "3"], "--num-prompts"),
+    ],
+)
+def test_a_misspelt_flag_gets_its_commands_usage_and_the_closest_flag(argv, closest, capsys):
+    """No abbreviations, and the subcommand (not the top level) names the flag it does not know
+    and the one it has that is closest (#39)."""
+    from jaxserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    command = " ".join(a for a in argv if not a.startswith("-") and not a[0].isdigit())
+    assert err.startswith(f"usage: jaxserve {command} "), err
+    assert err.rstrip().endswith(f"(did you mean {closest}?)"), err
+
+
+def test_every_argument_parser_refuses_abbreviations():
+    """Every ``argparse.ArgumentParser(...)`` in the package, the scripts and the benchmarks
+    passes ``allow_abbrev=False`` (the CLI's own ``Parser`` sets it for its subcommands)."""
+    import ast
+
+    offenders = []
+    for folder in ("jaxserve", "scripts", "benchmarks"):
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(root, name)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if (
+                        isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "ArgumentParser"
+                        and not any(
+                            k.arg == "allow_abbrev"
+                            and isinstance(k.value, ast.Constant)
+                            and k.value.value is False
+                            for k in node.keywords
+                        )
+                    ):
+                        offenders.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+    assert not offenders, offenders

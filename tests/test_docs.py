@@ -185,3 +185,33 @@ def test_readme_flags_are_in_their_commands_help(help_options):
     assert len(checks) > 50  # the README's flag table alone names more
     missing = [f"README.md:{n}: {f}" for n, f, where in checks if f not in where]
     assert not missing, f"flags named in the README but not in their command's --help: {missing}"
+
+
+def test_readme_flag_table_names_every_serve_flag(help_options):
+    """The flag table is complete: every flag ``serve --help`` shows has a row (#39)."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = lines.index("## Flags")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    in_table = {
+        f
+        for line in lines[start:end]
+        if line.startswith("| `--")
+        for f in FLAG.findall(line.split("|")[1])
+    }
+    missing = sorted(help_options["serve"] - in_table - {"--help"})
+    assert not missing, f"README.md's flag table has no row for {missing}"
+
+
+def test_readme_performance_figures_come_from_results():
+    """Every number in the README's performance table is in benchmarks/RESULTS.md (#39: every
+    number the README quotes comes from a file in the repository)."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = lines.index("## Performance")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    rows = [line for line in lines[start + 1 : end] if line.startswith("| ")][2:]
+    results = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    assert rows
+    for row in rows:
+        figure = row.split("|")[2]
+        for number in re.findall(r"\d[\d,.]*\d|\d", figure):
+            assert number in results, f"README's performance figure {number!r} is not in RESULTS.md"

@@ -73,11 +73,16 @@ def test_generate_command(model, monkeypatch, capsys):
             "--show-token-ids",
         ]
     )
-    assert args.func(args) == 0
     expected = generate_dense(model, [1, ord("h"), ord("i")], 4)
+    assert args.func(args) == 0  # echo (the default): the prompt, then the continuation
+    lines = capsys.readouterr().out.splitlines()
+    continuation = " " + " ".join(map(str, expected))  # the byte tokenizer's incremental text
+    assert lines[0] == "hi" + continuation, lines  # #39: generate printed only the continuation
+    assert lines[2] == f"generated_token_ids: {expected}"
+    args.echo = False  # --no-echo
+    assert args.func(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == " ".join(map(str, expected))
-    assert lines[2] == f"generated_token_ids: {expected}"
 
 
 def test_a_dummy_preset_without_tokenizer_is_refused_before_loading():

@@ -28,9 +28,15 @@ request's stream raises :class:`EngineDeadError`, later calls raise it at once, 
 turns true (the server's ``/health`` answers 503) and the ``on_dead`` callbacks run, which the
 server uses to exit non-zero instead of hanging.
 
-Watchdog: a step that never returns (a hung device) raises nothing, so a second thread watches
-the step in flight; one that has run longer than ``step_timeout_s`` kills the engine the same
-way (:class:`StepTimeoutError`). The engine thread, if it ever comes back, delivers nothing more.
+Liveness: the engine thread heartbeats. Each turn of its loop that has work (inbox messages or
+unfinished requests: adding requests, one step, handing the outputs over) records when it
+started; going idle clears it. ``health()`` is unhealthy while a turn has run longer than
+``step_timeout_s`` (``engine_stalled``: the thread is stuck, in a model step or in host-side
+work such as building a request's token masks), once the engine died (``engine_dead``), and
+once it is shutting down (``shutting_down``). A second thread, the watchdog, kills the engine
+the same way as an exception would when a turn outlives ``step_timeout_s``
+(:class:`StepTimeoutError`, its message says whether a model step or host-side work hung); the
+engine thread, if it ever comes back, delivers nothing more.
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ logger = logging.getLogger(__name__)
 
 
 class StepTimeoutError(RuntimeError):
-    """A step ran longer than ``step_timeout_s`` (the watchdog's verdict: the device hung)."""
+    """A turn of the engine loop ran longer than ``step_timeout_s`` (the watchdog's verdict: the
+    device hung, or host-side work did)."""
 
 
 DEFAULT_STEP_TIMEOUT_S = 300.0
@@ -299,6 +306,12 @@ class AsyncLLM:
         self._num_running = 0
         self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # monotonic start of the step in flight
+        # Heartbeat: monotonic start of the loop turn in progress; None while idle (see the
+        # module docstring, "Liveness").
+        self._turn_started: float | None = None
+        # The inbox messages the engine thread is handing to the engine now: if it dies (or the
+        # watchdog gives up) meanwhile, their callers still get an answer.
+        self._processing: list[InboxMessage] = []
         self._kv_cache_usage = 0.0
         self._handoff = _Handoff()  # engine thread only
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
@@ -451,9 +464,31 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
 
+    def stalled_s(self) -> float:
+        """Seconds the loop turn in progress has run (0 while idle): past ``step_timeout_s``
+        the engine is stalled."""
+        started = self._turn_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def health(self) -> EngineHealth:
-        """Healthy while the engine thread lives; else the error it died of."""
-        return EngineHealth(self.dead_error is None, self.dead_error)
+        """Healthy while the engine thread lives, is not shutting down and its loop turn in
+        progress (if any) is younger than ``step_timeout_s``; else why not (``code``:
+        ``engine_dead``, ``shutting_down`` or ``engine_stalled``)."""
+        if self.dead_error is not None:
+            return EngineHealth(False, self.dead_error)
+        if self._stopping:
+            return EngineHealth(
+                False, EngineDeadError("engine is shutting down"), code="shutting_down"
+            )
+        stalled = self.stalled_s()
+        if self.step_timeout_s > 0 and stalled > self.step_timeout_s:
+            where = "a model step" if self._step_started is not None else "host-side work"
+            error = StepTimeoutError(
+                f"the engine loop has not completed a turn for {stalled:.1f} s (more than "
+                f"step_timeout_s={self.step_timeout_s:g} s) with work queued: stuck in {where}"
+            )
+            return EngineHealth(False, error, code="engine_stalled")
+        return EngineHealth(True)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine thread after its current step; pending requests get EngineDeadError."""
@@ -471,11 +506,15 @@ class AsyncLLM:
             while True:
                 with self._cond:
                     while not self._inbox and not has_work and not self._stopping:
+                        self._turn_started = None  # idle: nothing is late
                         self._cond.wait()
                     if self._stopping:
                         break
                     inbox, self._inbox = self._inbox, []
+                    self._turn_started = time.monotonic()
+                    self._processing = inbox
                 self._process_inbox(inbox)
+                self._processing = []
                 outputs: list[RequestOutput] = []
                 if self.engine.has_unfinished_requests():
                     self._step_started = time.monotonic()
@@ -500,15 +539,21 @@ class AsyncLLM:
             self._die(exc)
 
     def _watch(self) -> None:
-        """The watchdog thread: kills the engine when one step outlives ``step_timeout_s``."""
+        """The watchdog thread: kills the engine when one turn of its loop (a model step, or
+        host-side work: adding requests, scheduling, output processing) outlives
+        ``step_timeout_s``."""
         period = min(1.0, self.step_timeout_s / 4)
         while self.dead_error is None and self._thread.is_alive():
             time.sleep(period)
-            started = self._step_started
-            if started is not None and time.monotonic() - started > self.step_timeout_s:
+            if self.stalled_s() > self.step_timeout_s:
+                if self._step_started is not None:
+                    what = "a step has run"
+                    why = "the device did not return"
+                else:
+                    what = "the engine loop's host-side work has run"
+                    why = "adding requests, scheduling or output processing did not return"
                 error = StepTimeoutError(
-                    f"a step has run for more than step_timeout_s={self.step_timeout_s:g} s "
-                    f"(the device did not return)"
+                    f"{what} for more than step_timeout_s={self.step_timeout_s:g} s ({why})"
                 )
                 logger.error("engine watchdog: %s; marking the engine dead", error)
                 self._die(error)
@@ -591,10 +636,10 @@ class AsyncLLM:
 
     def _fail_pending(self, error: BaseException) -> None:
         with self._cond:
-            inbox, self._inbox = self._inbox, []
+            inbox, self._inbox = [*self._processing, *self._inbox], []
             self._pending_ids.clear()
             self._num_inbox_adds = 0
-        for message in inbox:
+        for message in inbox:  # not yet accepted (resolving an accepted one is a no-op)
             if type(message) is AddRequest:
                 message.stream._resolve_accept(error)
         streams, self._streams = self._streams, {}

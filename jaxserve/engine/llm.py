@@ -98,7 +98,9 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm.auto import tqdm
+        from jaxserve.logging_config import progress_bar_class
+
+        tqdm = progress_bar_class()
 
         engine = self.llm_engine
         pending = set(ids)

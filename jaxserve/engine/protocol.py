@@ -52,11 +52,15 @@ class EngineHealth:
       error: why not, for the error body: the exception the engine died of, or None.
       detail: a JSON object to answer with instead of the default (an empty 200 body, or
         OpenAI's error object naming ``error``): a replica set's counts.
+      code: the error body's ``code`` when unhealthy: "engine_dead", "engine_stalled" (the
+        engine's loop has made no progress for longer than the step timeout with work
+        queued), "shutting_down".
     """
 
     healthy: bool
     error: BaseException | None = None
     detail: dict[str, Any] | None = None
+    code: str = "engine_dead"
 
 
 class RequestOutputStream(Protocol):

@@ -103,9 +103,10 @@ class EngineReplica:
         }
 
     async def stats(self) -> dict[str, Any]:
-        """Health and load (polled): ``errored`` is True once the engine died."""
+        """Health and load (polled): ``errored`` is True once the engine died, and while it
+        is stalled or shutting down (``AsyncLLM.health``)."""
         return {
-            "errored": self.llm.errored,
+            "errored": not self.llm.health().healthy,
             "num_waiting": self.llm.num_waiting_requests,
             "num_running": self.llm.num_running_requests,
             "kv_cache_usage": self.llm.kv_cache_usage,

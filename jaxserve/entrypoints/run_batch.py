@@ -130,7 +130,9 @@ async def run_batch(
       EngineDeadError: the engine died; the records of requests it had not finished are not
         written (a rerun resumes them).
     """
-    from tqdm.auto import tqdm
+    from jaxserve.logging_config import progress_bar_class
+
+    tqdm = progress_bar_class()
 
     stats = stats or BatchStats()
     serving = OpenAIServing(llm)

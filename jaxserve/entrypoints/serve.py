@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import socket
-import sys
 import time
 from typing import Any
 
@@ -24,6 +23,8 @@ from jaxserve.engine.async_llm import DEFAULT_STEP_TIMEOUT_S, AsyncLLM
 from jaxserve.entrypoints.http.api_server import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     Timeouts,
+    api_keys,
+    exit_now,
     serve_until_signal,
 )
 from jaxserve.entrypoints.ray_serve import add_ray_args, start_replicas, uses_ray
@@ -43,9 +44,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("JAXSERVE_API_KEY"),
-        help="require 'Authorization: Bearer <key>' on the API routes "
-        "(default: $JAXSERVE_API_KEY, else open)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on the API routes; repeat the flag or give "
+        "a comma list for several keys (a request's ledger is then readable only with the key "
+        "that created it) (default: $JAXSERVE_API_KEY, also a comma list, else open)",
+    )
+    parser.add_argument(
+        "--ledger-route",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve GET /v1/requests/{id}/ledger (request ids are its capabilities: whoever "
+        "holds one, and a valid key, can read it); --no-ledger-route removes the route",
     )
     parser.add_argument(
         "--request-header-timeout-s",
@@ -64,15 +74,17 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--step-timeout-s",
         type=float,
         default=DEFAULT_STEP_TIMEOUT_S,
-        help="watchdog: a model step running longer than this marks the engine dead (/health "
-        "503, pending requests get an error, exit 1); 0 disables it",
+        help="liveness and watchdog: a turn of the engine loop (a model step, or host-side work "
+        "such as adding requests) running longer than this makes /health 503 engine_stalled, "
+        "then marks the engine dead (pending requests get an error, exit 1); 0 disables it",
     )
     parser.add_argument(
         "--shutdown-timeout-s",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="on SIGTERM/SIGINT stop accepting and let in-flight requests finish for up to "
-        "this long, then abort them and exit 0",
+        "this long, then cut them with a 503 (streams: an error event and [DONE]) and exit 0 "
+        "within this window + 1 s",
     )
     add_ray_args(parser)  # Ray itself is imported only if used
     parser.set_defaults(func=run_serve)
@@ -86,6 +98,7 @@ _SERVER_FLAGS = (
     "request_body_timeout_s",
     "step_timeout_s",
     "shutdown_timeout_s",
+    "ledger_route",
     "data_parallel_size",
     "distributed_executor_backend",
     "ray_address",
@@ -102,7 +115,8 @@ def config_report(cfg: Any, args: argparse.Namespace | None = None) -> list[str]
         lines.append(f"  {part.name}: {shown}")
     if args is not None:
         server = {name: getattr(args, name) for name in _SERVER_FLAGS if hasattr(args, name)}
-        server["api_key"] = "set" if getattr(args, "api_key", None) else None
+        keys = api_keys(getattr(args, "api_key", None))
+        server["api_key"] = f"{len(keys)} keys" if len(keys) > 1 else ("set" if keys else None)
         lines.append(f"  server: {server}")
     return lines
 
@@ -161,6 +175,8 @@ def run_serve(args: argparse.Namespace) -> None:
     Exits 0 after a signal (in-flight requests drained), 1 if the engine died (an error, or the
     step watchdog).
     """
+    if args.api_key is None and os.environ.get("JAXSERVE_API_KEY"):
+        args.api_key = [os.environ["JAXSERVE_API_KEY"]]
     if uses_ray(args):
         run_ray_serve(args)
         return
@@ -170,7 +186,7 @@ def run_serve(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     llm = AsyncLLM.from_engine_args(engine_args, step_timeout_s=args.step_timeout_s)
     print(startup_report(llm, time.perf_counter() - start, args), flush=True)
-    sys.exit(serve_until_signal(llm, args))
+    exit_now(serve_until_signal(llm, args))
 
 
 def run_ray_serve(args: argparse.Namespace) -> None:
@@ -205,6 +221,7 @@ def run_ray_serve(args: argparse.Namespace) -> None:
         args.api_key,
         header_timeout_s=args.request_header_timeout_s,
         body_timeout_s=args.request_body_timeout_s,
+        ledger_route=args.ledger_route,
     )
     code = serve_until_signal(  # stops the replicas (ReplicaSet.shutdown) once the server stopped
         ingress.frontend,
@@ -213,4 +230,4 @@ def run_ray_serve(args: argparse.Namespace) -> None:
         what=f"{ingress.info.model_name} ({args.data_parallel_size} replicas)",
     )
     ray.shutdown()
-    sys.exit(code)
+    exit_now(code)

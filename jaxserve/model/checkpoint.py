@@ -99,7 +99,11 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
         description="Reads HF_DIR (config.json + *.safetensors, or a .gguf file) and writes "
         "OUT_DIR/config.json, OUT_DIR/params/ (orbax) and the tokenizer / generation_config files.",
     )
-    p.add_argument("hf_dir", help="Hugging Face model directory or .gguf file")
+    p.add_argument(
+        "hf_dir",
+        metavar="MODEL",
+        help="Hugging Face model directory, .gguf file, or 'smollm2' (the demo-model extra)",
+    )
     p.add_argument("out_dir", help="output directory (must not exist)")
     p.add_argument(
         "--dtype",
@@ -112,7 +116,10 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    """Runs ``convert`` from parsed CLI args; returns the exit code."""
-    convert(args.hf_dir, args.out_dir, dtype=args.dtype)
+    """Runs ``convert`` from parsed CLI args; returns the exit code. ``MODEL`` is resolved as
+    ``serve`` resolves it (``smollm2``: the demo model's GGUF file)."""
+    from jaxserve.model.resolve import resolve_model_path
+
+    convert(resolve_model_path(args.hf_dir), args.out_dir, dtype=args.dtype)
     print(f"wrote {args.out_dir}")
     return 0

@@ -195,6 +195,14 @@ def _plan_tools(request: ChatCompletionRequest, info: ServingInfo, tokenizer: An
                 checks.append(
                     compile_constraint_future(spec, tokenizer, "tools", info.bounded_numbers)
                 )
+        if plan.mode == "auto" and not tokenizer.template_shows_tools():
+            raise ValueError(
+                'tool_choice: "auto" cannot make tool calls with this model: its chat template '
+                "does not show the tools to the model (they would be dropped and the answer "
+                'would be prose); send tool_choice "required" or a named function (the grammar '
+                'forces the call), or "none", or serve a model whose template renders tools '
+                "(see the README's tool-calling table)"
+            )
     except ValueError as exc:
         raise from_value_error(exc) from exc
     return dataclasses.replace(plan, checks=tuple(checks))

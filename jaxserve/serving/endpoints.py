@@ -23,8 +23,12 @@ Every failure a client can cause is an ``APIError``; a dead engine is a 503 ``en
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import dataclasses
 import importlib.metadata
+import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -57,6 +61,7 @@ from jaxserve.serving.validation import (
 )
 
 Chunks = AsyncIterator[dict[str, Any]]
+logger = logging.getLogger(__name__)
 
 
 class Job(Protocol):
@@ -151,16 +156,76 @@ class StreamReply:
 Reply = JSONReply | StreamReply
 
 
-def validate(model: type[pydantic.BaseModel], body: dict[str, Any]) -> Any:
-    """``model`` validated from a parsed JSON body.
+LARGE_BODY_BYTES = 256 * 2**10
+"""A request body above this many bytes is large: it is parsed and prepared in the large-body
+lane (:func:`off_loop`), one at a time, never in the threads small requests use."""
+
+_large_lane = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="jaxserve-large-body"
+)
+
+
+async def off_loop(fn: Callable[..., Any], *args: Any, large: bool = False) -> Any:
+    """``fn(*args)`` in a worker thread: the default pool, or for a large body the large-body
+    lane (one thread). #38: eight 15.7 MB prompts, each parsed, checked and refused in the
+    default pool, took every worker and the GIL, and a small request beside them waited 8x its
+    time alone; in one lane at most one such body is being worked on at any time."""
+    if not large:
+        return await asyncio.to_thread(fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(_large_lane, fn, *args)
+
+
+MAX_LOGGED_UNKNOWN_FIELDS = 256
+"""Distinct unknown field names logged per process; past it one line says the rest are not
+(a client sending random names must not grow the set without end)."""
+
+_logged_unknown_fields: set[str] = set()
+_logged_unknown_lock = threading.Lock()
+
+
+def log_unknown_fields(request: pydantic.BaseModel, where: str) -> None:
+    """Logs a warning, once per field name and process, for each top-level field of a
+    request body that the server does not know and ignores (vLLM logs them too; OpenAI
+    clients send fields we do not serve, so they are not an error)."""
+    extra = request.model_extra
+    if not extra:
+        return
+    new = []
+    with _logged_unknown_lock:
+        for name in sorted(extra):
+            if len(_logged_unknown_fields) >= MAX_LOGGED_UNKNOWN_FIELDS:
+                break
+            if name not in _logged_unknown_fields:
+                _logged_unknown_fields.add(name)
+                new.append(name)
+        full = len(_logged_unknown_fields) >= MAX_LOGGED_UNKNOWN_FIELDS
+    for name in new:
+        logger.warning(
+            "%s: the request field %r is not known to this server and is ignored (logged once "
+            "per field name)",
+            where,
+            name[:100],
+        )
+    if new and full:
+        logger.warning(
+            "%d unknown request field names logged; further ones are not",
+            MAX_LOGGED_UNKNOWN_FIELDS,
+        )
+
+
+def validate(model: type[pydantic.BaseModel], body: dict[str, Any], where: str = "") -> Any:
+    """``model`` validated from a parsed JSON body; unknown top-level fields are ignored and
+    logged (:func:`log_unknown_fields`; ``where`` names the endpoint in the log line).
 
     Raises:
       APIError: 400 naming the first bad field.
     """
     try:
-        return model.model_validate(body)
+        request = model.model_validate(body)
     except pydantic.ValidationError as exc:
         raise from_validation_error(exc) from None
+    log_unknown_fields(request, where or model.__name__)
+    return request
 
 
 def version() -> str:
@@ -182,6 +247,11 @@ class OpenAIServing:
     def __init__(self, engine: EngineClient, info: ServingInfo | None = None) -> None:
         self.engine = engine
         self.info = info or ServingInfo.from_engine(engine)
+        # Response id -> the caller that created it, when callers are told apart (several API
+        # keys): ledgers are readable by their creator only. Bounded like the ledger history.
+        self._owners: collections.OrderedDict[str, str] = collections.OrderedDict()
+        history = getattr(getattr(engine, "engine_config", None), "ledger_history", 1000)
+        self.max_owners = 2 * max(int(history), 0) + 1024
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -201,18 +271,44 @@ class OpenAIServing:
                 param="url",
                 code="not_found",
             )
-        request = validate(endpoint.request_model, body)
+        request = validate(endpoint.request_model, body, url)
         check_priority(request.priority, self.info)
         return endpoint, endpoint.prepare(request, self.info, self.engine.tokenizer)
 
-    async def generate(self, url: str, body: dict[str, Any]) -> Reply:
+    async def generate(
+        self, url: str, body: dict[str, Any], owner: str | None = None, large: bool = False
+    ) -> Reply:
         """Serves one generating request: prepared off the event loop, then :meth:`start`.
+
+        Args:
+          url, body: the endpoint's path and the parsed JSON body.
+          owner: who sends it, when callers are told apart (the API key's id); only the same
+            owner may read its ledger (:meth:`ledger`). None: anyone may.
+          large: the body was large (over ``LARGE_BODY_BYTES``): prepared in the large-body
+            lane (:func:`off_loop`).
 
         Raises:
           APIError: 4xx for bad input, 503 when the engine is dead or its queue is full.
         """
-        endpoint, job = await asyncio.to_thread(self.prepare, url, body)
+        endpoint, job = await off_loop(self.prepare, url, body, large=large)
+        if owner is not None:
+            self._remember_owner(job.request_id, owner)
         return await self.start(endpoint, job)
+
+    def _remember_owner(self, response_id: str, owner: str) -> None:
+        self._owners[response_id] = owner
+        while len(self._owners) > self.max_owners:
+            self._owners.popitem(last=False)
+
+    def owner_of(self, request_id: str) -> str | None:
+        """The owner recorded for a response id, or for an engine request id
+        (``{response_id}-{i}``); None when unknown."""
+        owner = self._owners.get(request_id)
+        if owner is None:
+            response_id, dash, index = request_id.rpartition("-")
+            if dash and index.isdigit():
+                owner = self._owners.get(response_id)
+        return owner
 
     async def start(self, endpoint: Generation, job: Job) -> Reply:
         """Starts a prepared job on the engine (the Ray ingress picks a replica instead)."""
@@ -297,18 +393,25 @@ class OpenAIServing:
             raise model_not_found(name)
         return self.model_card()
 
-    async def ledger(self, request_id: str) -> dict[str, Any]:
+    async def ledger(self, request_id: str, owner: str | None = None) -> dict[str, Any]:
         """``GET /v1/requests/{request_id}/ledger``: a finished request's ledger (engine request
         id or response id).
 
+        Ids are capabilities: 128 random bits, never listed, so whoever holds one may read its
+        ledger. When callers are told apart (``owner`` given: several API keys), only the
+        caller that created the request may.
+
         Raises:
-          APIError: 404 ``ledger_not_found`` when unknown or past ``--ledger-history``.
+          APIError: 404 ``ledger_not_found`` when unknown, past ``--ledger-history``, or (with
+            ``owner``) created by another caller or by no known one.
         """
-        ledger = await self.engine.get_ledger(request_id)
+        ledger = None
+        if owner is None or self.owner_of(request_id) == owner:
+            ledger = await self.engine.get_ledger(request_id)
         if ledger is None:
             raise APIError(
-                f"no ledger for request {request_id!r}: unknown, unfinished, or older than the "
-                "last --ledger-history finished requests",
+                f"no ledger for request {request_id!r}: unknown, unfinished, older than the "
+                "last --ledger-history finished requests, or created with another API key",
                 status=404,
                 param="request_id",
                 code="ledger_not_found",
@@ -316,15 +419,19 @@ class OpenAIServing:
         return ledger
 
     def health(self) -> JSONReply:
-        """``GET /health``: 200 while the engine serves, 503 with the reason when it does not
-        (the engine's own body when it gives one: the Ray replicas' counts)."""
+        """``GET /health``: 200 while the engine serves, 503 with the reason when it does not:
+        dead, stalled (no loop turn completed within the step timeout while work is queued) or
+        shutting down (the engine's own body when it gives one: the Ray replicas' counts)."""
         health = self.engine.health()
         if health.detail is not None:
             return JSONReply(health.detail, 200 if health.healthy else 503)
         if health.healthy:
             return JSONReply(None)
-        message = f"the engine is dead: {health.error!r}"
-        return JSONReply(error_body(message, "server_error", code="engine_dead"), 503)
+        if health.code == "engine_dead":
+            message = f"the engine is dead: {health.error!r}"
+        else:
+            message = str(health.error) if health.error is not None else health.code
+        return JSONReply(error_body(message, "server_error", code=health.code), 503)
 
     async def metrics(self) -> tuple[bytes, str]:
         """``GET /metrics``: the Prometheus exposition and its content type."""
@@ -336,7 +443,7 @@ class OpenAIServing:
         Raises:
           APIError: 400 for a bad body or a text too long to tokenize, 404 for another model.
         """
-        request = validate(TokenizeRequest, body)
+        request = validate(TokenizeRequest, body, "/tokenize")
         self.info.check_model(request.model)
         # Off the event loop: a long prompt must not stall /health and every other client.
         tokens = await asyncio.to_thread(self._tokenize, request)
@@ -364,7 +471,7 @@ class OpenAIServing:
           APIError: 400 for a bad body or a token id outside the vocabulary, 404 for another
             model.
         """
-        request = validate(DetokenizeRequest, body)
+        request = validate(DetokenizeRequest, body, "/detokenize")
         self.info.check_model(request.model)
         if request.tokens:
             check_prompt_ids(

@@ -6,8 +6,9 @@ names, defaults, shapes) and vLLM's ``entrypoints/openai/protocol.py`` for the e
 include_stop_str_in_output, skip_special_tokens, priority, cache_salt, prompt_logprobs) and for
 the ``/tokenize`` and ``/detokenize`` bodies.
 
-Types are strict (``"max_tokens": "10"`` or ``"n": 2.0`` is a 400, booleans are not integers) and
-non-finite floats are refused; unknown fields are accepted and ignored, as OpenAI clients send
+Types are strict (``"max_tokens": "10"`` is a 400, booleans are not integers) and non-finite
+floats are refused (a JSON number with a zero fraction, ``2.0``, reaches these models as the
+integer it equals: ``json_io.parse_json_body``, as JSON Schema counts it); unknown fields are accepted and ignored, as OpenAI clients send
 fields we do not serve. Ranges are checked once, by :class:`~jaxserve.sampling_params.SamplingParams`,
 so the range rules live in one place; the models here only check types and shapes.
 
@@ -142,6 +143,18 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _stop_caps(cls, value: str | list[str] | None) -> str | list[str] | None:
         check_stop_caps(value)
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_digits(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        # Token ids in decimal ASCII digits (``int`` would also read " 5", "+5" and other
+        # scripts' digits, which the OpenAPI document does not allow).
+        for key in value or ():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(
+                    f"logit_bias keys must be token ids in decimal digits, got {key!r}"
+                )
         return value
 
     @field_validator("cache_salt")

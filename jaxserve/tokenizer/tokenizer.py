@@ -53,6 +53,10 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+TOOL_PROBE_NAME = "jaxserve_probe_tool"
+"""The tool :meth:`Tokenizer.template_shows_tools` renders to see whether tools reach the prompt."""
+
+
 class Tokenizer(abc.ABC):
     """Text <-> token ids for one model, plus its special tokens and chat template.
 
@@ -83,6 +87,7 @@ class Tokenizer(abc.ABC):
         # stream_text's cache per skip_special_tokens value, and its two reference ids (None:
         # not chosen yet; (): this backend gets no fast path)
         self._stream_texts: dict[bool, dict[int, str | None]] = {False: {}, True: {}}
+        self._shows_tools: bool | None = None  # template_shows_tools(), once known
         self._stream_refs: tuple[int, ...] | None = None
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
@@ -290,6 +295,27 @@ class Tokenizer(abc.ABC):
             special_tokens=special,
             **kwargs,
         )
+
+    def template_shows_tools(self) -> bool:
+        """True when the chat template writes a request's ``tools`` into the prompt (a probe
+        tool's name appears in the rendered text), so the model can see them and call one on
+        its own (``tool_choice: "auto"``). Templates without tool support (the bundled model's,
+        SmolLM2's GGUF template, the default ChatML) drop them silently. Probed once."""
+        if self._shows_tools is None:
+            probe = {
+                "type": "function",
+                "function": {
+                    "name": TOOL_PROBE_NAME,
+                    "description": "probe",
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
+            try:
+                text = self.apply_chat_template([{"role": "user", "content": "hi"}], True, [probe])
+            except ValueError:  # the template refuses tools outright
+                text = ""
+            self._shows_tools = TOOL_PROBE_NAME in text
+        return self._shows_tools
 
     def encode_chat(
         self,

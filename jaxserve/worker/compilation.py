@@ -306,7 +306,9 @@ def warmup(runner: RunnerFields, *, progress: bool = True) -> float:
     Requires ``initialize_kv_cache`` first.
     """
     assert runner.kv_caches is not None, "initialize_kv_cache() before warmup()"
-    from tqdm.auto import tqdm
+    from jaxserve.logging_config import progress_bar_class
+
+    tqdm = progress_bar_class()
 
     graph, state = runner.graph, runner.params
     t0 = time.perf_counter()

@@ -55,7 +55,8 @@ class _Req:
 
 
 class FakeEngine:
-    """``EngineCore`` over a scripted "model" (see the module docstring); it keeps no ledgers.
+    """``EngineCore`` over a scripted "model" (see the module docstring); its ledgers are
+    stand-ins (a finished request's id and token count).
 
     Args:
       model_dir: a model directory with a tokenizer (the bundled checkpoint).
@@ -66,6 +67,9 @@ class FakeEngine:
       fail_at_step: ``step()`` raises RuntimeError on this step number (1-based), or never.
       hang_at_step: ``step()`` blocks on this step number until ``release_hang`` is set (a
         device that never returns), or never.
+      hang_at_add: ``add_request()`` blocks on this call number (1-based) until
+        ``release_hang`` is set (host-side work that never returns, as #38 F1's bad-words
+        masks did), or never.
 
     Attributes:
       num_steps: steps run so far (tests check the idle engine does not spin).
@@ -82,6 +86,7 @@ class FakeEngine:
         step_s: float = 0.002,
         fail_at_step: int | None = None,
         hang_at_step: int | None = None,
+        hang_at_add: int | None = None,
         served_model_name: str = "fake-model",
         max_waiting_requests: int = 0,
         max_num_batched_tokens: int = 8192,
@@ -109,9 +114,13 @@ class FakeEngine:
         self.step_s = step_s
         self.fail_at_step = fail_at_step
         self.hang_at_step = hang_at_step
+        self.hang_at_add = hang_at_add
+        self.num_adds = 0
         self.release_hang = threading.Event()
         self.num_steps = 0
         self._reqs: dict[str, _Req] = {}
+        self._ledgers: dict[str, dict[str, Any]] = {}  # finished requests (any thread reads)
+        self._ledger_lock = threading.Lock()
         self._owner: threading.Thread | None = None
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -129,6 +138,9 @@ class FakeEngine:
         arrival_time: float | None = None,
     ) -> None:
         self._check_thread()
+        self.num_adds += 1
+        if self.num_adds == self.hang_at_add:
+            self.release_hang.wait()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError(
@@ -193,10 +205,23 @@ class FakeEngine:
             outputs.append(self._advance(req, now))
             if outputs[-1].finished:
                 del self._reqs[req.request_id]
+                with self._ledger_lock:
+                    self._ledgers[req.request_id] = {
+                        "request_id": req.request_id,
+                        "output_tokens": sum(len(s.token_ids) for s in req.samples),
+                    }
         return outputs
 
     def get_ledger(self, request_id: str) -> dict[str, Any] | None:
-        return None  # no ledgers: the scripted steps schedule nothing
+        """A stand-in ledger of a finished request (its id and output tokens; the scripted steps
+        schedule nothing), by engine request id or response id (``{id}-0``, ``-1``, ...)."""
+        with self._ledger_lock:
+            if request_id in self._ledgers:
+                return dict(self._ledgers[request_id])
+            parts = []
+            while (part := self._ledgers.get(f"{request_id}-{len(parts)}")) is not None:
+                parts.append(dict(part))
+        return {"request_id": request_id, "requests": parts} if parts else None
 
     def close(self) -> None:
         pass

@@ -18,7 +18,7 @@ from fake_engine import FakeEngine  # noqa: E402
 from server_harness import MODEL_DIR  # noqa: E402
 
 from jaxserve.engine.async_llm import AsyncLLM  # noqa: E402
-from jaxserve.entrypoints.http.api_server import serve_until_signal  # noqa: E402
+from jaxserve.entrypoints.http.api_server import exit_now, serve_until_signal  # noqa: E402
 from jaxserve.entrypoints.serve import add_serve_parser  # noqa: E402
 
 
@@ -35,4 +35,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # as jaxserve serve

@@ -712,7 +712,11 @@ def test_serve_cli_flags():
         "3",
     ]
     args = build_parser(argv).parse_args(argv)
-    assert args.func is run_serve and (args.host, args.port, args.api_key) == ("127.0.0.1", 0, "k")
+    assert args.func is run_serve and (args.host, args.port, args.api_key) == (
+        "127.0.0.1",
+        0,
+        ["k"],
+    )
     engine_args = EngineArgs.from_cli_args(args)
     assert (engine_args.model, engine_args.max_num_seqs, engine_args.served_model_name) == (
         "some/model",

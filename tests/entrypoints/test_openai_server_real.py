@@ -345,7 +345,7 @@ def test_fuzz_real_engine_no_5xx(server):
     """The schemathesis run of test_openapi_fuzz.py, a few cases against the real engine."""
     from fuzz import fuzz_server
 
-    fuzz_server(server.url, max_examples=16)
+    fuzz_server(server.url, max_examples=16, strict=False)
     assert not server.internal_errors
 
 

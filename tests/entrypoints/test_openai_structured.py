@@ -342,13 +342,16 @@ def test_named_tool_call_streams_argument_deltas_and_a_tool_turn_renders(oai):
     assert done.choices[0].message.tool_calls is None
 
 
-def test_auto_tool_choice_with_a_model_that_does_not_call_returns_content(oai):
-    done = oai.chat.completions.create(
-        model="tiny-llama", messages=ASK, tools=TOOLS, max_tokens=8, temperature=0
-    )
-    choice = done.choices[0]
-    assert choice.message.tool_calls is None and choice.message.content
-    assert choice.finish_reason in ("stop", "length")
+def test_auto_tool_choice_with_a_template_that_cannot_show_tools_is_a_400(oai):
+    """#39: the bundled model's template (like SmolLM2's) drops the tools, so "auto" (also the
+    default with tools) answered silent prose; now a 400 that says what to send instead."""
+    for extra in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError) as exc_info:
+            oai.chat.completions.create(
+                model="tiny-llama", messages=ASK, tools=TOOLS, max_tokens=8, **extra
+            )
+        error = exc_info.value.body
+        assert error["param"] == "tool_choice" and "does not show the tools" in error["message"]
 
 
 @pytest.mark.parametrize(

