@@ -30,7 +30,12 @@ CHAT = "/v1/chat/completions"
 def server():
     if not os.path.isdir(os.path.join(MODEL_DIR, "params")):
         pytest.skip("the bundled weights are missing")
-    args = small_engine_args(num_gpu_blocks_override=96, max_num_seqs=16, tool_call_parser="hermes")
+    args = small_engine_args(
+        num_gpu_blocks_override=96,
+        max_num_seqs=16,
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+    )
     with running_server(args) as srv:
         yield srv
 
