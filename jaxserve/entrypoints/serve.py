@@ -37,7 +37,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/responses).",
     )
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")

@@ -11,29 +11,38 @@ import httpx2 as httpx
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-GENERATION_FIELDS = ("max_tokens", "max_completion_tokens")
+GENERATION_FIELDS = {
+    "/v1/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/responses": ("max_output_tokens",),
+}
 
 
 def _bound_cost(case):
     """Keeps each case's generation short (at most 4 tokens, n at most 4) so a bounded run stays
     a few seconds; only integer values are rewritten, so wrong types are still sent."""
     body = case.body
-    if isinstance(body, dict) and case.path in ("/v1/completions", "/v1/chat/completions"):
-        if not any(f in body for f in GENERATION_FIELDS):
-            body["max_tokens"] = 4
-        for field in (*GENERATION_FIELDS, "n"):
+    fields = GENERATION_FIELDS.get(case.path)
+    if isinstance(body, dict) and fields:
+        if not any(f in body for f in fields):
+            body[fields[0]] = 4
+        for field in (*fields, "n"):
             value = body.get(field)
             if isinstance(value, int) and not isinstance(value, bool) and value > 4:
                 body[field] = 4
     return case
 
 
-def fuzz_server(url: str, max_examples: int, timeout_s: float = 30.0) -> dict[int, int]:
+def fuzz_server(
+    url: str, max_examples: int, timeout_s: float = 30.0, paths: list[str] | None = None
+) -> dict[int, int]:
     """Fuzzes the server at ``url`` with ``max_examples`` cases, half valid by the schema and
     half mutated (two runs: drawing from ``one_of`` the two costs several times more per case);
-    returns the count of each status seen."""
+    returns the count of each status seen. ``paths``: only these routes (default: all)."""
     doc = httpx.get(url + "/openapi.json", timeout=timeout_s).json()
     schema = schemathesis.openapi.from_dict(doc)
+    if paths is not None:
+        schema = schema.include(path=paths)
     seen: dict[int, int] = {}
 
     def send(case) -> None:

@@ -54,10 +54,11 @@ def running_server(args: Any):
 
 
 class LiveServer:
-    """Runs ``run_server(llm)`` on 127.0.0.1:<free port> until ``close()``.
+    """Runs ``run_server(llm)`` on 127.0.0.1:<free port> until ``close()`` (HTTPS with an
+    ``ssl_context``).
 
     Attributes:
-      url: ``http://127.0.0.1:<port>``.
+      url: ``http://127.0.0.1:<port>`` (``https://`` with TLS).
       app: the aiohttp application (``app[INTERNAL_ERRORS]`` lists unexpected exceptions).
       exit_code: run_server's return value once it stopped, else None.
     """
@@ -70,6 +71,7 @@ class LiveServer:
         dead_grace_s: float = 0.3,
         start_timeout_s: float = 30.0,
         app: Any = None,
+        ssl_context: Any = None,
     ) -> None:
         self.llm = llm
         self.app = app if app is not None else build_app(llm, api_key=api_key)
@@ -79,11 +81,13 @@ class LiveServer:
         self._stop: asyncio.Event | None = None
         self._port = 0
         self._dead_grace_s = dead_grace_s
+        self._ssl_context = ssl_context
         self._thread = threading.Thread(target=self._run, name="test-server", daemon=True)
         self._thread.start()
         if not self._ready.wait(start_timeout_s):
             raise RuntimeError("server did not start")
-        self.url = f"http://127.0.0.1:{self._port}"
+        scheme = "https" if ssl_context is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self._port}"
 
     def _run(self) -> None:
         async def main() -> int:
@@ -102,6 +106,7 @@ class LiveServer:
                 stop=self._stop,
                 dead_grace_s=self._dead_grace_s,
                 app=self.app,
+                ssl_context=self._ssl_context,
             )
 
         self.exit_code = asyncio.run(main())
