@@ -38,7 +38,9 @@ def device_bytes() -> int:
     return live_device_bytes()
 
 
-def run_once(engine: LLMEngine, tag: str, prompt: str, max_tokens: int) -> tuple[list[int], float]:
+def run_once(
+    engine: LLMEngine, tag: str, prompt: str | list[int], max_tokens: int
+) -> tuple[list[int], float]:
     """Greedy tokens of ``prompt`` and the request's latency, seconds."""
     t0 = time.perf_counter()
     engine.add_request(tag, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -81,7 +83,9 @@ def main() -> None:
         f"{weights / 2**20:.1f} MiB, KV pool {kv / 2**20:.1f} MiB "
         f"({engine.config.cache.num_gpu_blocks} blocks)"
     )
-    prompt = "Once upon a time, in a small village by the sea,"
+    prompt: str | list[int] = "Once upon a time, in a small village by the sea,"
+    if engine.tokenizer is None:  # a dummy preset: token ids
+        prompt = [1 + (37 * i) % (engine.vocab_size - 1) for i in range(12)]
     reference, _ = run_once(engine, "warm", prompt, args.max_tokens)
     compiles = runner.compile_counts()
     for level in (1, 2):

@@ -394,6 +394,10 @@ class LLMEngine:
             self.scheduler.update_from_output(done_sched, self.runner.collect(pending))
         if not self.scheduler.kv_cache_manager.reset_prefix_cache():
             raise ValueError("sleep: KV blocks are still in use")
+        if self.kv_event_publisher is not None:  # AllBlocksCleared, now rather than at wake-up
+            events = self._block_pool.take_kv_events()
+            if events:
+                self.kv_event_publisher.publish(events)
         self.runner.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:

@@ -81,8 +81,11 @@ def sleep(runner: Any, level: int) -> None:
     before = live_device_bytes()
     params = runner.params
     avals = [(p.shape, p.dtype, p.sharding) for p in params]
-    # An owned copy: on CPU np.asarray would be a view keeping the deleted buffer alive.
-    host = [np.array(p, copy=True) for p in params] if level == 1 else None
+    host = None
+    if level == 1:
+        host = jax.device_get(params)  # one batched device -> host copy
+        if runner.device.platform == "cpu":  # there those are views of the buffers deleted next
+            host = [np.array(h, copy=True) for h in host]
     for p in params:
         p.delete()
     for k, v in runner.kv_caches:

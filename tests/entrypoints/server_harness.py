@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -15,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.entrypoints.http.api_server import INTERNAL_ERRORS, build_app, run_server
 
 MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "tiny-llama")
+FAKE_SERVE = os.path.join(os.path.dirname(__file__), "fake_serve.py")
 
 
 def small_engine_args(**overrides: Any) -> Any:
@@ -179,3 +183,43 @@ def assert_error(r, status, param=None, code=None):
     if code is not None:
         assert body["error"]["code"] == code, body
     return body["error"]
+
+
+class FakeServeProcess:
+    """``fake_serve.py`` (``jaxserve serve``'s flags and signal handling over the FakeEngine) in
+    a subprocess; ``url`` once it is listening (``https://`` with the TLS flags)."""
+
+    def __init__(self, *flags: str) -> None:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        self.p = subprocess.Popen(
+            [sys.executable, FAKE_SERVE, "--port", "0", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.p.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            match = re.search(r"on (https?://\S+)", line)
+            if match:
+                self.url = match.group(1)
+                threading.Thread(target=self._drain_output, daemon=True).start()
+                return
+        self.p.kill()
+        raise RuntimeError("fake_serve did not start:\n" + "".join(self.lines))
+
+    def _drain_output(self) -> None:
+        for line in self.p.stdout:
+            self.lines.append(line)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            raise AssertionError("did not exit:\n" + "".join(self.lines)) from None

@@ -88,8 +88,16 @@ def _prompt_len(server, messages) -> int:
 
 def test_text_input_with_instructions(server, oai):
     said = server.fake.say("Hello from the fake model.")
-    done = oai.responses.create(model="fake-model", input="Hi", instructions="Be brief.")
+    done = oai.responses.create(
+        model="fake-model",
+        input="Hi",
+        instructions="Be brief.",
+        temperature=0.5,
+        top_p=0.9,
+        metadata={"run": "7"},
+    )
     assert done.status == "completed" and done.object == "response"
+    assert (done.temperature, done.top_p, done.metadata) == (0.5, 0.9, {"run": "7"})
     assert done.output_text == said
     assert [item.type for item in done.output] == ["message"]
     assert done.output[0].role == "assistant" and done.output[0].status == "completed"

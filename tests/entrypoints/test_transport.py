@@ -6,6 +6,7 @@ CORS (``--allowed-origins`` ...: preflights, headers on plain and streamed answe
 from __future__ import annotations
 
 import shutil
+import signal
 import ssl
 import subprocess
 
@@ -13,7 +14,7 @@ import httpx2 as httpx
 import openai
 import pytest
 from fake_engine import FakeEngine
-from server_harness import MODEL_DIR, LiveServer, assert_error
+from server_harness import MODEL_DIR, FakeServeProcess, LiveServer, assert_error
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.http.api_server import build_app, make_ssl_context
@@ -48,14 +49,21 @@ def certificate(tmp_path_factory):
     return str(cert), str(key)
 
 
-def test_tls_with_a_self_signed_certificate(llm, certificate):
+@pytest.mark.slow
+def test_serve_flags_tls_cors_root_path(certificate):
+    """``jaxserve serve``'s flags (parsed and wired by ``serve_until_signal``, over the fake
+    engine in a subprocess): HTTPS with the self-signed certificate, the openai client trusting
+    it, CORS for one origin and a root path."""
     cert, key = certificate
-    srv = LiveServer(llm, ssl_context=make_ssl_context(cert, key))
+    proc = FakeServeProcess(
+        "--step-s", "0.001", "--ssl-certfile", cert, "--ssl-keyfile", key,
+        "--allowed-origins", f'["{ORIGIN}"]', "--root-path", "/llm",
+    )  # fmt: skip
     try:
-        assert srv.url.startswith("https://")
+        assert proc.url.startswith("https://") and proc.url.endswith("/llm")
         trust = ssl.create_default_context(cafile=cert)
         client = openai.OpenAI(
-            base_url=srv.url + "/v1",
+            base_url=proc.url + "/v1",
             api_key="unused",
             http_client=openai.DefaultHttpxClient(verify=trust),
             max_retries=0,
@@ -64,10 +72,27 @@ def test_tls_with_a_self_signed_certificate(llm, certificate):
         assert done.usage.completion_tokens == 3
         answer = client.responses.create(model="fake-model", input="Hi", max_output_tokens=3)
         assert answer.usage.output_tokens == 3
+        preflight = httpx.options(
+            proc.url + "/v1/responses",
+            headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"},
+            verify=trust,
+        )
+        assert preflight.headers["Access-Control-Allow-Origin"] == ORIGIN
         with pytest.raises(openai.APIConnectionError):  # an untrusted certificate is refused
-            openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).models.list()
+            openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0).models.list()
         with pytest.raises(httpx.HTTPError):  # and plain HTTP gets nothing on that port
-            httpx.get(srv.url.replace("https", "http") + "/health", timeout=0.5)
+            httpx.get(proc.url.replace("https", "http") + "/health", timeout=2)
+    finally:
+        proc.p.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+
+
+def test_tls_with_the_app(llm, certificate):
+    cert, key = certificate
+    srv = LiveServer(llm, ssl_context=make_ssl_context(cert, key))
+    try:
+        trust = ssl.create_default_context(cafile=cert)
+        assert httpx.get(srv.url + "/health", verify=trust).status_code == 200
     finally:
         srv.close()
 

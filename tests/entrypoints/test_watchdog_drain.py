@@ -7,24 +7,19 @@ in-flight requests finish within ``--shutdown-timeout-s`` (abort them after) and
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx2 as httpx
 import pytest
 from fake_engine import FakeEngine
-from server_harness import MODEL_DIR, LiveServer, assert_error, sse
+from server_harness import MODEL_DIR, FakeServeProcess, LiveServer, assert_error, sse
 
 from jaxserve.engine.async_llm import AsyncLLM
 
 CHAT = "/v1/chat/completions"
 COMPL = "/v1/completions"
-FAKE_SERVE = os.path.join(os.path.dirname(__file__), "fake_serve.py")
 
 
 def test_hung_step_marks_engine_dead_and_server_exits_nonzero():
@@ -69,48 +64,9 @@ def test_watchdog_leaves_slow_but_live_steps_alone():
         llm.shutdown()
 
 
-class _Proc:
-    """``fake_serve.py`` in a subprocess; ``url`` once it is listening."""
-
-    def __init__(self, *flags: str) -> None:
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        self.p = subprocess.Popen(
-            [sys.executable, FAKE_SERVE, "--port", "0", *flags],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = self.p.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            match = re.search(r"on (http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                threading.Thread(target=self._drain_output, daemon=True).start()
-                return
-        self.p.kill()
-        raise RuntimeError("fake_serve did not start:\n" + "".join(self.lines))
-
-    def _drain_output(self) -> None:
-        for line in self.p.stdout:
-            self.lines.append(line)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            raise AssertionError("did not exit:\n" + "".join(self.lines)) from None
-
-
 @pytest.mark.slow
 def test_process_exits_nonzero_when_a_step_hangs():
-    proc = _Proc("--hang-at-step", "2", "--step-timeout-s", "0.5")
+    proc = FakeServeProcess("--hang-at-step", "2", "--step-timeout-s", "0.5")
     with httpx.Client(base_url=proc.url, timeout=20) as c:
         r = c.post(COMPL, json={"prompt": "x", "max_tokens": 5})
         assert_error(r, 503, code="engine_dead")
@@ -119,7 +75,7 @@ def test_process_exits_nonzero_when_a_step_hangs():
 
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_and_exits_zero():
-    proc = _Proc("--step-s", "0.05", "--shutdown-timeout-s", "20")
+    proc = FakeServeProcess("--step-s", "0.05", "--shutdown-timeout-s", "20")
     with httpx.Client(base_url=proc.url, timeout=30) as c:
         body = {"prompt": "x", "max_tokens": 30, "stream": True}
         with c.stream("POST", COMPL, json=body) as r:
@@ -136,7 +92,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero():
 
 @pytest.mark.slow
 def test_sigterm_aborts_what_outlives_the_shutdown_timeout():
-    proc = _Proc("--step-s", "0.05", "--shutdown-timeout-s", "0.5")
+    proc = FakeServeProcess("--step-s", "0.05", "--shutdown-timeout-s", "0.5")
     with httpx.Client(base_url=proc.url, timeout=30) as c:
         body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with c.stream("POST", COMPL, json=body) as r:
