@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from typing import Any, Literal
 
@@ -17,6 +18,7 @@ from jaxserve.model.attention_backends import (
     ATTENTION_BACKEND_CHOICES,
     canonical_attention_backend,
 )
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -51,6 +53,11 @@ class ModelConfig:
         (integers within int64, floats with |x| <= 1e15 and at most 9 decimals; see
         ``jaxserve.structured.json_numbers``), so forced JSON always finishes; a
         request may say otherwise (``structured_outputs.bounded_numbers``).
+      served_model_aliases: further names clients may send as ``model`` (``--served-model-name
+        A B C``: A is ``served_model_name``, B and C the aliases).
+      tokenizer: a tokenizer directory or file to use instead of the model's; "" = the model's.
+      enable_sleep_mode: the engine may be put to sleep (``POST /sleep``: weights to host
+        memory or dropped, KV cache freed) and woken up.
 
     Raises:
       ValueError: an unknown dtype, load_format or tool_call_parser, or a negative
@@ -65,6 +72,9 @@ class ModelConfig:
     seed: int = 0
     tool_call_parser: str = ""
     structured_outputs_bounded_numbers: bool = True
+    served_model_aliases: tuple[str, ...] = ()
+    tokenizer: str = ""
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -288,6 +298,107 @@ class ObservabilityConfig:
             raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
 
 
+GENERATION_DEFAULT_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+"""``generation_config.json`` keys that become request defaults (with ``max_new_tokens``)."""
+
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")
+"""``--generation-config`` values besides a directory: ``auto`` reads the model's
+``generation_config.json``, ``vllm`` uses the neutral defaults (vLLM's names)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    """How the OpenAI-compatible layer treats requests (vLLM's frontend flags); read by
+    ``jaxserve.serving`` through ``ServingInfo``, wherever the engine runs (one process, Ray
+    replicas, run-batch).
+
+    Attributes:
+      chat_template: ``--chat-template``: a Jinja template file, or the template itself (text
+        with ``{``, ``}`` or a newline, vLLM's rule); "" = the tokenizer's own.
+      generation_config: ``--generation-config``: "auto" (default sampling parameters from the
+        model's ``generation_config.json``), "vllm" (none: neutral defaults) or a directory
+        holding a ``generation_config.json``.
+      max_logprobs: most ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` a request may
+        ask for (0..``MAX_LOGPROBS``, the sampler's width).
+      enable_auto_tool_choice: chat's ``tool_choice: "auto"`` is served (needs
+        ``ModelConfig.tool_call_parser``, as in vLLM).
+      return_tokens_as_token_ids: logprobs name tokens ``"token_id:{id}"`` instead of their
+        text (for tokens that do not decode to text on their own).
+      enable_log_requests: log each request's id, prompt and sampling parameters at INFO.
+      max_log_len: characters (and token ids) of a prompt a request log line shows; 0 = all.
+
+    Raises:
+      ValueError: max_logprobs outside [0, MAX_LOGPROBS], a negative max_log_len, or a
+        generation_config that is not auto, vllm or a directory (naming the field).
+    """
+
+    chat_template: str = ""
+    generation_config: str = "auto"
+    max_logprobs: int = MAX_LOGPROBS
+    enable_auto_tool_choice: bool = False
+    return_tokens_as_token_ids: bool = False
+    enable_log_requests: bool = False
+    max_log_len: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the sampler's top-k width), "
+                f"got {self.max_logprobs}"
+            )
+        if self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
+        source = self.generation_config
+        if source not in GENERATION_CONFIG_SOURCES and not os.path.isdir(source):
+            raise ValueError(
+                f"generation_config must be auto, vllm or a directory holding a "
+                f"generation_config.json, got {source!r} (no such directory)"
+            )
+
+    def default_sampling_params(self, model_path: str) -> dict[str, Any]:
+        """The sampling parameters a request gets for the fields it leaves out (vLLM's
+        ``get_diff_sampling_param``): the ``generation_config.json`` keys ``temperature``,
+        ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+        ``frequency_penalty``, and ``max_new_tokens`` as ``max_tokens`` (a cap, as in vLLM), of
+        the model directory (``auto``) or of ``generation_config`` (a directory); {} for
+        ``vllm``, or when the file is absent (``auto`` only).
+
+        Raises:
+          ValueError: the file is not a JSON object, a value is out of range, or a
+            ``generation_config`` directory has no generation_config.json (naming the path).
+        """
+        if self.generation_config == "vllm":
+            return {}
+        folder = model_path if self.generation_config == "auto" else self.generation_config
+        path = os.path.join(folder, "generation_config.json")
+        if not os.path.isfile(path):
+            if self.generation_config == "auto":
+                return {}
+            raise ValueError(f"generation_config: {folder} has no generation_config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"generation_config: {path} is not readable JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"generation_config: {path} is not a JSON object")
+        keys = {k: k for k in GENERATION_DEFAULT_KEYS} | {"max_new_tokens": "max_tokens"}
+        found = {ours: data[key] for key, ours in keys.items() if data.get(key) is not None}
+        try:
+            SamplingParams(**found)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"generation_config: {path}: {e}") from None
+        return found
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How the model is spread over devices and processes (vLLM's ParallelConfig).
@@ -339,6 +450,7 @@ class EngineConfig:
     Attributes:
       ledger_history: finished requests whose ledgers the engine keeps (a ring; 0 = none).
       parallel: tensor parallel size and the multi-process layout.
+      serving: how the OpenAI-compatible layer treats requests.
     """
 
     model: ModelConfig
@@ -348,10 +460,19 @@ class EngineConfig:
     observability: ObservabilityConfig = dataclasses.field(default_factory=ObservabilityConfig)
     ledger_history: int = 1000
     parallel: ParallelConfig = ParallelConfig()
+    serving: ServingConfig = ServingConfig()
 
     def __post_init__(self) -> None:
         if self.ledger_history < 0:
             raise ValueError(f"ledger_history must be >= 0, got {self.ledger_history}")
+
+
+def _has_tokenizer_files(path: str) -> bool:
+    """True when ``path`` (``--tokenizer``) is a tokenizer file, a ``.gguf`` file, or a
+    directory holding tokenizer.json or tokenizer.model."""
+    if os.path.isfile(path):
+        return path.endswith((".json", ".model", ".gguf"))
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model"))
 
 
 def _meta(help_text: str, **kw: Any) -> dict[str, Any]:
@@ -399,8 +520,17 @@ class EngineArgs:
             choices=["auto", "safetensors", "orbax", "gguf", "dummy"],
         ),
     )
-    served_model_name: str | None = dataclasses.field(
-        default=None, metadata=_meta("model name clients send; default: the model directory's name")
+    served_model_name: str | list[str] | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "model name(s) clients send as model: the first is the one reported, the others "
+            "are aliases; default: the model directory's name",
+            nargs="+",
+        ),
+    )
+    tokenizer: str | None = dataclasses.field(
+        default=None,
+        metadata=_meta("tokenizer directory or file to use instead of the model's"),
     )
     max_model_len: int | None = dataclasses.field(
         default=None,
@@ -426,6 +556,50 @@ class EngineArgs:
             "bound JSON numbers a schema leaves unbounded (integers within int64, floats "
             "|x| <= 1e15 with at most 9 decimals) so forced JSON finishes; a request may "
             "override it with structured_outputs.bounded_numbers"
+        ),
+    )
+    enable_auto_tool_choice: bool = dataclasses.field(
+        default=False,
+        metadata=_meta('serve chat tool_choice "auto" (needs --tool-call-parser, as in vLLM)'),
+    )
+    chat_template: str | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "chat template: a Jinja file, or the template itself (text with { } or a newline); "
+            "default: the tokenizer's"
+        ),
+    )
+    generation_config: str = dataclasses.field(
+        default="auto",
+        metadata=_meta(
+            "default sampling parameters: auto (the model's generation_config.json), vllm "
+            "(none), or a directory holding a generation_config.json"
+        ),
+    )
+    max_logprobs: int = dataclasses.field(
+        default=MAX_LOGPROBS,
+        metadata=_meta(
+            f"most logprobs / top_logprobs / prompt_logprobs a request may ask for "
+            f"(0-{MAX_LOGPROBS})"
+        ),
+    )
+    return_tokens_as_token_ids: bool = dataclasses.field(
+        default=False,
+        metadata=_meta('logprobs name tokens "token_id:ID" instead of their text'),
+    )
+    enable_log_requests: bool = dataclasses.field(
+        default=False,
+        metadata=_meta("log each request's id, prompt and sampling parameters"),
+    )
+    max_log_len: int = dataclasses.field(
+        default=0,
+        metadata=_meta("prompt characters / token ids a request log line shows (0: all)"),
+    )
+    enable_sleep_mode: bool = dataclasses.field(
+        default=False,
+        metadata=_meta(
+            "serve POST /sleep, /wake_up and GET /is_sleeping: weights to host memory (level 1) "
+            "or dropped (level 2), KV cache freed"
         ),
     )
     block_size: int = dataclasses.field(default=16, metadata=_meta("tokens per KV block"))
@@ -579,7 +753,11 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """Builds EngineArgs from a parsed namespace (extra attributes are ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        values = {k: v for k, v in vars(args).items() if k in names}
+        served = values.get("served_model_name")
+        if isinstance(served, list) and len(served) == 1:
+            values["served_model_name"] = served[0]  # one name stays a string
+        return cls(**values)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -616,8 +794,20 @@ class EngineArgs:
         """
         from jaxserve.model.preflight import check_model_path  # local: jax-free, but not tiny
 
-        max_len = check_model_path(self.resolved_model_path(), self.load_format, need_tokenizer)
-        return self.create_engine_config(max_len)
+        path = self.resolved_model_path()
+        max_len = check_model_path(path, self.load_format, need_tokenizer and not self.tokenizer)
+        config = self.create_engine_config(max_len)
+        if self.tokenizer and not _has_tokenizer_files(self.tokenizer):
+            raise ValueError(
+                f"tokenizer: no tokenizer found at {self.tokenizer!r} (a directory with "
+                "tokenizer.json or tokenizer.model, one of those files, or a .gguf file)"
+            )
+        if self.chat_template:
+            from jaxserve.tokenizer.chat_template import load_chat_template
+
+            load_chat_template(self.chat_template)  # unreadable or not Jinja: named
+        config.serving.default_sampling_params(path)  # a bad generation_config.json, named
+        return config
 
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         """Resolves the per-component configs once the model's own max length is known.
@@ -634,14 +824,27 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({model_max_len})"
             )
+        names = self.served_model_name
+        names = [names] if isinstance(names, str) else list(names or [])
+        if any(not isinstance(n, str) or not n for n in names) or len(set(names)) < len(names):
+            raise ValueError(
+                f"served_model_name must be distinct non-empty names, got {self.served_model_name!r}"
+            )
         from jaxserve.model.hub import is_hub_id
 
-        if is_hub_id(self.model):  # vLLM's default: the id clients already know
-            name = self.served_model_name or str(self.model)
+        if names:
+            name = names[0]
+        elif is_hub_id(self.model):  # vLLM's default: the id clients already know
+            name = str(self.model)
         else:
-            name = self.served_model_name or os.path.basename(os.path.normpath(self.model or path))
-        if not self.served_model_name and name.lower().endswith(".gguf"):
+            name = os.path.basename(os.path.normpath(self.model or path))
+        if not names and name.lower().endswith(".gguf"):
             name = name[: -len(".gguf")]  # "SmolLM2-135M-Instruct.Q4_1"
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError(
+                "enable_auto_tool_choice needs tool_call_parser (pass --tool-call-parser with "
+                "--enable-auto-tool-choice, as vLLM requires)"
+            )
         buckets: tuple[int, ...] = ()
         if self.token_buckets:
             try:
@@ -665,6 +868,9 @@ class EngineArgs:
                 seed=self.seed,
                 tool_call_parser=self.tool_call_parser,
                 structured_outputs_bounded_numbers=self.structured_outputs_bounded_numbers,
+                served_model_aliases=tuple(names[1:]),
+                tokenizer=self.tokenizer or "",
+                enable_sleep_mode=self.enable_sleep_mode,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -699,6 +905,15 @@ class EngineArgs:
             ),
             ledger_history=self.ledger_history,
             parallel=self.parallel_config(),
+            serving=ServingConfig(
+                chat_template=self.chat_template or "",
+                generation_config=self.generation_config,
+                max_logprobs=self.max_logprobs,
+                enable_auto_tool_choice=self.enable_auto_tool_choice,
+                return_tokens_as_token_ids=self.return_tokens_as_token_ids,
+                enable_log_requests=self.enable_log_requests,
+                max_log_len=self.max_log_len,
+            ),
         )
 
     def parallel_config(self) -> ParallelConfig:

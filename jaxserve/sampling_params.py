@@ -414,6 +414,20 @@ class SamplingParams:
                     f"(size {vocab_size})"
                 )
 
+    def check_max_logprobs(self, max_logprobs: int) -> None:
+        """Checks ``logprobs`` and ``prompt_logprobs`` against a server's ``--max-logprobs``.
+
+        Raises:
+          ValueError: one asks for more alternatives (names the field and both numbers).
+        """
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(
+                    f"{name}: {value} alternatives asked for, more than this server's "
+                    f"max_logprobs ({max_logprobs})"
+                )
+
     def clone(self, **changes: Any) -> SamplingParams:
         """A validated copy with ``changes`` applied (e.g. ``n=1, seed=s+k`` for child requests).
         Changing a field the token-mask plan was made from drops the plan."""

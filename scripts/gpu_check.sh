@@ -8,7 +8,8 @@
 # The whole script is ~15 minutes, more than one 10-minute device call: run it as two calls,
 #   PART=1 OUT=... bash scripts/gpu_check.sh   # kernel tests + attention bench + 8B offline (~9 min)
 #   PART=2 OUT=... bash scripts/gpu_check.sh   # offloading, async on/off, host cost, structured (~9 min)
-# (PART=2 uses BACKEND, default pallas, since part 1's test log is not there.)
+#   PART=3 OUT=... bash scripts/gpu_check.sh   # sleep mode: device memory freed, wake-up time (~2 min)
+# (PART=2 and 3 use BACKEND, default pallas, since part 1's test log is not there.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -18,7 +19,7 @@ mkdir -p "$OUT"
 
 PART=${PART:-all}
 backend=${BACKEND:-pallas}
-if [ "$PART" != 2 ]; then
+if [ "$PART" != 2 ] && [ "$PART" != 3 ]; then
 TEST_BUDGET=${TEST_BUDGET:-150} BENCH_BUDGET=${BENCH_BUDGET:-160} OUT="$OUT" bash scripts/gpu_kernel_check.sh
 
 grep -q "tests exit: 0" "$OUT/tests.log" || backend=xla
@@ -33,6 +34,7 @@ echo "offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/offline_8b.log"
 fi
 [ "$PART" = 1 ] && exit 0
 
+if [ "$PART" != 3 ]; then
 echo "== KV offloading: multi-turn hit rate / TTFT off vs on, and host <-> device GB/s (budget ${OFFLOAD_BUDGET:-150}s)"
 # Two 8B engines (async scheduling, the default loop; 'both' would build four); the copies go
 # through pinned host buffers on the GPU (the "resume cost probe ... copies staged through"
@@ -65,3 +67,13 @@ echo "== structured outputs: mask cost and step overhead at 256 requests (budget
 timeout -k 10 "${STRUCTURED_BUDGET:-120}" "$PY" benchmarks/bench_structured.py --num-reqs 256 \
     --steps 30 --rounds 2 2>&1 | tail -3 | tee "$OUT/structured.log"
 echo "structured exit: ${PIPESTATUS[0]}" | tee -a "$OUT/structured.log"
+fi
+[ "$PART" = 2 ] && exit 0
+
+echo "== sleep mode: device bytes_in_use freed by levels 1 and 2, sleep / wake-up time (budget ${SLEEP_BUDGET:-200}s)"
+# issue #35: the weights (8B, bf16: ~15 GiB) to host memory or dropped, the KV pool sized from
+# memory freed; wake-up re-fills it; outputs equal and no recompile (the last line).
+timeout -k 10 "${SLEEP_BUDGET:-200}" "$PY" benchmarks/bench_sleep_mode.py llama-3.1-8b \
+    --load-format dummy --dtype bfloat16 --max-model-len 4096 --token-buckets 256,2048 \
+    --repeats 1 2>&1 | grep -v compiling | tee "$OUT/sleep_mode.log"
+echo "sleep mode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/sleep_mode.log"

@@ -49,7 +49,13 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
-from jaxserve.engine.protocol import EngineCore, EngineDeadError, EngineHealth
+from jaxserve.engine.protocol import (
+    SLEEP_MODES,
+    EngineCore,
+    EngineDeadError,
+    EngineHealth,
+    EngineSleepingError,
+)
 from jaxserve.metrics import EngineMetrics
 
 if TYPE_CHECKING:
@@ -222,8 +228,45 @@ class AbortRequest:
     request_id: str
 
 
-InboxMessage = AddRequest | AbortRequest
+@dataclasses.dataclass(slots=True)
+class SleepRequest:
+    """Inbox message: put the engine to sleep (:meth:`AsyncLLM.sleep`); ``done`` resolves on
+    ``loop`` once it sleeps (mode "wait": once the unfinished requests finished)."""
+
+    level: int
+    mode: str
+    done: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclasses.dataclass(slots=True)
+class WakeRequest:
+    """Inbox message: wake the engine up (:meth:`AsyncLLM.wake_up`); ``done`` resolves to
+    whether it is fully awake."""
+
+    tags: list[str] | None
+    done: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+InboxMessage = AddRequest | AbortRequest | SleepRequest | WakeRequest
 """What the event loop hands the engine thread; it handles them in order between steps."""
+
+
+def _resolve(message: SleepRequest | WakeRequest, result: Any = None, error: Any = None) -> None:
+    """Resolves a sleep / wake message's future on its loop (from the engine thread)."""
+
+    def settle() -> None:
+        if not message.done.done():
+            if error is None:
+                message.done.set_result(result)
+            else:
+                message.done.set_exception(error)
+
+    try:
+        message.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's loop is closed: nobody waits
+        pass
 
 
 class _Handoff:
@@ -314,6 +357,11 @@ class AsyncLLM:
         self._processing: list[InboxMessage] = []
         self._kv_cache_usage = 0.0
         self._handoff = _Handoff()  # engine thread only
+        # Sleep mode: requests are refused from sleep() until wake_up() is fully done
+        # (under _cond); the engine thread's sleep waiting for requests to finish (mode "wait").
+        self._paused = False
+        self._pending_sleep: SleepRequest | None = None  # engine thread only
+        self._sleep_lock: asyncio.Lock | None = None  # sleeps and wakes one at a time
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
         if step_timeout_s > 0:
@@ -401,6 +449,8 @@ class AsyncLLM:
                 raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
             if self._stopping:
                 raise EngineDeadError("engine is shutting down")
+            if self._paused:
+                raise EngineSleepingError("the engine is asleep (POST /wake_up wakes it)")
             if request_id in self._pending_ids:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._pending_ids.add(request_id)
@@ -458,6 +508,62 @@ class AsyncLLM:
         """True while the engine thread is alive (it may be hung in a step the watchdog gave
         up on)."""
         return self._thread.is_alive()
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True from ``sleep`` until ``wake_up`` returned True (requests are refused)."""
+        return self._paused
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Puts the engine to sleep (``EngineClient.sleep``): from now on ``add_request``
+        raises EngineSleepingError; mode "abort" ends the unfinished requests with it, mode
+        "wait" lets them finish; then, for level 1 or 2, the engine frees its device memory
+        (``LLMEngine.sleep``). Returns once it sleeps.
+
+        Raises:
+          ValueError: sleep mode is off, or a bad level or mode (naming it).
+          EngineDeadError: the engine died.
+        """
+        self._check_sleep_mode()
+        if level not in (0, 1, 2):
+            raise ValueError(f"level must be 0, 1 or 2, got {level!r}")
+        if mode not in SLEEP_MODES:
+            raise ValueError(f"mode must be one of {list(SLEEP_MODES)}, got {mode!r}")
+        async with self._lock_for_sleep():
+            await self._send_and_wait(lambda done, loop: SleepRequest(level, mode, done, loop))
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wakes the engine up (``EngineClient.wake_up``); True once fully awake.
+
+        Raises:
+          ValueError: sleep mode is off, or an unknown tag.
+          EngineDeadError: the engine died.
+        """
+        self._check_sleep_mode()
+        async with self._lock_for_sleep():
+            return await self._send_and_wait(lambda done, loop: WakeRequest(tags, done, loop))
+
+    def _check_sleep_mode(self) -> None:
+        if not self.engine_config.model.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the server with --enable-sleep-mode")
+
+    def _lock_for_sleep(self) -> asyncio.Lock:
+        if self._sleep_lock is None:
+            self._sleep_lock = asyncio.Lock()
+        return self._sleep_lock
+
+    async def _send_and_wait(self, make: Callable[..., SleepRequest | WakeRequest]) -> Any:
+        """Hands a sleep / wake message to the engine thread and awaits its answer."""
+        loop = asyncio.get_running_loop()
+        message = make(loop.create_future(), loop)
+        with self._cond:
+            if self.dead_error is not None or self._stopping:
+                raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+            if type(message) is SleepRequest:
+                self._paused = True  # refuse adds from now on, before the thread sees it
+            self._inbox.append(message)
+            self._cond.notify()
+        return await message.done
 
     def check_health(self) -> None:
         """Raises EngineDeadError if the engine thread died."""
@@ -531,6 +637,8 @@ class AsyncLLM:
                     wanted
                 )  # before delivery, so a client that got its answer sees its metrics
                 self._dispatch(wanted)
+                if self._pending_sleep is not None:
+                    self._maybe_sleep()
                 has_work = self.engine.has_unfinished_requests()
             self._fail_pending(EngineDeadError("engine was shut down"))
             self.engine.close()  # the KV-event publisher, if any
@@ -565,6 +673,12 @@ class AsyncLLM:
             if type(message) is AbortRequest:
                 self._abort_in_engine(message.request_id)
                 continue
+            if type(message) is SleepRequest:
+                self._start_sleep(message)
+                continue
+            if type(message) is WakeRequest:
+                self._wake(message)
+                continue
             num_adds += 1
             stream = message.stream
             if stream._aborted:  # the client left before the engine saw the request
@@ -596,6 +710,57 @@ class AsyncLLM:
             with self._cond:
                 self._num_waiting = waiting
                 self._num_inbox_adds -= num_adds
+
+    def _start_sleep(self, message: SleepRequest) -> None:
+        """Mode "abort": ends every unfinished request with EngineSleepingError now; the sleep
+        itself happens once none is left (:meth:`_maybe_sleep`, after each step)."""
+        if message.mode == "abort":
+            error = EngineSleepingError("the engine was put to sleep (POST /sleep); retry later")
+            for request_id, stream in list(self._streams.items()):
+                self._abort_in_engine(request_id)
+                self._handoff.add(stream, stream._put, error)
+            self._handoff.flush()
+        self._pending_sleep = message
+
+    def _maybe_sleep(self) -> None:
+        """Sleeps as the pending message asks once no request is unfinished; its future gets
+        the result (or the engine's ValueError)."""
+        message = self._pending_sleep
+        if message is None or self.engine.has_unfinished_requests():
+            return
+        self._pending_sleep = None
+        try:
+            if message.level > 0:
+                self.engine.sleep(message.level)
+        except ValueError as exc:
+            with self._cond:
+                self._paused = self.engine.is_sleeping
+            _resolve(message, error=exc)
+            return
+        except BaseException as exc:  # the engine dies of it (_run); its caller hears first
+            _resolve(message, error=EngineDeadError(f"sleep failed: {exc!r}"))
+            raise
+        _resolve(message)
+
+    def _wake(self, message: WakeRequest) -> None:
+        """Wakes the engine up as the message asks; requests are taken again once fully awake.
+        vLLM's "scheduling" tag (un-pausing only) needs nothing of the engine."""
+        tags = message.tags
+        engine_tags = None if tags is None else [t for t in tags if t != "scheduling"]
+        try:
+            if engine_tags is None or engine_tags:
+                self.engine.wake_up(engine_tags)
+        except ValueError as exc:
+            _resolve(message, error=exc)
+            return
+        except BaseException as exc:  # the engine dies of it (_run); its caller hears first
+            _resolve(message, error=EngineDeadError(f"wake-up failed: {exc!r}"))
+            raise
+        awake = not self.engine.is_sleeping
+        if awake:
+            with self._cond:
+                self._paused = False
+        _resolve(message, awake)
 
     def _abort_in_engine(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -642,6 +807,11 @@ class AsyncLLM:
         for message in inbox:  # not yet accepted (resolving an accepted one is a no-op)
             if type(message) is AddRequest:
                 message.stream._resolve_accept(error)
+            elif type(message) in (SleepRequest, WakeRequest):
+                _resolve(message, error=error)
+        if self._pending_sleep is not None:
+            _resolve(self._pending_sleep, error=error)
+            self._pending_sleep = None
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream._deliver(error)

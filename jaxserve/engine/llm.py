@@ -97,6 +97,21 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def sleep(self, level: int = 1) -> None:
+        """Frees device memory between uses (``LLM(..., enable_sleep_mode=True)``; vLLM's
+        ``LLM.sleep``): level 1 keeps the weights in host memory, level 2 reloads them from the
+        checkpoint at ``wake_up``; the KV cache is freed either way.
+
+        Raises:
+          ValueError: sleep mode is off, or a bad level.
+        """
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Puts back the weights and the KV cache (``tags``: "weights", "kv_cache"; None: both);
+        True once fully awake (``generate`` needs it)."""
+        return self.llm_engine.wake_up(tags)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from jaxserve.logging_config import progress_bar_class
 

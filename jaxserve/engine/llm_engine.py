@@ -173,12 +173,16 @@ class LLMEngine:
         config = engine_args.create_engine_config(arch.max_position_embeddings)
         logger.debug("engine config: %s", config)  # `serve` prints it once, resolved
         tokenizer = None
-        if os.path.isdir(path) or is_gguf_path(path):
-            from jaxserve.tokenizer import get_tokenizer
+        if config.model.tokenizer or os.path.isdir(path) or is_gguf_path(path):
+            from jaxserve.tokenizer.loading import load_served_tokenizer
 
             try:
-                tokenizer = get_tokenizer(path)
+                tokenizer = load_served_tokenizer(
+                    path, config.model.tokenizer, config.serving.chat_template
+                )
             except ValueError as e:  # no tokenizer files: token-id prompts only
+                if config.model.tokenizer or config.serving.chat_template:
+                    raise
                 logger.warning("no tokenizer loaded (%s); prompts must be token ids", e)
         runner = ModelRunner(model, arch, config)
         spec = runner.initialize_kv_cache()
@@ -258,6 +262,7 @@ class LLMEngine:
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         params.check_vocab(self.vocab_size)
+        params.check_max_logprobs(self.config.serving.max_logprobs)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
@@ -366,6 +371,65 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         """Parent requests (n > 1 counts once) not yet finished or aborted."""
         return len(self.output_processor)
+
+    # ------------------------------------------------------------------ sleep mode
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees device memory (vLLM's sleep mode, ``--enable-sleep-mode``): level 1 moves the
+        weights to host memory, level 2 drops them (``wake_up`` reloads the checkpoint); both
+        free the KV pool. The step in flight (async scheduling) is collected first and the
+        prefix cache (both tiers) is cleared, since the KV contents are gone.
+
+        Raises:
+          ValueError: sleep mode is off, level is not 1 or 2, a request is unfinished (abort
+            or finish them first), or the engine already sleeps.
+        """
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with --enable-sleep-mode")
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if self.has_unfinished_requests():
+            raise ValueError(
+                f"sleep: {self.get_num_unfinished_requests()} requests are unfinished; abort "
+                "them or let them finish first"
+            )
+        if self._in_flight is not None:  # a step dispatched after the last request's end
+            done_sched, pending = self._in_flight
+            self._in_flight = None
+            # Its tokens belong to requests that ended already: the scheduler drops them.
+            self.scheduler.update_from_output(done_sched, self.runner.collect(pending))
+        if not self.scheduler.kv_cache_manager.reset_prefix_cache():
+            raise ValueError("sleep: KV blocks are still in use")
+        if self.kv_event_publisher is not None:  # AllBlocksCleared, now rather than at wake-up
+            events = self._block_pool.take_kv_events()
+            if events:
+                self.kv_event_publisher.publish(events)
+        self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Puts back the weights and / or the KV pool (``tags``: "weights", "kv_cache"; None:
+        both) without recompiling anything; True once the engine is fully awake.
+
+        Raises:
+          ValueError: an unknown tag, or a level-2 checkpoint that no longer matches the
+            compiled model (naming the parameter).
+        """
+        model = self.config.model
+
+        def load() -> tuple[Any, Any]:
+            from jaxserve.model.loader import load_model
+
+            loaded, arch, _ = load_model(
+                model.model, model.dtype, model.load_format, seed=model.seed
+            )
+            return loaded, arch
+
+        return self.runner.wake_up(tags, load)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True while the weights or the KV pool are off the device."""
+        return self.runner.is_sleeping
 
     # ------------------------------------------------------------------ one step
 

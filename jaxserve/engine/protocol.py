@@ -38,6 +38,21 @@ class EngineDeadError(RuntimeError):
     code = "engine_dead"
 
 
+class EngineSleepingError(EngineDeadError):
+    """The engine sleeps (``POST /sleep``): a request added meanwhile, or one it aborted to go
+    to sleep (mode "abort"), gets this. A subclass of :class:`EngineDeadError` so every
+    consumer ends such a request as it would under a dead engine (a 503, an error event), but
+    the engine is not dead: it serves again once woken up."""
+
+    code = "engine_sleeping"
+
+
+SLEEP_MODES = ("abort", "wait")
+"""What ``EngineClient.sleep`` does with unfinished requests (vLLM's pause modes): abort them
+(their streams raise :class:`EngineSleepingError`), or wait for them to finish. vLLM's third,
+"keep", is not served."""
+
+
 class EngineUnavailableError(RuntimeError):
     """The engine did not take the request and nothing of it started: another engine may (a Ray
     replica that is down or restarting); a single engine never raises it."""
@@ -185,6 +200,37 @@ class EngineClient(Protocol):
         """The Prometheus exposition and its content type."""
         ...
 
+    @property
+    def is_sleeping(self) -> bool:
+        """True from ``sleep`` until ``wake_up`` returned True: requests are refused
+        (:class:`EngineSleepingError`)."""
+        ...
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Puts the engine to sleep (vLLM's sleep mode) and returns once it sleeps.
+
+        Args:
+          level: 0 refuses new requests only; 1 also moves the weights to host memory and frees
+            the KV cache; 2 drops the weights instead (``wake_up`` reloads the checkpoint).
+          mode: one of :data:`SLEEP_MODES`, what happens to unfinished requests first.
+
+        Raises:
+          ValueError: sleep mode is off (``--enable-sleep-mode``), or a bad level or mode
+            (naming it).
+          EngineDeadError: the engine died.
+        """
+        ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Puts back what ``tags`` name ("weights", "kv_cache"; None: everything) and returns
+        True once the engine is fully awake (it then takes requests again).
+
+        Raises:
+          ValueError: sleep mode is off, or an unknown tag.
+          EngineDeadError: the engine died.
+        """
+        ...
+
     def add_dead_callback(self, callback: Callable[[BaseException], None]) -> None:
         """Runs ``callback(error)`` when the engine dies (at once if it is dead)."""
         ...
@@ -248,6 +294,28 @@ class EngineCore(Protocol):
 
     def get_ledger(self, request_id: str) -> dict[str, Any] | None:
         """A finished request's ledger as JSON-ready data, or None (any thread)."""
+        ...
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True while the weights or the KV cache are off the device (``sleep``)."""
+        ...
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees device memory: level 1 moves the weights to host memory, level 2 drops them;
+        both free the KV cache and clear the prefix cache. Only with no unfinished request.
+
+        Raises:
+          ValueError: sleep mode is off, a bad level, or an unfinished request.
+        """
+        ...
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Puts back "weights" and / or "kv_cache" (None: both); True once fully awake.
+
+        Raises:
+          ValueError: an unknown tag, or reloaded weights that differ from the compiled ones.
+        """
         ...
 
     def close(self) -> None:

@@ -270,6 +270,34 @@ class ReplicaClient:
         except EngineUnavailableError:
             return None
 
+    @property
+    def is_sleeping(self) -> bool:
+        """What the replica said last: its answer to ``sleep`` / ``wake_up``, or a poll's."""
+        return bool(self.stats.get("is_sleeping", False))
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Puts the replica's engine to sleep (``AsyncLLM.sleep`` there; no time limit: mode
+        "wait" lasts as long as its requests).
+
+        Raises:
+          ValueError: as ``AsyncLLM.sleep``.
+          EngineUnavailableError: the replica is gone.
+        """
+        await self._call_unbounded(self.actor.sleep, level, mode)
+        self.stats = {**self.stats, "is_sleeping": True}
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wakes the replica's engine up; True once fully awake (raises as :meth:`sleep`)."""
+        awake = await self._call_unbounded(self.actor.wake_up, tags)
+        self.stats = {**self.stats, "is_sleeping": not awake}
+        return awake
+
+    async def _call_unbounded(self, method: Any, *args: Any) -> Any:
+        try:
+            return await _await_ref(method.remote(*args))
+        except self.actor_errors:
+            raise EngineUnavailableError(f"engine replica {self.index} did not answer") from None
+
     def check_health(self) -> None:
         """Never raises: a request for a replica that is gone is refused by ``add_request``
         (EngineUnavailableError) and goes elsewhere."""
@@ -356,6 +384,20 @@ class ReplicaSet:
         """The mean over the replicas that are up."""
         up = [c.kv_cache_usage for c in self.clients if c.up]
         return sum(up) / len(up) if up else 0.0
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True while a replica that is up sleeps (they sleep and wake together)."""
+        return any(c.is_sleeping for c in self.clients if c.up)
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Puts every replica that is up to sleep (``ReplicaClient.sleep``), concurrently."""
+        await asyncio.gather(*(c.sleep(level, mode) for c in self.clients if c.up))
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wakes every replica that is up; True once all are fully awake."""
+        woken = await asyncio.gather(*(c.wake_up(tags) for c in self.clients if c.up))
+        return all(woken)
 
     def check_health(self) -> None:
         """Never raises: requests find a replica that is up, or a 503 ``no_replica``."""
@@ -553,13 +595,16 @@ def make_replica_set(
       RuntimeError: the replicas' hash chains differ (an existing cluster whose workers
         override ``PYTHONHASHSEED``): prefix-aware routing could not match their caches.
     """
-    from jaxserve.tokenizer import get_tokenizer
+    from jaxserve.tokenizer.loading import load_served_tokenizer
 
     first = described[0]
-    info: ServingInfo = first["info"]
     if len({d["none_hash"] for d in described}) != 1:
         raise RuntimeError("the replicas hash KV blocks differently (PYTHONHASHSEED differs)")
     router = Router(len(actors), routing, first["block_size"], first["none_hash"])
     for i, d in enumerate(described):
         router.update(i, up=True, capacity_blocks=d["num_gpu_blocks"] - 1)
-    return ReplicaSet(actors, described, router, get_tokenizer(info.model_path))
+    cfg = first["engine_config"]  # --tokenizer, --chat-template as the replicas have them
+    tokenizer = load_served_tokenizer(
+        cfg.model.model, cfg.model.tokenizer, cfg.serving.chat_template
+    )
+    return ReplicaSet(actors, described, router, tokenizer)

@@ -112,7 +112,16 @@ class EngineReplica:
             "kv_cache_usage": self.llm.kv_cache_usage,
             "started_at": self.started_at,
             "pid": os.getpid(),
+            "is_sleeping": self.llm.is_sleeping,
         }
+
+    async def sleep(self, level: int, mode: str) -> None:
+        """Puts this replica's engine to sleep (``AsyncLLM.sleep``)."""
+        await self.llm.sleep(level, mode)
+
+    async def wake_up(self, tags: list[str] | None) -> bool:
+        """Wakes this replica's engine up; True once fully awake (``AsyncLLM.wake_up``)."""
+        return await self.llm.wake_up(tags)
 
     async def ledger(self, request_id: str) -> Any:
         """A finished request's ledger if this replica served it, else None."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -24,7 +25,9 @@ from jaxserve.entrypoints.http.api_server import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     Timeouts,
     api_keys,
+    app_options,
     exit_now,
+    make_ssl_context,
     serve_until_signal,
 )
 from jaxserve.entrypoints.ray_serve import add_ray_args, start_replicas, uses_ray
@@ -35,7 +38,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/responses).",
     )
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -86,14 +90,74 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "this long, then cut them with a 503 (streams: an error event and [DONE]) and exit 0 "
         "within this window + 1 s",
     )
+    add_transport_args(parser)
     add_ray_args(parser)  # Ray itself is imported only if used
     parser.set_defaults(func=run_serve)
     return parser
 
 
+def _string_list(value: str) -> list[str]:
+    """A flag's list: a JSON list of strings (vLLM's form, ``'["http://a", "http://b"]'``) or
+    comma-separated names."""
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def add_transport_args(parser: argparse.ArgumentParser) -> None:
+    """TLS, CORS and root-path flags (vLLM's names)."""
+    parser.add_argument("--ssl-keyfile", default=None, help="TLS: the server's private key (PEM)")
+    parser.add_argument(
+        "--ssl-certfile", default=None, help="TLS: the server's certificate chain (PEM)"
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        type=_string_list,
+        default=[],
+        help="CORS: browser origins allowed to call the API, a JSON list or comma-separated "
+        "('*': any); default none (vLLM's default is '*')",
+    )
+    parser.add_argument(
+        "--allowed-methods",
+        type=_string_list,
+        default=["*"],
+        help="CORS: methods a preflight may ask for (default '*')",
+    )
+    parser.add_argument(
+        "--allowed-headers",
+        type=_string_list,
+        default=["*"],
+        help="CORS: request headers a preflight may ask for (default '*')",
+    )
+    parser.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: let allowed origins send credentials (the origin is echoed, never '*')",
+    )
+    parser.add_argument(
+        "--root-path",
+        default="",
+        help="path prefix the server sits under behind a proxy (e.g. /llm): routes are served "
+        "with and without it, and /openapi.json names it",
+    )
+
+
 _SERVER_FLAGS = (
     "host",
     "port",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "allowed_origins",
+    "allowed_methods",
+    "allowed_headers",
+    "allow_credentials",
+    "root_path",
     "request_header_timeout_s",
     "request_body_timeout_s",
     "step_timeout_s",
@@ -169,6 +233,19 @@ def check_port_free(host: str, port: int) -> None:
         ) from None
 
 
+def check_server_flags(args: argparse.Namespace) -> None:
+    """The server's own flags, before anything heavy: TLS files, root path, a busy port.
+
+    Raises:
+      ValueError: naming the flag and what to do.
+    """
+    make_ssl_context(args.ssl_certfile, args.ssl_keyfile)
+    root = args.root_path
+    if root and (not root.startswith("/") or root.endswith("/")):
+        raise ValueError(f"root_path must start with '/' and not end with it, got {root!r}")
+    check_port_free(args.host, args.port)
+
+
 def run_serve(args: argparse.Namespace) -> None:
     """The ``serve`` command: builds the engine, prints the config, serves until SIGINT/SIGTERM.
 
@@ -182,7 +259,7 @@ def run_serve(args: argparse.Namespace) -> None:
         return
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.check(need_tokenizer=True)  # before loading and compiling: one-line errors
-    check_port_free(args.host, args.port)
+    check_server_flags(args)
     start = time.perf_counter()
     llm = AsyncLLM.from_engine_args(engine_args, step_timeout_s=args.step_timeout_s)
     print(startup_report(llm, time.perf_counter() - start, args), flush=True)
@@ -201,7 +278,7 @@ def run_ray_serve(args: argparse.Namespace) -> None:
     )
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.check(need_tokenizer=True)  # before starting Ray: one-line errors
-    check_port_free(args.host, args.port)
+    check_server_flags(args)
     start = time.perf_counter()
     actors, described = start_replicas(
         engine_args,
@@ -217,12 +294,7 @@ def run_ray_serve(args: argparse.Namespace) -> None:
         f"routing {args.routing}, ready in {time.perf_counter() - start:.1f} s"
     )
     print("\n".join(lines), flush=True)
-    app = ingress.build_app(
-        args.api_key,
-        header_timeout_s=args.request_header_timeout_s,
-        body_timeout_s=args.request_body_timeout_s,
-        ledger_route=args.ledger_route,
-    )
+    app = ingress.build_app(**app_options(args))
     code = serve_until_signal(  # stops the replicas (ReplicaSet.shutdown) once the server stopped
         ingress.frontend,
         args,

@@ -36,7 +36,7 @@ from jaxserve.serving.engine_calls import (
     usage,
 )
 from jaxserve.serving.errors import APIError, from_value_error
-from jaxserve.serving.logprobs import chat_logprobs
+from jaxserve.serving.logprobs import chat_logprobs, logprobs_tokenizer
 from jaxserve.serving.protocol import ChatCompletionRequest, ChatMessage
 from jaxserve.serving.tool_calls import ToolPlan, plan_tools, template_tool_call
 from jaxserve.serving.validation import (
@@ -72,6 +72,7 @@ class ChatJob:
     params: SamplingParams
     tools: ToolPlan | None = None
     system_fingerprint: str = ""
+    return_tokens_as_token_ids: bool = False
 
     @property
     def first_prompt(self) -> list[int]:
@@ -137,15 +138,13 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
         request.requested_max_tokens, len(prompt_ids), info, field=field
     )
     try:
-        params = request.to_sampling_params(max_tokens)
+        params = request.to_sampling_params(max_tokens, info.default_sampling)
         params.check_vocab(info.vocab_size)
+        params.check_max_logprobs(info.max_logprobs)
     except ValueError as exc:
         raise _chat_field_error(exc, field) from exc
     check_sampler_memory(params, info)
-    if tools is not None and tools.constraint is not None:
-        params = params.clone(structured_outputs=tools.constraint)
-    if tools is not None and tools.parser is not None and tools.parser.needs_special_tokens:
-        params = params.clone(skip_special_tokens=False)  # the call marker is a special token
+    params = with_tool_plan(params, tools)
     forced = tools is not None and tools.constraint is not None
     checks = tools.checks if tools is not None else ()
     prepare_token_masks_of(request, params, tokenizer, info, "tools" if forced else None, checks)
@@ -157,13 +156,54 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
         prompt_ids=prompt_ids,
         params=params,
         system_fingerprint=info.system_fingerprint,
+        return_tokens_as_token_ids=info.return_tokens_as_token_ids,
         tools=tools,
     )
 
 
+def with_tool_plan(params: SamplingParams, tools: ToolPlan | None) -> SamplingParams:
+    """``params`` as ``tools`` needs them: the grammar that forces calls, and special tokens
+    kept in the text when the parser's call marker is one."""
+    if tools is not None and tools.constraint is not None:
+        params = params.clone(structured_outputs=tools.constraint)
+    if tools is not None and tools.parser is not None and tools.parser.needs_special_tokens:
+        params = params.clone(skip_special_tokens=False)
+    return params
+
+
 def _plan_tools(request: ChatCompletionRequest, info: ServingInfo, tokenizer: Any) -> Any:
-    """The request's ToolPlan (``tool_calls.plan_tools``), with the compile of every tool's
-    parameter schema started (``ToolPlan.checks``: the engine call awaits them).
+    """The request's ToolPlan (:func:`plan_checked_tools`).
+
+    Raises:
+      APIError: 400 naming ``tools`` or ``tool_choice``.
+    """
+    fmt = request.response_format
+    constrained = (fmt is not None and fmt.type != "text") or bool(request.structured_outputs)
+    return plan_checked_tools(
+        request.tools,
+        request.tool_choice,
+        request.parallel_tool_calls,
+        "response_format / structured_outputs" if constrained else "",
+        info,
+        tokenizer,
+    )
+
+
+def plan_checked_tools(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool,
+    constraint_field: str,
+    info: ServingInfo,
+    tokenizer: Any,
+) -> ToolPlan | None:
+    """A request's ToolPlan (``tool_calls.plan_tools``; chat-shaped ``tools``), with the
+    compile of every tool's parameter schema started (``ToolPlan.checks``: the engine call
+    awaits them, through ``validation.prepare_token_masks_of``).
+
+    Args:
+      constraint_field: the field of an output constraint the request also has ("" = none);
+        a required or named tool choice cannot be combined with it.
 
     Raises:
       APIError: 400 naming ``tools`` or ``tool_choice``.
@@ -172,18 +212,13 @@ def _plan_tools(request: ChatCompletionRequest, info: ServingInfo, tokenizer: An
     from jaxserve.structured.threads import yield_gil
 
     try:
-        plan = plan_tools(
-            request.tools, request.tool_choice, request.parallel_tool_calls, info.tool_call_parser
-        )
+        plan = plan_tools(tools, tool_choice, parallel_tool_calls, info.auto_tool_parser)
         if plan is None:
             return None
-        fmt = request.response_format
-        if plan.constraint is not None and (
-            (fmt is not None and fmt.type != "text") or request.structured_outputs
-        ):
+        if plan.constraint is not None and constraint_field:
             raise ValueError(
                 "tool_choice: a required or named tool choice cannot be combined with "
-                "response_format / structured_outputs"
+                f"{constraint_field}"
             )
         checks = []
         # "required" compiles every tool's schema into its constraint: no separate checks.
@@ -284,7 +319,9 @@ async def create_chat(llm: EngineClient, job: ChatJob) -> dict[str, Any]:
         cache_salt=job.request.cache_salt,
     )
     (output,) = await collect_all(streams)
-    return build_chat_response(job, output, llm.tokenizer)
+    return build_chat_response(
+        job, output, logprobs_tokenizer(llm.tokenizer, job.return_tokens_as_token_ids)
+    )
 
 
 async def stream_chat(
@@ -302,7 +339,9 @@ async def stream_chat(
         priority=job.request.priority,
         cache_salt=job.request.cache_salt,
     )
-    return streams, _chunks(job, streams, llm.tokenizer)
+    return streams, _chunks(
+        job, streams, logprobs_tokenizer(llm.tokenizer, job.return_tokens_as_token_ids)
+    )
 
 
 async def _chunks(

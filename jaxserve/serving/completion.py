@@ -35,7 +35,7 @@ from jaxserve.serving.engine_calls import (
     usage,
 )
 from jaxserve.serving.errors import bad_request, from_value_error
-from jaxserve.serving.logprobs import CompletionLogprobs
+from jaxserve.serving.logprobs import CompletionLogprobs, logprobs_tokenizer
 from jaxserve.serving.protocol import CompletionRequest
 from jaxserve.serving.validation import (
     ServingInfo,
@@ -71,6 +71,7 @@ class CompletionJob:
     prompt_texts: list[str]
     params: list[SamplingParams]
     system_fingerprint: str = ""
+    return_tokens_as_token_ids: bool = False
 
     @property
     def first_prompt(self) -> list[int]:
@@ -112,8 +113,9 @@ def prepare_completion(
         check_prompt_ids(ids, info)
         max_tokens = resolve_max_tokens(request.max_tokens, len(ids), info)
         try:
-            sp = request.to_sampling_params(max_tokens)
+            sp = request.to_sampling_params(max_tokens, info.default_sampling)
             sp.check_vocab(info.vocab_size)
+            sp.check_max_logprobs(info.max_logprobs)
         except ValueError as exc:
             raise from_value_error(exc) from exc
         check_sampler_memory(sp, info)
@@ -139,6 +141,7 @@ def prepare_completion(
         prompt_texts=texts,
         params=params,
         system_fingerprint=info.system_fingerprint,
+        return_tokens_as_token_ids=info.return_tokens_as_token_ids,
     )
 
 
@@ -211,7 +214,9 @@ async def create_completion(llm: EngineClient, job: CompletionJob) -> dict[str, 
         cache_salt=job.request.cache_salt,
     )
     outputs = await collect_all(streams)
-    return build_completion_response(job, outputs, llm.tokenizer)
+    return build_completion_response(
+        job, outputs, logprobs_tokenizer(llm.tokenizer, job.return_tokens_as_token_ids)
+    )
 
 
 async def stream_completion(
@@ -234,7 +239,9 @@ async def stream_completion(
         priority=job.request.priority,
         cache_salt=job.request.cache_salt,
     )
-    return streams, _chunks(job, streams, llm.tokenizer)
+    return streams, _chunks(
+        job, streams, logprobs_tokenizer(llm.tokenizer, job.return_tokens_as_token_ids)
+    )
 
 
 async def _chunks(

@@ -26,6 +26,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import importlib.metadata
 import logging
 import threading
@@ -34,7 +35,12 @@ from typing import Any, Protocol
 
 import pydantic
 
-from jaxserve.engine.protocol import EngineClient, EngineDeadError, RequestOutputStream
+from jaxserve.engine.protocol import (
+    EngineClient,
+    EngineDeadError,
+    EngineSleepingError,
+    RequestOutputStream,
+)
 from jaxserve.serving.chat import create_chat, messages_as_dicts, prepare_chat, stream_chat
 from jaxserve.serving.completion import create_completion, prepare_completion, stream_completion
 from jaxserve.serving.engine_calls import abort_all, engine_error
@@ -50,7 +56,14 @@ from jaxserve.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
+)
+from jaxserve.serving.responses import (
+    ResponseStore,
+    create_responses,
+    prepare_responses,
+    stream_responses,
 )
 from jaxserve.serving.validation import (
     ServingInfo,
@@ -90,12 +103,15 @@ class Generation:
       prepare: ``(request, info, tokenizer) -> job``: checks and tokenizes (APIError 4xx).
       create: ``(engine, job) -> body``: runs a non-streaming request to its end.
       stream: ``(engine, job) -> (streams, chunks)``: starts a streaming request.
+      named_events: its stream's chunks are events named by their ``type`` (SSE ``event:``
+        lines) and end without ``[DONE]`` (the Responses API).
     """
 
     request_model: type[pydantic.BaseModel]
-    prepare: Callable[[Any, ServingInfo, Any], Job]
+    prepare: Callable[..., Job]
     create: Callable[[EngineClient, Any], Awaitable[dict[str, Any]]]
     stream: Callable[[EngineClient, Any], Awaitable[tuple[list[RequestOutputStream], Chunks]]]
+    named_events: bool = False
 
 
 GENERATION: dict[str, Generation] = {
@@ -105,8 +121,12 @@ GENERATION: dict[str, Generation] = {
     "/v1/chat/completions": Generation(
         ChatCompletionRequest, prepare_chat, create_chat, stream_chat
     ),
+    "/v1/responses": Generation(
+        ResponsesRequest, prepare_responses, create_responses, stream_responses, True
+    ),
 }
-"""The generating endpoints by URL path."""
+"""The generating endpoints by URL path (``/v1/responses``' prepare takes the server's
+``ResponseStore`` as ``store``: :class:`OpenAIServing` binds its own)."""
 
 
 @dataclasses.dataclass
@@ -136,12 +156,15 @@ class StreamReply:
         ``chunks`` follows without waiting (a writer may send it in one write).
       headers: extra response headers, or None.
       on_close: called once by :meth:`close` (the Ray ingress counts its request finished).
+      named_events: each chunk is an event named by its ``type`` and the stream has no
+        ``[DONE]`` (``Generation.named_events``).
     """
 
     chunks: Chunks
     streams: Sequence[RequestOutputStream]
     headers: dict[str, str] | None = None
     on_close: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    named_events: bool = False
 
     async def close(self) -> None:
         """Aborts the engine requests still running, closes ``chunks``, runs ``on_close``."""
@@ -252,6 +275,14 @@ class OpenAIServing:
         self._owners: collections.OrderedDict[str, str] = collections.OrderedDict()
         history = getattr(getattr(engine, "engine_config", None), "ledger_history", 1000)
         self.max_owners = 2 * max(int(history), 0) + 1024
+        self.responses = ResponseStore()  # /v1/responses with store: true, by id
+        responses = GENERATION["/v1/responses"]
+        self.generation = {
+            **GENERATION,
+            "/v1/responses": dataclasses.replace(
+                responses, prepare=functools.partial(responses.prepare, store=self.responses)
+            ),
+        }
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -263,7 +294,7 @@ class OpenAIServing:
         """
         if isinstance(body.get("model"), str):
             self.info.check_model(body["model"])  # before any other work, as OpenAI does
-        endpoint = GENERATION.get(url)
+        endpoint = self.generation.get(url)
         if endpoint is None:
             raise APIError(
                 f"url {url!r} is not supported (use {' or '.join(GENERATION)})",
@@ -333,10 +364,14 @@ class OpenAIServing:
             engine.check_health()
         except EngineDeadError as exc:
             raise engine_error(exc) from None
+        if engine.is_sleeping:
+            raise engine_error(EngineSleepingError("the engine is asleep (POST /wake_up wakes it)"))
         check_queue(engine, self.info)
+        if self.info.log_requests:
+            log_request(job, self.info, self.engine.tokenizer)
         if job.request.stream:
             streams, chunks = await endpoint.stream(engine, job)
-            return StreamReply(chunks, streams, headers)
+            return StreamReply(chunks, streams, headers, named_events=endpoint.named_events)
         return JSONReply(await endpoint.create(engine, job), headers=headers)
 
     async def serve_request(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -366,11 +401,13 @@ class OpenAIServing:
 
     # -- the rest --------------------------------------------------------------------------------
 
-    def model_card(self) -> dict[str, Any]:
-        """The served model in OpenAI's model shape (plus vLLM's ``root``, ``max_model_len``)."""
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
+        """The served model under ``name`` (default: the served name; an alias of
+        ``--served-model-name`` names the same model) in OpenAI's model shape (plus vLLM's
+        ``root``, ``max_model_len``)."""
         info = self.info
         return {
-            "id": info.model_name,
+            "id": name or info.model_name,
             "object": "model",
             "created": info.created,
             "owned_by": "jaxserve",
@@ -380,18 +417,98 @@ class OpenAIServing:
         }
 
     def models(self) -> dict[str, Any]:
-        """``GET /v1/models``: the served model (OpenAI's list-models shape)."""
-        return {"object": "list", "data": [self.model_card()]}
+        """``GET /v1/models``: the served model, once per name (OpenAI's list-models shape)."""
+        return {"object": "list", "data": [self.model_card(n) for n in self.info.model_names]}
 
     def model(self, name: str) -> dict[str, Any]:
-        """``GET /v1/models/{model}``: the served model's card.
+        """``GET /v1/models/{model}``: the served model's card under one of its names.
 
         Raises:
           APIError: 404 ``model_not_found`` for another name.
         """
-        if name != self.info.model_name:
+        if name not in self.info.model_names:
             raise model_not_found(name)
-        return self.model_card()
+        return self.model_card(name)
+
+    # -- stored responses ----------------------------------------------------------------------
+
+    def stored_response(self, response_id: str) -> dict[str, Any]:
+        """``GET /v1/responses/{response_id}``: a stored Response object.
+
+        Raises:
+          APIError: 404 ``response_not_found`` when never stored (``store: false``) or evicted.
+        """
+        stored = self.responses.get(response_id)
+        if stored is None:
+            raise _response_not_found(response_id)
+        return stored.body
+
+    def delete_response(self, response_id: str) -> dict[str, Any]:
+        """``DELETE /v1/responses/{response_id}``: forgets a stored response.
+
+        Raises:
+          APIError: 404 ``response_not_found``.
+        """
+        if not self.responses.delete(response_id):
+            raise _response_not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    # -- sleep mode ----------------------------------------------------------------------------
+
+    async def sleep(self, level: str | None = None, mode: str | None = None) -> dict[str, Any]:
+        """``POST /sleep?level=1&mode=abort`` (vLLM's): puts the engine to sleep, answering
+        once it sleeps; from then on generating requests get a 503 ``engine_sleeping`` with
+        ``Retry-After``.
+
+        Args:
+          level: the query's level: "0" (refuse requests only), "1" (weights to host memory,
+            KV cache freed; the default) or "2" (weights dropped, reloaded at wake-up).
+          mode: "abort" (the default: unfinished requests end with a 503 / an error event) or
+            "wait" (they finish first).
+
+        Raises:
+          APIError: 404 without ``--enable-sleep-mode``; 400 naming a bad level or mode.
+        """
+        self._check_sleep_mode("/sleep")
+        try:
+            number = int(level) if level is not None else 1
+        except ValueError:
+            raise bad_request(f"level must be 0, 1 or 2, got {level!r}", param="level") from None
+        try:
+            await self.engine.sleep(number, mode or "abort")
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        except EngineDeadError as exc:
+            raise engine_error(exc) from None
+        return {"status": "sleeping", "level": number}
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """``POST /wake_up[?tags=weights&tags=kv_cache]`` (vLLM's): puts back what ``tags``
+        name (none: everything); ``status`` is "awake" once requests are served again.
+
+        Raises:
+          APIError: 404 without ``--enable-sleep-mode``; 400 naming an unknown tag.
+        """
+        self._check_sleep_mode("/wake_up")
+        try:
+            awake = await self.engine.wake_up(tags or None)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        except EngineDeadError as exc:
+            raise engine_error(exc) from None
+        return {"status": "awake" if awake else "sleeping", "tags": tags or None}
+
+    def is_sleeping(self) -> dict[str, Any]:
+        """``GET /is_sleeping``: ``{"is_sleeping": bool}`` (false without sleep mode)."""
+        return {"is_sleeping": self.engine.is_sleeping}
+
+    def _check_sleep_mode(self, path: str) -> None:
+        if not self.info.enable_sleep_mode:
+            raise APIError(
+                f"POST {path} is served only with --enable-sleep-mode",
+                status=404,
+                code="not_found",
+            )
 
     async def ledger(self, request_id: str, owner: str | None = None) -> dict[str, Any]:
         """``GET /v1/requests/{request_id}/ledger``: a finished request's ledger (engine request
@@ -482,6 +599,33 @@ class OpenAIServing:
                 field="tokens",
             )
         return {"prompt": self.engine.tokenizer.decode(request.tokens)}
+
+
+def _response_not_found(response_id: str) -> APIError:
+    return APIError(
+        f"Response with id {response_id!r} not found (never stored, stored with store: false, "
+        "or evicted)",
+        status=404,
+        param="response_id",
+        code="response_not_found",
+    )
+
+
+def log_request(job: Job, info: ServingInfo, tokenizer: Any) -> None:
+    """The ``--enable-log-requests`` line of a request: its id, its (first) prompt's text and
+    token ids (cut to ``--max-log-len``) and its sampling parameters."""
+    ids = job.first_prompt
+    cut = info.max_log_len or None
+    text = tokenizer.decode(ids[:cut] if cut else ids, skip_special_tokens=False)
+    params = getattr(job, "params", None)
+    logger.info(
+        "request %s: prompt %r (%d tokens): %s, params: %s",
+        job.request_id,
+        text[:cut],
+        len(ids),
+        ids[:cut],
+        params,
+    )
 
 
 async def serve_request(

@@ -36,11 +36,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+SLEEP_RETRY_AFTER_S = 5
+"""``Retry-After`` of a request refused or ended because the engine sleeps, seconds."""
+
+
 def engine_error(exc: EngineDeadError) -> APIError:
     """The 503 a client sees when the engine died under its request, with the error's ``code``
-    ("engine_dead"; a subclass's own, such as "replica_died", with its own message)."""
+    ("engine_dead"; a subclass's own, such as "replica_died", with its own message); a
+    sleeping engine's ("engine_sleeping") comes with ``Retry-After``."""
     message = f"the engine stopped serving: {exc}" if exc.code == "engine_dead" else str(exc)
-    return APIError(message, status=503, type="server_error", code=exc.code)
+    headers = {"Retry-After": str(SLEEP_RETRY_AFTER_S)} if exc.code == "engine_sleeping" else None
+    return APIError(message, status=503, type="server_error", code=exc.code, headers=headers)
 
 
 async def start_requests(

@@ -41,8 +41,25 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else _FLOOR
 
 
+class TokenIdNames:
+    """Stands in for the tokenizer in the builders below under ``--return-tokens-as-token-ids``:
+    every token is named ``token_id:{id}`` (vLLM's form; for tokens that are not text on their
+    own), and its ``bytes`` are those of that name."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+
+def logprobs_tokenizer(tokenizer: Any, as_token_ids: bool) -> Any:
+    """What names the tokens of a response's logprobs: the tokenizer, or ``TokenIdNames``."""
+    return TokenIdNames(tokenizer) if as_token_ids else tokenizer
+
+
 def token_text(token_id: int, logprob: Logprob | None, tokenizer: Any) -> str:
-    """The text of one token: the engine's ``decoded_token``, else the tokenizer's decode."""
+    """The text of one token: the engine's ``decoded_token``, else the tokenizer's decode
+    (``token_id:{id}`` under :class:`TokenIdNames`)."""
+    if type(tokenizer) is TokenIdNames:
+        return f"token_id:{token_id}"
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
     return tokenizer.decode([token_id], skip_special_tokens=False)

@@ -42,6 +42,32 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _drop_nulls(model: type[BaseModel], data: Any, keep: tuple[str, ...] = ()) -> Any:
+    """``data`` without the ``null``s of optional fields that have a non-null default (those
+    mean the default), except the fields in ``keep``."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {
+        key: value
+        for key, value in data.items()
+        if not (
+            value is None
+            and key in fields
+            and key not in keep
+            and not fields[key].is_required()
+            and fields[key].default is not None
+        )
+    }
+
+
+def _check_salt(value: str | None) -> str | None:
+    # vLLM's rule: an empty salt would silently share the unsalted prefix cache.
+    if value is not None and not value:
+        raise ValueError("cache_salt must be a non-empty string if given")
+    return value
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds one last chunk with empty choices and the usage."""
 
@@ -115,20 +141,7 @@ class _SamplingRequest(BaseModel):
         """``null`` for an optional field with a default means the default (OpenAI marks ``n``,
         ``stream``, ``echo``, chat's ``logprobs`` ... "or null"; vLLM's models accept it). The
         completions ``max_tokens: null`` keeps its own meaning (no cap but max_model_len)."""
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {
-            key: value
-            for key, value in data.items()
-            if not (
-                value is None
-                and key in fields
-                and key != "max_tokens"
-                and not fields[key].is_required()
-                and fields[key].default is not None
-            )
-        }
+        return _drop_nulls(cls, data, keep=("max_tokens",))
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -160,10 +173,7 @@ class _SamplingRequest(BaseModel):
     @field_validator("cache_salt")
     @classmethod
     def _salt_not_empty(cls, value: str | None) -> str | None:
-        # vLLM's rule: an empty salt would silently share the unsalted prefix cache.
-        if value is not None and not value:
-            raise ValueError("cache_salt must be a non-empty string if given")
-        return value
+        return _check_salt(value)
 
     @field_validator("stream_options")
     @classmethod
@@ -218,7 +228,9 @@ class _SamplingRequest(BaseModel):
             return None
         return StructuredOutputsParams(**known)
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
+    def _sampling_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """SamplingParams keywords of the fields this base class holds; a field left out (None)
+        takes its value from ``defaults`` (``--generation-config``) when that has one."""
         kwargs: dict[str, Any] = {
             "n": self.n,
             "stop": self.stop if self.stop is not None else [],
@@ -243,6 +255,8 @@ class _SamplingRequest(BaseModel):
             "repetition_penalty",
         ):
             value = getattr(self, name)
+            if value is None and defaults:
+                value = defaults.get(name)
             if value is not None:
                 kwargs[name] = value
         return kwargs
@@ -303,11 +317,15 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         return value
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int | None, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
         """The SamplingParams of this request.
 
         Args:
           max_tokens: the resolved output cap (this request's, or what max_model_len leaves).
+          defaults: values for the sampling fields the request leaves out (the server's
+            ``--generation-config``).
 
         Raises:
           ValueError: a value is out of range; the message starts with the field's name.
@@ -319,7 +337,7 @@ class CompletionRequest(_SamplingRequest):
             max_tokens=max_tokens,
             logprobs=self.logprobs,
             prompt_logprobs=prompt_logprobs,
-            **self._sampling_kwargs(),
+            **self._sampling_kwargs(defaults),
         )
 
 
@@ -411,10 +429,14 @@ class ChatCompletionRequest(_SamplingRequest):
             else self.max_tokens
         )
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int | None, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
         """The SamplingParams of this request (see :meth:`CompletionRequest.to_sampling_params`)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs())
+        return SamplingParams(
+            max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs(defaults)
+        )
 
 
 class TokenizeRequest(BaseModel):
@@ -440,3 +462,86 @@ class DetokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses`` (OpenAI's Responses API; ``serving.responses`` reads it).
+
+    ``input`` is a string (one user message) or a list of items: messages (``role`` +
+    ``content``, a string or ``input_text`` / ``output_text`` parts), ``function_call`` items
+    (an earlier call of the model) and ``function_call_output`` items (their results). Items
+    are checked when the conversation is built, each error naming ``input``. ``tools`` are
+    Responses function tools (``{"type": "function", "name", "parameters", ...}``);
+    ``tool_choice`` is "none", "auto", "required" or ``{"type": "function", "name"}``;
+    ``text.format`` is ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``).
+    ``seed``, ``priority`` and ``cache_salt`` are vLLM's extensions; ``background`` is refused.
+    """
+
+    model_config = _STRICT
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    background: bool = False
+    metadata: dict[str, str] | None = None
+    text: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    user: str | None = None
+    seed: int | None = None
+    priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+    cache_salt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """``null`` for a field with a non-null default means that default (as the other
+        request models do)."""
+        return _drop_nulls(cls, data)
+
+    @field_validator("background")
+    @classmethod
+    def _no_background(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("background: background responses are not supported")
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        return _check_salt(value)
+
+    @property
+    def constraint_field(self) -> str:
+        """The request field that carries the output constraint (for error messages)."""
+        return "text"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint of ``text.format``, or None for plain text.
+
+        Raises:
+          ValueError: an unknown format type or a ``json_schema`` without a schema (the
+            message starts with ``text``).
+        """
+        fmt = (self.text or {}).get("format")
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            schema = fmt.get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("text.format.schema must be a JSON schema object")
+            return StructuredOutputsParams(json=schema)
+        raise ValueError(f"text.format.type must be text, json_object or json_schema, got {kind!r}")

@@ -8,8 +8,8 @@ turning the model's text into OpenAI ``tool_calls`` (whole, or as streamed delta
   server's ``--tool-call-parser`` finds them (``llama3_json``: ``{"name": ..., "parameters":
   ...}`` objects, optionally after ``<|python_tag|>``, ``;``-separated; ``hermes`` (Qwen2.5 /
   Qwen3): ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks after optional text;
-  ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": ...}, ...]``). Without a parser it is
-  a 400 (vLLM's rule).
+  ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": ...}, ...]``). Without a parser and
+  ``--enable-auto-tool-choice`` it is a 400 (vLLM's rule).
 * ``"required"``: the grammar forces a JSON array of one or more ``{"name", "parameters"}``
   objects (one, when ``parallel_tool_calls`` is false), each naming a tool and matching its
   parameter schema; no parser needed.
@@ -289,8 +289,9 @@ def plan_tools(
     if choice == "auto":
         if not parser_name:
             raise ValueError(
-                'tool_choice: "auto" needs the server to run with --tool-call-parser '
-                '(or send tool_choice "required", "none" or a named function)'
+                'tool_choice: "auto" needs the server to run with --enable-auto-tool-choice '
+                'and --tool-call-parser, as in vLLM (or send tool_choice "required", "none" or a '
+                "named function)"
             )
         return ToolPlan("auto", tools, parser=PARSERS[parser_name]())
     raise ValueError(

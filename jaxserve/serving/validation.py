@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxserve.engine.protocol import EngineClient
+from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.serving.errors import APIError, bad_request, from_value_error, model_not_found
 
 
@@ -48,6 +49,15 @@ class ServingInfo:
         model's serving configuration.
       bounded_numbers: ``--structured-outputs-bounded-numbers`` (JSON numbers a schema leaves
         unbounded are bounded unless the request says otherwise).
+      model_aliases: further names clients may send as ``model`` (``--served-model-name``).
+      default_sampling: sampling values for the fields a request leaves out, and
+        ``max_tokens`` as a cap (``--generation-config``; ``ServingConfig.default_sampling_params``).
+      max_logprobs: most logprobs alternatives a request may ask for (``--max-logprobs``).
+      enable_auto_tool_choice: chat's ``tool_choice: "auto"`` is served (with the parser).
+      return_tokens_as_token_ids: logprobs name tokens ``"token_id:{id}"``.
+      log_requests: log each request (``--enable-log-requests``), prompts cut to
+        ``max_log_len`` characters / ids (0 = whole).
+      enable_sleep_mode: the sleep routes may put the engine to sleep.
     """
 
     model_name: str
@@ -65,6 +75,14 @@ class ServingInfo:
     memory_probe: Callable[[], int | None] = lambda: None
     system_fingerprint: str = ""
     bounded_numbers: bool = True
+    model_aliases: tuple[str, ...] = ()
+    default_sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
+    max_logprobs: int = MAX_LOGPROBS
+    enable_auto_tool_choice: bool = False
+    return_tokens_as_token_ids: bool = False
+    log_requests: bool = False
+    max_log_len: int = 0
+    enable_sleep_mode: bool = False
 
     @classmethod
     def from_engine(cls, llm: EngineClient) -> ServingInfo:
@@ -88,11 +106,30 @@ class ServingInfo:
             scheduling_policy=cfg.scheduler.policy,
             tool_call_parser=cfg.model.tool_call_parser,
             bounded_numbers=cfg.model.structured_outputs_bounded_numbers,
+            model_aliases=cfg.model.served_model_aliases,
+            default_sampling=cfg.serving.default_sampling_params(cfg.model.model),
+            max_logprobs=cfg.serving.max_logprobs,
+            enable_auto_tool_choice=cfg.serving.enable_auto_tool_choice,
+            return_tokens_as_token_ids=cfg.serving.return_tokens_as_token_ids,
+            log_requests=cfg.serving.enable_log_requests,
+            max_log_len=cfg.serving.max_log_len,
+            enable_sleep_mode=cfg.model.enable_sleep_mode,
         )
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name clients may send as ``model``: the served name, then the aliases."""
+        return (self.model_name, *self.model_aliases)
+
+    @property
+    def auto_tool_parser(self) -> str:
+        """The parser chat's ``tool_choice: "auto"`` uses: ``tool_call_parser`` when
+        ``enable_auto_tool_choice`` is on, else "" (auto refused)."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else ""
+
     def check_model(self, name: Any) -> None:
-        """Raises the 404 ``model_not_found`` unless ``name`` is None or the served name."""
-        if name is not None and name != self.model_name:
+        """Raises the 404 ``model_not_found`` unless ``name`` is None or a served name."""
+        if name is not None and name not in self.model_names:
             raise model_not_found(str(name))
 
 
@@ -326,6 +363,8 @@ def resolve_max_tokens(
     ``max_tokens`` beyond what max_model_len leaves after the prompt is a 400 naming the field
     and the three numbers. (The offline ``LLM`` API still clamps, see
     ``jaxserve.engine.llm_engine``.) A missing ``max_tokens`` means "up to max_model_len".
+    A ``max_new_tokens`` in the generation config (``--generation-config``) caps both, as in
+    vLLM.
     ``max_tokens: 0`` is allowed (score the prompt only).
 
     Raises:
@@ -341,8 +380,9 @@ def resolve_max_tokens(
             f"is {info.max_model_len} tokens and the prompt has {prompt_len} tokens",
             param="prompt",
         )
+    cap = info.default_sampling.get("max_tokens")  # generation_config's max_new_tokens
     if requested is None:
-        return room
+        return room if cap is None else min(room, cap)
     if isinstance(requested, int) and not isinstance(requested, bool) and requested > room:
         raise bad_request(
             f"{field} is too large: {field} is {requested}, but this model's maximum context "
@@ -351,6 +391,8 @@ def resolve_max_tokens(
             f"{prompt_len})",
             param=field,
         )
+    if cap is not None and isinstance(requested, int) and not isinstance(requested, bool):
+        return min(requested, cap)  # vLLM caps requests at max_new_tokens too
     return requested
 
 

@@ -97,6 +97,37 @@ def compile_chat_template(template: str) -> jinja2.Template:
         ) from e
 
 
+JINJA_CHARS = "{}\n"
+"""A ``--chat-template`` value holding one of these is the template itself, else a file path
+(vLLM's rule)."""
+
+
+def load_chat_template(value: str) -> str:
+    """The template a ``--chat-template`` value names: the file's text, or ``value`` itself
+    when it holds ``{``, ``}`` or a newline; compiled once to check it.
+
+    Raises:
+      ValueError: a path that cannot be read, or a template with a Jinja syntax error (the
+        message starts with ``chat_template``).
+    """
+    if any(c in value for c in JINJA_CHARS):
+        template = value
+    else:
+        try:
+            with open(value, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise ValueError(
+                f"chat_template: {value!r} is neither a readable file ({e.strerror or e}) nor a "
+                "Jinja template (a template holds {{ }}, {% %} or a newline)"
+            ) from None
+    try:
+        compile_chat_template(template)
+    except ChatTemplateError as e:
+        raise ValueError(f"chat_template: {e}") from None
+    return template
+
+
 def select_chat_template(template: str | list | dict | None, tools: list | None = None) -> str:
     """Picks one template string, as transformers does for multi-template tokenizers.
 

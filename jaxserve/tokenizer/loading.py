@@ -6,7 +6,28 @@ from __future__ import annotations
 
 import os
 
+from jaxserve.tokenizer.chat_template import load_chat_template
 from jaxserve.tokenizer.tokenizer import Tokenizer, read_json_object
+
+
+def load_served_tokenizer(model: str, tokenizer: str = "", chat_template: str = "") -> Tokenizer:
+    """The tokenizer an engine serves with: ``tokenizer``'s (``--tokenizer``; "" = the
+    model's), with ``chat_template``'s template (``--chat-template``, see
+    ``load_chat_template``) in place of its own when given.
+
+    Raises:
+      ValueError: no tokenizer at the path, or a chat template that cannot be read or compiled
+        (naming ``tokenizer`` / ``chat_template``).
+    """
+    try:
+        served = get_tokenizer(tokenizer or model)
+    except ValueError as e:
+        if not tokenizer:
+            raise
+        raise ValueError(f"tokenizer: {e}") from None
+    if chat_template:
+        served.chat_template = load_chat_template(chat_template)
+    return served
 
 
 def get_tokenizer(model_path: str, backend: str = "auto") -> Tokenizer:

@@ -24,9 +24,11 @@ Layout (docs/ARCHITECTURE.md): one ``(k_cache, v_cache)`` pair per layer, each
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -201,9 +203,15 @@ def allocate_kv_caches(
     device = device or jax.local_devices()[0]
     if not isinstance(device, jax.sharding.Sharding):
         device = jax.sharding.SingleDeviceSharding(device)
-    shape, dtype = spec.layer_shape, jnp.dtype(spec.dtype)
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=device)
+    make = _zeros_maker(spec.layer_shape, jnp.dtype(spec.dtype), device)
     return [(make(), make()) for _ in range(spec.num_layers)]
+
+
+@functools.cache
+def _zeros_maker(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding) -> Any:
+    """One jitted zero-fill per pool shape and placement, so a pool re-made (sleep mode's
+    wake-up) runs the executable compiled for the first one instead of compiling again."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def kv_cache_shapes(spec: KVCacheSpec, sharding: jax.sharding.Sharding | None = None) -> KVCaches:

@@ -56,7 +56,7 @@ from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
 from jaxserve.model.attention_backends import resolve_attention_backend
 from jaxserve.model.sharding import kv_cache_sharding, make_mesh, place_model
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.worker import compilation
+from jaxserve.worker import compilation, sleep_mode
 from jaxserve.worker.batch_builder import (
     BatchBuilder,
     InputBatch,
@@ -214,6 +214,7 @@ class ModelRunner:
         self.kv_spec: KVCacheSpec | None = None
         self.kv_caches: list | None = None
         self.host_kv: HostKVCache | None = None  # KV offloading's host tier (None: off)
+        self.sleep_state: sleep_mode.SleepState | None = None  # set while asleep
         self.timing = StepTiming()
         self.compile_seconds = 0.0
         self.warm_buckets: set[int] = set()  # token buckets compiled by warmup()
@@ -359,6 +360,30 @@ class ModelRunner:
         self._md_cache = None
         self._prev_index = {}
         self._last_batch = None
+
+    def sleep(self, level: int) -> None:
+        """Frees the device memory of the weights (level 1: kept in host memory; level 2:
+        dropped) and of the KV pool (:func:`jaxserve.worker.sleep_mode.sleep`). The runner
+        must hold no request.
+
+        Raises:
+          ValueError: level not 1 or 2, or already asleep.
+        """
+        sleep_mode.sleep(self, level)
+
+    def wake_up(self, tags: list[str] | None = None, load: sleep_mode.Loader | None = None) -> bool:
+        """Puts back the weights and / or the KV pool (``tags``: "weights", "kv_cache"; None:
+        both) without recompiling; True once both are (:func:`jaxserve.worker.sleep_mode.wake_up`).
+
+        Raises:
+          ValueError: an unknown tag, or level-2 weights that cannot be reloaded as compiled.
+        """
+        return sleep_mode.wake_up(self, tags, load)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True from ``sleep`` until every tag woke up."""
+        return self.sleep_state is not None
 
     def compile_counts(self) -> dict[str, int]:
         """Executables this runner has traced per step function (a test checks serving adds

@@ -24,8 +24,8 @@ from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import EngineStats
 from jaxserve.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import get_tokenizer
 from jaxserve.tokenizer.detokenizer import IncrementalDetokenizer
+from jaxserve.tokenizer.loading import load_served_tokenizer
 
 SCRIPT_TEXT = " The quick brown fox jumps over the lazy dog. Café naïve 🙂 déjà vu, said the cat."
 
@@ -70,6 +70,7 @@ class FakeEngine:
       hang_at_add: ``add_request()`` blocks on this call number (1-based) until
         ``release_hang`` is set (host-side work that never returns, as #38 F1's bad-words
         masks did), or never.
+      engine_args: further ``EngineArgs`` fields (``enable_sleep_mode``, serving flags).
 
     Attributes:
       num_steps: steps run so far (tests check the idle engine does not spin).
@@ -91,9 +92,8 @@ class FakeEngine:
         max_waiting_requests: int = 0,
         max_num_batched_tokens: int = 8192,
         enable_chunked_prefill: bool = True,
+        **engine_args: Any,
     ) -> None:
-        self.tokenizer = get_tokenizer(model_dir)
-        self.vocab_size = self.tokenizer.vocab_size
         config = EngineArgs(
             model=model_dir,
             served_model_name=served_model_name,
@@ -103,10 +103,15 @@ class FakeEngine:
             max_waiting_requests=max_waiting_requests,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+            **engine_args,
         ).create_engine_config(max_model_len)
         self.engine_config = dataclasses.replace(
             config, cache=dataclasses.replace(config.cache, num_gpu_blocks=num_blocks)
         )
+        self.tokenizer = load_served_tokenizer(  # --tokenizer, --chat-template as the engine
+            model_dir, config.model.tokenizer, config.serving.chat_template
+        )
+        self.vocab_size = self.tokenizer.vocab_size
         self.script = self.tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -118,6 +123,8 @@ class FakeEngine:
         self.num_adds = 0
         self.release_hang = threading.Event()
         self.num_steps = 0
+        self.asleep: set[str] = set()  # sleep mode: what is "off the device"
+        self.sleep_levels: list[int] = []  # every level it was put to sleep at
         self._reqs: dict[str, _Req] = {}
         self._ledgers: dict[str, dict[str, Any]] = {}  # finished requests (any thread reads)
         self._ledger_lock = threading.Lock()
@@ -184,6 +191,7 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         self._check_thread()
+        assert not self.asleep, "a step while asleep"
         self.num_steps += 1
         if self.fail_at_step is not None and self.num_steps >= self.fail_at_step:
             raise RuntimeError(f"injected failure at step {self.num_steps}")
@@ -222,6 +230,29 @@ class FakeEngine:
             while (part := self._ledgers.get(f"{request_id}-{len(parts)}")) is not None:
                 parts.append(dict(part))
         return {"request_id": request_id, "requests": parts} if parts else None
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    def sleep(self, level: int = 1) -> None:
+        self._check_thread()
+        if not self.engine_config.model.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with --enable-sleep-mode")
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if self._reqs:
+            raise ValueError(f"sleep: {len(self._reqs)} requests are unfinished")
+        self.asleep = {"weights", "kv_cache"}
+        self.sleep_levels.append(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        self._check_thread()
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        if wanted - {"weights", "kv_cache"}:
+            raise ValueError(f"tags: unknown {sorted(wanted - {'weights', 'kv_cache'})}")
+        self.asleep -= wanted
+        return not self.asleep
 
     def close(self) -> None:
         pass

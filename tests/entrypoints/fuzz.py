@@ -29,8 +29,14 @@ STRICT_CHECKS = [
     checks.unsupported_method,
 ]
 COMPILED_FIELDS = ("structured_outputs", "response_format", "tools")
+"""Body fields whose acceptance depends on a compiler (``/v1/responses``: also ``text``, whose
+``format`` may carry a JSON schema)."""
 
-GENERATION_FIELDS = ("max_tokens", "max_completion_tokens")
+GENERATION_FIELDS = {
+    "/v1/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/responses": ("max_output_tokens",),
+}
 
 
 def _is_int(value) -> bool:
@@ -46,15 +52,16 @@ def _bound_cost(case):
     ``min_tokens`` above the lowered cap is lowered with it (min_tokens <= max_tokens is a rule
     the document cannot express: ``openapi.UNEXPRESSED``)."""
     body = case.body
-    if isinstance(body, dict) and case.path in ("/v1/completions", "/v1/chat/completions"):
+    fields = GENERATION_FIELDS.get(case.path)
+    if isinstance(body, dict) and fields:
         before = dict(body)
-        if not any(f in body for f in GENERATION_FIELDS):
-            body["max_tokens"] = 4
-        for field in (*GENERATION_FIELDS, "n"):
+        if not any(f in body for f in fields):
+            body[fields[0]] = 4
+        for field in (*fields, "n"):
             value = body.get(field)
             if _is_int(value) and value > 4:
                 body[field] = 4
-        caps = [body[f] for f in GENERATION_FIELDS if _is_int(body.get(f))]
+        caps = [body[f] for f in fields if _is_int(body.get(f))]
         if caps and _is_int(body.get("min_tokens")) and body["min_tokens"] > min(caps):
             body["min_tokens"] = min(caps)
         positive = case.meta is not None and case.meta.generation.mode.is_positive
@@ -71,7 +78,11 @@ _REWRITTEN: set[int] = set()
 
 
 def fuzz_server(
-    url: str, max_examples: int, timeout_s: float = 30.0, strict: bool = True
+    url: str,
+    max_examples: int,
+    timeout_s: float = 30.0,
+    strict: bool = True,
+    paths: list[str] | None = None,
 ) -> dict[int, int]:
     """Fuzzes the server at ``url`` with ``max_examples`` cases, half valid by the schema and
     half mutated (two runs: drawing from ``one_of`` the two costs several times more per case);
@@ -79,9 +90,12 @@ def fuzz_server(
 
     ``strict``: also run schemathesis' strict checks (the fake-engine server, whose
     ``max_model_len`` leaves room for any prompt the document allows); False: only no 5xx
-    and OpenAI's error object (a real engine's small context refuses long prompts)."""
+    and OpenAI's error object (a real engine's small context refuses long prompts).
+    ``paths``: only these routes (default: all)."""
     doc = httpx.get(url + "/openapi.json", timeout=timeout_s).json()
     schema = schemathesis.openapi.from_dict(doc)
+    if paths is not None:
+        schema = schema.include(path=paths)
     seen: dict[int, int] = {}
 
     def send(case) -> None:
@@ -92,7 +106,8 @@ def fuzz_server(
             body = response.json()
             ok = set(body) == {"error"} and bool(body["error"]["message"])
         assert ok, f"{response.status_code} {response.text[:300]}\n{case.as_curl_command()}"
-        compiled = isinstance(case.body, dict) and any(case.body.get(f) for f in COMPILED_FIELDS)
+        fields = (*COMPILED_FIELDS, "text") if case.path == "/v1/responses" else COMPILED_FIELDS
+        compiled = isinstance(case.body, dict) and any(case.body.get(f) for f in fields)
         excluded = [checks.positive_data_acceptance] if compiled else []
         if id(case) in _REWRITTEN:
             excluded.append(checks.negative_data_rejection)

@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -15,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.entrypoints.http.api_server import INTERNAL_ERRORS, build_app, run_server
 
 MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "tiny-llama")
+FAKE_SERVE = os.path.join(os.path.dirname(__file__), "fake_serve.py")
 
 
 def small_engine_args(**overrides: Any) -> Any:
@@ -54,10 +58,11 @@ def running_server(args: Any):
 
 
 class LiveServer:
-    """Runs ``run_server(llm)`` on 127.0.0.1:<free port> until ``close()``.
+    """Runs ``run_server(llm)`` on 127.0.0.1:<free port> until ``close()`` (HTTPS with an
+    ``ssl_context``).
 
     Attributes:
-      url: ``http://127.0.0.1:<port>``.
+      url: ``http://127.0.0.1:<port>`` (``https://`` with TLS).
       app: the aiohttp application (``app[INTERNAL_ERRORS]`` lists unexpected exceptions).
       exit_code: run_server's return value once it stopped, else None.
     """
@@ -70,6 +75,7 @@ class LiveServer:
         dead_grace_s: float = 0.3,
         start_timeout_s: float = 30.0,
         app: Any = None,
+        ssl_context: Any = None,
     ) -> None:
         self.llm = llm
         self.app = app if app is not None else build_app(llm, api_key=api_key)
@@ -79,11 +85,13 @@ class LiveServer:
         self._stop: asyncio.Event | None = None
         self._port = 0
         self._dead_grace_s = dead_grace_s
+        self._ssl_context = ssl_context
         self._thread = threading.Thread(target=self._run, name="test-server", daemon=True)
         self._thread.start()
         if not self._ready.wait(start_timeout_s):
             raise RuntimeError("server did not start")
-        self.url = f"http://127.0.0.1:{self._port}"
+        scheme = "https" if ssl_context is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self._port}"
 
     def _run(self) -> None:
         async def main() -> int:
@@ -102,6 +110,7 @@ class LiveServer:
                 stop=self._stop,
                 dead_grace_s=self._dead_grace_s,
                 app=self.app,
+                ssl_context=self._ssl_context,
             )
 
         self.exit_code = asyncio.run(main())
@@ -174,3 +183,43 @@ def assert_error(r, status, param=None, code=None):
     if code is not None:
         assert body["error"]["code"] == code, body
     return body["error"]
+
+
+class FakeServeProcess:
+    """``fake_serve.py`` (``jaxserve serve``'s flags and signal handling over the FakeEngine) in
+    a subprocess; ``url`` once it is listening (``https://`` with the TLS flags)."""
+
+    def __init__(self, *flags: str) -> None:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        self.p = subprocess.Popen(
+            [sys.executable, FAKE_SERVE, "--port", "0", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.p.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            match = re.search(r"on (https?://\S+)", line)
+            if match:
+                self.url = match.group(1)
+                threading.Thread(target=self._drain_output, daemon=True).start()
+                return
+        self.p.kill()
+        raise RuntimeError("fake_serve did not start:\n" + "".join(self.lines))
+
+    def _drain_output(self) -> None:
+        for line in self.p.stdout:
+            self.lines.append(line)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            raise AssertionError("did not exit:\n" + "".join(self.lines)) from None

@@ -40,7 +40,12 @@ CHAT = "/v1/chat/completions"
 def server():
     if not os.path.isdir(os.path.join(MODEL_DIR, "params")):
         pytest.skip("the bundled weights are missing")
-    args = small_engine_args(num_gpu_blocks_override=96, max_num_seqs=16, tool_call_parser="hermes")
+    args = small_engine_args(
+        num_gpu_blocks_override=96,
+        max_num_seqs=16,
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+    )
     with running_server(args) as srv:
         yield srv
 
@@ -555,3 +560,56 @@ def test_readme_client_examples_run_as_printed(server):
         printed = out.getvalue()
         assert "city=" in printed and "celsius=" in printed, printed
         assert "name='get_weather'" in printed, printed
+
+
+# ---- the Responses API on the bundled model (serving/responses.py) ---------------------------
+
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_responses_named_tool_call_and_its_result_fed_back(oai):
+    """A forced call through ``responses.create`` (stream helper and not), then its output fed
+    back with ``previous_response_id``: the model answers in text."""
+    kwargs = dict(
+        model="tiny-llama",
+        input="What is the weather in Oslo?",
+        tools=RESPONSE_TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=48,
+        temperature=0.8,
+        extra_body={"seed": 2},  # vLLM's extension
+    )
+    done = oai.responses.create(**kwargs)
+    assert done.status == "completed"
+    (call,) = done.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMS)
+    with oai.responses.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_response()
+    assert [(c.name, c.arguments) for c in streamed.output] == [(call.name, call.arguments)]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    answer = oai.responses.create(
+        model="tiny-llama",
+        input=[result],
+        previous_response_id=done.id,
+        tools=RESPONSE_TOOLS,
+        tool_choice="none",
+        max_output_tokens=6,
+    )
+    assert answer.output[0].type == "message" and answer.output_text
+    assert answer.usage.input_tokens > done.usage.input_tokens
+
+
+def test_responses_json_schema_text_format(oai):
+    done = oai.responses.create(
+        model="tiny-llama",
+        input="Weather as JSON.",
+        text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER_PARAMS}},
+        max_output_tokens=48,
+        temperature=0.8,
+        extra_body={"seed": 3},
+    )
+    assert done.status == "completed"
+    jsonschema.validate(json.loads(done.output_text), WEATHER_PARAMS)

@@ -9,24 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx2 as httpx
 import pytest
 from fake_engine import FakeEngine
-from server_harness import MODEL_DIR, LiveServer, assert_error, sse
+from server_harness import MODEL_DIR, FakeServeProcess, LiveServer, assert_error, sse
 
 from jaxserve.engine.async_llm import AsyncLLM
 
 CHAT = "/v1/chat/completions"
 COMPL = "/v1/completions"
-FAKE_SERVE = os.path.join(os.path.dirname(__file__), "fake_serve.py")
 
 
 def test_hung_step_marks_engine_dead_and_server_exits_nonzero():
@@ -155,53 +151,14 @@ def test_health_reports_a_stall_before_the_watchdog_and_shutdown():
     assert not health.healthy and health.code == "shutting_down"
 
 
-class _Proc:
-    """``fake_serve.py`` in a subprocess; ``url`` once it is listening."""
-
-    def __init__(self, *flags: str) -> None:
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        self.p = subprocess.Popen(
-            [sys.executable, FAKE_SERVE, "--port", "0", *flags],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = self.p.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            match = re.search(r"on (http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                threading.Thread(target=self._drain_output, daemon=True).start()
-                return
-        self.p.kill()
-        raise RuntimeError("fake_serve did not start:\n" + "".join(self.lines))
-
-    def _drain_output(self) -> None:
-        for line in self.p.stdout:
-            self.lines.append(line)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            raise AssertionError("did not exit:\n" + "".join(self.lines)) from None
-
-
 @pytest.fixture
 def spawn():
     """Starts ``fake_serve.py`` subprocesses (``spawn(*flags)``); kills any still running at the
     end, so a failing test leaves no server behind."""
-    procs: list[_Proc] = []
+    procs: list[FakeServeProcess] = []
 
-    def start(*flags: str) -> _Proc:
-        procs.append(_Proc(*flags))
+    def start(*flags: str) -> FakeServeProcess:
+        procs.append(FakeServeProcess(*flags))
         return procs[-1]
 
     yield start

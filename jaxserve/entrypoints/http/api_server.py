@@ -4,7 +4,9 @@ Endpoints (OpenAI API reference; vLLM's extras):
 
     POST /v1/completions        legacy completions (prompt: str | [str] | [int] | [[int]])
     POST /v1/chat/completions   chat completions (the tokenizer's chat template)
-    GET  /v1/models             the served model
+    POST /v1/responses          OpenAI's Responses API (serving/responses.py)
+    GET  /v1/responses/{id}     a stored response; DELETE forgets it
+    GET  /v1/models             the served model (once per --served-model-name)
     GET  /v1/requests/{id}/ledger  a finished request's ledger
     GET  /health                200 while the engine serves, else 503
     GET  /metrics               Prometheus text exposition (jaxserve/metrics.py)
@@ -12,6 +14,8 @@ Endpoints (OpenAI API reference; vLLM's extras):
     POST /detokenize            {"tokens"} -> {"prompt"}
     GET  /version               {"version"}
     GET  /openapi.json          the OpenAPI 3.1 document, request schemas from ``protocol``
+    POST /sleep?level=&mode=    sleep mode (--enable-sleep-mode; vLLM's): free device memory
+    POST /wake_up?tags=         take it back; GET /is_sleeping: {"is_sleeping"}
 
 Each route reads the body and hands it to the transport-free layer
 (:class:`jaxserve.serving.endpoints.OpenAIServing`: validation, prompts, engine calls, response
@@ -22,11 +26,18 @@ aborted in ``finally``) before the engine's next step, which frees its KV blocks
 
 Every failure a client can cause is an OpenAI-style 4xx (``APIError``); a middleware turns
 anything else into a logged 500 and counts it in ``app[INTERNAL_ERRORS]`` (tests assert it
-stays 0). With ``--api-key`` the ``/v1/*``, ``/tokenize`` and ``/detokenize`` routes need
-``Authorization: Bearer <key>`` (401 otherwise); ``/health``, ``/metrics`` and ``/version`` stay
-open, as in vLLM. With several keys (``--api-key`` repeated or a comma list) a request's ledger
-is readable only with the key that created it; ``--no-ledger-route`` removes the ledger route. With ``--max-waiting-requests`` a request that finds that many requests
-waiting gets a 503 with ``Retry-After``.
+stays 0). With ``--api-key`` the ``/v1/*``, ``/tokenize``, ``/detokenize``, ``/sleep`` and
+``/wake_up`` routes need ``Authorization: Bearer <key>`` (401 otherwise); ``/health``,
+``/metrics``, ``/version`` and ``/is_sleeping`` stay open, as in vLLM. With several keys
+(``--api-key`` repeated or a comma list) a request's ledger is readable only with the key that
+created it; ``--no-ledger-route`` removes the ledger route. With ``--max-waiting-requests`` a
+request that finds that many requests waiting gets a 503 with ``Retry-After``; so does one
+that finds the engine asleep.
+
+Transport options: TLS (``--ssl-keyfile`` / ``--ssl-certfile``: ``run_server``'s
+``ssl_context``), CORS (``cors.py``) and ``--root-path`` (every route is served both at its
+path and under the prefix, for a proxy that may or may not strip it; ``/openapi.json`` names
+the prefix in ``servers``).
 
 If the engine dies, in-flight requests get an error (503 ``engine_dead``, or an error event on
 a stream), ``/health`` answers 503, and ``run_server`` returns 1 after a short grace period, so
@@ -43,6 +54,7 @@ import hmac
 import logging
 import os
 import signal
+import ssl
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -53,8 +65,9 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from jaxserve.engine.protocol import EngineClient
-from jaxserve.entrypoints.http.openapi import openapi_document
-from jaxserve.entrypoints.http.sse import DONE_EVENT, SSEEncoder
+from jaxserve.entrypoints.http.cors import CORSPolicy, cors_middleware, install_cors
+from jaxserve.entrypoints.http.openapi import LEDGER_PATH, openapi_document
+from jaxserve.entrypoints.http.sse import DONE_EVENT, SSEEncoder, named_event
 from jaxserve.serving.endpoints import (
     LARGE_BODY_BYTES,
     OpenAIServing,
@@ -109,10 +122,11 @@ API_KEY = web.AppKey("api_key", object)
 KEY_ID = web.RequestKey("api_key_id", str)
 """Which of several API keys authenticated a request (its index, as a string)."""
 INTERNAL_ERRORS = web.AppKey("internal_errors", list)
+ROOT_PATH = web.AppKey("root_path", str)
 
 MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/sleep", "/wake_up")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -224,18 +238,21 @@ async def _write_sse(request: web.Request, reply: StreamReply) -> web.StreamResp
     response = web.StreamResponse(
         headers={**headers, **reply.headers} if reply.headers else headers
     )
-    encoder = SSEEncoder()
+    encode = named_event if reply.named_events else SSEEncoder().event
     streams = reply.streams
     cut = False
+    sent = 0  # events made: the next one's sequence_number on a named-event stream
     try:
         await response.prepare(request)
         held: list[bytes] = []
         async for chunk in reply.chunks:
-            held.append(encoder.event(chunk))
+            held.append(encode(chunk))
+            sent += 1
             if not all(stream.finished for stream in streams):
                 await response.write(held[0] if len(held) == 1 else b"".join(held))
                 held.clear()
-        held.append(DONE_EVENT)
+        if not reply.named_events:
+            held.append(DONE_EVENT)
         await response.write_eof(b"".join(held))
     except ConnectionResetError:  # the client went away; its requests are aborted below
         pass
@@ -249,8 +266,20 @@ async def _write_sse(request: web.Request, reply: StreamReply) -> web.StreamResp
         error = shutdown_cut_error(request.app[DRAIN].window_s)
         if not response.prepared:
             raise error
+        if reply.named_events:  # the Responses API's error event; its streams have no [DONE]
+            event = named_event(
+                {
+                    "type": "error",
+                    "sequence_number": sent,
+                    "code": error.code,
+                    "message": error.message,
+                    "param": None,
+                }
+            )
+        else:
+            event = encode(error.body()) + DONE_EVENT
         try:
-            await response.write_eof(encoder.event(error.body()) + DONE_EVENT)
+            await response.write_eof(event)
         except ConnectionResetError:
             pass
     return response
@@ -318,7 +347,31 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _openapi(request: web.Request) -> web.Response:
     """``GET /openapi.json``: the API's OpenAPI document (``openapi.openapi_document``)."""
-    return json_response(openapi_document(request.app[SERVING].info))
+    app = request.app
+    ledger_route = ("GET", LEDGER_PATH) in served_routes(app)
+    return json_response(openapi_document(app[SERVING].info, app[ROOT_PATH], ledger_route))
+
+
+async def _stored_response(request: web.Request) -> web.Response:
+    return json_response(request.app[SERVING].stored_response(request.match_info["response_id"]))
+
+
+async def _delete_response(request: web.Request) -> web.Response:
+    return json_response(request.app[SERVING].delete_response(request.match_info["response_id"]))
+
+
+async def _sleep(request: web.Request) -> web.Response:
+    query = request.query
+    return json_response(await request.app[SERVING].sleep(query.get("level"), query.get("mode")))
+
+
+async def _wake_up(request: web.Request) -> web.Response:
+    tags = request.query.getall("tags", [])
+    return json_response(await request.app[SERVING].wake_up(tags))
+
+
+async def _is_sleeping(request: web.Request) -> web.Response:
+    return json_response(request.app[SERVING].is_sleeping())
 
 
 async def _version(request: web.Request) -> web.Response:
@@ -403,13 +456,14 @@ def api_keys(values: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(key for key in keys if key))
 
 
-def _auth_middleware(keys: tuple[str, ...]) -> Any:
+def _auth_middleware(keys: tuple[str, ...], root_path: str = "") -> Any:
     expected = [key.encode() for key in keys]
     tell_apart = len(keys) > 1  # one key: every caller is the same one
+    protected = _PROTECTED_PREFIXES + tuple(root_path + p for p in _PROTECTED_PREFIXES if root_path)
 
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path.startswith(_PROTECTED_PREFIXES):
+        if request.path.startswith(protected):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             # The scheme is case-insensitive (RFC 7235); the key is compared in constant time, as
             # bytes, with every key (which one matched takes no longer to find): aiohttp keeps
@@ -440,6 +494,8 @@ def build_app(
     body_timeout_s: float = Timeouts.body_s,
     serving: OpenAIServing | None = None,
     ledger_route: bool = True,
+    cors: CORSPolicy | None = None,
+    root_path: str = "",
 ) -> web.Application:
     """The aiohttp application serving ``llm``.
 
@@ -454,31 +510,67 @@ def build_app(
       header_timeout_s, body_timeout_s: see :class:`Timeouts`.
       serving: what answers the routes (default ``OpenAIServing(llm, info)``; the Ray ingress
         passes one that picks a replica per request).
+      cors: which browser origins may call (``cors.CORSPolicy``); None: no CORS headers.
+      root_path: a path prefix (``--root-path``, e.g. "/llm") every route is also served under.
+
+    Raises:
+      ValueError: a root_path that does not start with "/" (or ends with one).
     """
+    if root_path and (not root_path.startswith("/") or root_path.endswith("/")):
+        raise ValueError(f"root_path must start with '/' and not end with it, got {root_path!r}")
     middlewares = [_errors_middleware]
+    if cors is not None and cors.enabled:
+        middlewares.append(cors_middleware(cors))  # before auth: preflights carry no key
     keys = api_keys(api_key)
     if keys:
-        middlewares.append(_auth_middleware(keys))
+        middlewares.append(_auth_middleware(keys, root_path))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    if cors is not None and cors.enabled:
+        install_cors(app, cors)
     app[SERVING] = serving or OpenAIServing(llm, info)
     app[API_KEY] = keys or None
     app[INTERNAL_ERRORS] = []
     app[TIMEOUTS_KEY] = Timeouts(header_timeout_s, body_timeout_s)
     app[DRAINING] = asyncio.Event()
     app[DRAIN] = Drain()
-    app.router.add_post("/v1/completions", _generation_handler("/v1/completions"))
-    app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/v1/models/{model}", _model)
+    app[ROOT_PATH] = root_path
+    router = app.router
+    router.add_post("/v1/completions", _generation_handler("/v1/completions"))
+    router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
+    router.add_post("/v1/responses", _generation_handler("/v1/responses"))
+    router.add_get("/v1/responses/{response_id}", _stored_response)
+    router.add_delete("/v1/responses/{response_id}", _delete_response)
+    router.add_get("/v1/models", _models)
+    router.add_get("/v1/models/{model}", _model)
     if ledger_route:
-        app.router.add_get("/v1/requests/{request_id}/ledger", _ledger)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/version", _version)
-    app.router.add_get("/openapi.json", _openapi)
-    app.router.add_post("/tokenize", _tokenize)
-    app.router.add_post("/detokenize", _detokenize)
+        router.add_get(LEDGER_PATH, _ledger)
+    router.add_get("/health", _health)
+    router.add_get("/metrics", _metrics)
+    router.add_get("/version", _version)
+    router.add_get("/openapi.json", _openapi)
+    router.add_post("/tokenize", _tokenize)
+    router.add_post("/detokenize", _detokenize)
+    router.add_post("/sleep", _sleep)
+    router.add_post("/wake_up", _wake_up)
+    router.add_get("/is_sleeping", _is_sleeping)
+    if root_path:
+        for route in list(router.routes()):
+            if route.method != "HEAD":  # add_get added these; the copies get their own
+                path = route.resource.canonical
+                router.add_route(route.method, root_path + path, route.handler)
     return app
+
+
+def served_routes(app: web.Application) -> set[tuple[str, str]]:
+    """``(method, path template)`` of every route ``app`` serves (HEAD and the ``--root-path``
+    copies left out): what ``/openapi.json`` must describe."""
+    prefix = app[ROOT_PATH]
+    return {
+        (route.method, route.resource.canonical)
+        for route in app.router.routes()
+        if route.method != "HEAD"
+        and not (prefix and route.resource.canonical.startswith(prefix + "/"))
+    }
 
 
 async def run_server(
@@ -492,6 +584,7 @@ async def run_server(
     dead_grace_s: float = 1.0,
     app: web.Application | None = None,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> int:
     """Serves ``llm`` over HTTP until ``stop`` is set or the engine dies.
 
@@ -510,6 +603,7 @@ async def run_server(
         requests) this long before closing.
       app: a prebuilt ``build_app(llm, ...)`` (then ``api_key`` is ignored); default: built here.
       shutdown_timeout_s: how long a drain waits for in-flight requests, seconds.
+      ssl_context: serve HTTPS with it (``make_ssl_context``); None: plain HTTP.
 
     Returns:
       The process exit code: 0 after ``stop``, 1 if the engine died.
@@ -533,7 +627,7 @@ async def run_server(
 
     llm.add_dead_callback(on_dead)
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
         bound = runner.addresses[0][1] if runner.addresses else port
         if ready is not None:
@@ -581,6 +675,46 @@ async def drain(runner: web.AppRunner, state: Drain, window_s: float) -> None:
     await asyncio.wait(tasks, timeout=CUT_ANSWER_S)
 
 
+def app_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``build_app``'s keyword arguments from the ``serve`` flags (the Ray ingress too)."""
+    return {
+        "api_key": args.api_key,
+        "header_timeout_s": args.request_header_timeout_s,
+        "body_timeout_s": args.request_body_timeout_s,
+        "cors": CORSPolicy(
+            tuple(args.allowed_origins),
+            tuple(args.allowed_methods),
+            tuple(args.allowed_headers),
+            args.allow_credentials,
+        ),
+        "root_path": args.root_path,
+        "ledger_route": getattr(args, "ledger_route", True),
+    }
+
+
+def make_ssl_context(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | None:
+    """The server's TLS context from ``--ssl-certfile`` / ``--ssl-keyfile`` (PEM), or None
+    when neither is given.
+
+    Raises:
+      ValueError: only one is given, or they cannot be read or do not match (naming the flag).
+    """
+    if not certfile and not keyfile:
+        return None
+    if not certfile or not keyfile:
+        missing = "ssl_certfile" if not certfile else "ssl_keyfile"
+        raise ValueError(f"{missing}: TLS needs both --ssl-certfile and --ssl-keyfile")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(
+            f"ssl_certfile: cannot load the certificate {certfile!r} with the key {keyfile!r} "
+            f"({getattr(exc, 'strerror', None) or exc})"
+        ) from None
+    return context
+
+
 def serve_until_signal(
     llm: EngineClient,
     args: argparse.Namespace,
@@ -615,14 +749,10 @@ def serve_until_signal(
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
-        served = app or build_app(
-            llm,
-            api_key=args.api_key,
-            header_timeout_s=args.request_header_timeout_s,
-            body_timeout_s=args.request_body_timeout_s,
-            ledger_route=getattr(args, "ledger_route", True),
-        )
+        served = app or build_app(llm, **app_options(args))
         name = what or llm.model_name
+        tls = make_ssl_context(args.ssl_certfile, args.ssl_keyfile)
+        scheme = "https" if tls is not None else "http"
         return await run_server(
             llm,
             host=args.host,
@@ -630,7 +760,10 @@ def serve_until_signal(
             app=served,
             stop=stop,
             shutdown_timeout_s=args.shutdown_timeout_s,
-            ready=lambda h, p: print(f"serving {name} on http://{h}:{p}", flush=True),
+            ssl_context=tls,
+            ready=lambda h, p: print(
+                f"serving {name} on {scheme}://{h}:{p}{args.root_path}", flush=True
+            ),
         )
 
     code = run_loop(main())

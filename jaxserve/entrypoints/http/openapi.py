@@ -12,6 +12,7 @@ finds the server accepting what the document allows and refusing the rest.
 What it cannot say is in :data:`UNEXPRESSED` (and the document's description). Bodies are JSON
 in UTF-8 (``Content-Type: application/json``, or none); other media types are a 415.
 Responses are described by status only, plus OpenAI's error object for 4xx/5xx.
+Every route ``build_app`` adds is here (a test compares the two).
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from jaxserve.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
+from jaxserve.serving.responses import MESSAGE_ROLES, TEXT_PARTS
+from jaxserve.serving.tool_calls import MAX_TOOLS
 from jaxserve.serving.validation import ServingInfo
 
 _BODIES: dict[str, type[BaseModel]] = {
@@ -46,6 +50,70 @@ _GETS = {
     "/health": "200 while the engine serves, 503 when it is dead or the server is draining",
     "/version": "the jaxserve version",
     "/metrics": "Prometheus text exposition",
+    "/openapi.json": "this document",
+    "/is_sleeping": '{"is_sleeping": bool} (sleep mode)',
+}
+
+
+def _path_param(name: str, example: str | None = None) -> dict[str, Any]:
+    param: dict[str, Any] = {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string"},
+    }
+    if example is not None:
+        param["example"] = example
+    return param
+
+
+def _query(name: str, schema: dict[str, Any], what: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": what}
+
+
+LEDGER_PATH = "/v1/requests/{request_id}/ledger"
+
+# Routes with path or query parameters: (method, path) -> (operationId, parameters, what)
+_PARAMETERIZED: dict[tuple[str, str], tuple[str, list[dict[str, Any]], str]] = {
+    ("get", LEDGER_PATH): (
+        "v1_request_ledger",
+        [_path_param("request_id")],
+        "a finished request's ledger (404 once past --ledger-history)",
+    ),
+    ("get", "/v1/responses/{response_id}"): (
+        "v1_responses_get",
+        [_path_param("response_id")],
+        "a stored response (404 when not stored)",
+    ),
+    ("delete", "/v1/responses/{response_id}"): (
+        "v1_responses_delete",
+        [_path_param("response_id")],
+        "forgets a stored response",
+    ),
+    ("post", "/sleep"): (
+        "sleep",
+        [
+            _query(
+                "level", {"type": "integer", "minimum": 0, "maximum": 2, "default": 1}, "0, 1 or 2"
+            ),
+            _query("mode", {"type": "string", "enum": ["abort", "wait"]}, "unfinished requests"),
+        ],
+        "the engine sleeps (404 without --enable-sleep-mode)",
+    ),
+    ("post", "/wake_up"): (
+        "wake_up",
+        [
+            _query(
+                "tags",
+                {
+                    "type": "array",
+                    "items": {"type": "string", "enum": ["weights", "kv_cache", "scheduling"]},
+                },
+                "what to put back (none: everything)",
+            )
+        ],
+        "the engine woke up (status awake), or partly (status sleeping)",
+    ),
 }
 
 _ERROR = {
@@ -84,7 +152,8 @@ UNEXPRESSED = (
     "top_logprobs needs logprobs: true",
     "tool names are unique; tool parameter schemas, structured_outputs and response_format "
     "schemas, regexes and grammars must compile (llguidance)",
-    'tool_choice "auto" needs --tool-call-parser and a chat template that renders tools',
+    'tool_choice "auto" needs --enable-auto-tool-choice, --tool-call-parser and a chat template '
+    "that renders tools",
     "the chat template may refuse a conversation (e.g. roles out of order)",
     "a request's sampler buffers must fit the free memory (n, logprobs)",
 )
@@ -268,15 +337,123 @@ def refine(schemas: dict[str, Any], info: ServingInfo) -> None:
         },
     ]
     schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token
+    _refine_responses(schemas, ranges, length)
 
 
-def openapi_document(info: ServingInfo | str | None = None) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the routes ``api_server.build_app`` serves.
+def _refine_responses(schemas: dict[str, Any], ranges: dict[str, dict], length: dict) -> None:
+    """``ResponsesRequest``: the sampling ranges it shares with chat, the shapes of ``input``
+    items, ``tools``, ``tool_choice`` and ``text.format`` that ``serving.responses`` checks,
+    and ``tool_choice`` (other than "none") only with tools."""
+    schema = schemas["ResponsesRequest"]
+    string = {"type": "string"}
+    text_part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"enum": list(TEXT_PARTS)}, "text": string},
+    }
+    content = {"anyOf": [string, {"type": "array", "items": text_part}]}
+    reasoning = {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}
+    item = {
+        "type": "object",
+        "anyOf": [
+            {  # a message (``type`` may be left out)
+                "required": ["role", "content"],
+                "properties": {
+                    "type": {"const": "message"},
+                    "role": {"enum": list(MESSAGE_ROLES)},
+                    "content": content,
+                },
+            },
+            {
+                "required": ["type", "call_id", "name", "arguments"],
+                "properties": {
+                    "type": {"const": "function_call"},
+                    "call_id": string,
+                    "name": string,
+                    "arguments": string,
+                },
+            },
+            {
+                "required": ["type", "call_id", "output"],
+                "properties": {
+                    "type": {"const": "function_call_output"},
+                    "call_id": string,
+                    "output": content,
+                },
+            },
+            reasoning,  # accepted and skipped
+        ],
+    }
+    tool = {
+        "type": "object",
+        "required": ["type", "name"],
+        "properties": {
+            "type": {"const": "function"},
+            "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+            "parameters": {"type": "object"},
+        },
+    }
+    formats = [
+        {"required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {
+            "required": ["type", "schema"],
+            "properties": {"type": {"const": "json_schema"}, "schema": {"type": "object"}},
+        },
+    ]
+    fields = {
+        **{k: ranges[k] for k in ("temperature", "top_p", "seed", "priority", "cache_salt")},
+        "max_output_tokens": {**length, "minimum": 1},
+        "input": {
+            "anyOf": [
+                string,
+                {"type": "array", "items": item, "contains": {"not": reasoning}},
+            ]
+        },
+        "tools": {"type": "array", "items": tool, "maxItems": MAX_TOOLS},
+        "tool_choice": {
+            "anyOf": [
+                {"enum": ["none", "auto", "required"]},
+                {
+                    "type": "object",
+                    "required": ["type", "name"],
+                    "properties": {"type": {"const": "function"}, "name": string},
+                },
+            ]
+        },
+        "text": {
+            "type": "object",
+            "properties": {"format": {"type": "object", "anyOf": formats}},
+        },
+        "background": {"const": False, "description": "background responses are not served"},
+    }
+    _refine_fields(schema, ResponsesRequest, fields)
+    for name in ResponsesRequest.model_fields:  # the rest of the optional fields: null = default
+        prop = schema["properties"][name]
+        if _accepts_null(ResponsesRequest, name) and "anyOf" not in prop and "type" in prop:
+            keep = {k: prop.pop(k) for k in ("default", "title", "description") if k in prop}
+            schema["properties"][name] = {**_nullable(prop), **keep}
+    schema["dependentSchemas"] = {
+        "tool_choice": {  # a tool choice other than "none" needs tools
+            "anyOf": [
+                {"properties": {"tool_choice": {"enum": [None, "none"]}}},
+                {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+            ]
+        }
+    }
+
+
+def openapi_document(
+    info: ServingInfo | str | None = None, root_path: str = "", ledger_route: bool = True
+) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the routes ``api_server.build_app`` serves
+    (``tests/entrypoints/test_openapi_fuzz.py`` checks it names every one).
 
     Args:
       info: the served model's facts (its name is the ``/v1/models/{model}`` example; its
         vocabulary, ``max_model_len`` and scheduling policy bound the refined schemas); a bare
         model name, or None, documents the types only.
+      root_path: the ``--root-path`` prefix, named in ``servers``.
+      ledger_route: the ledger route is served (``--no-ledger-route``: left out).
     """
     _, defs = models_json_schema(
         [(model, "validation") for model in _BODIES.values()],
@@ -310,24 +487,24 @@ def openapi_document(info: ServingInfo | str | None = None) -> dict[str, Any]:
     paths["/v1/models/{model}"] = {
         "get": {
             "operationId": "v1_model",
-            "parameters": [
-                {
-                    "name": "model",
-                    "in": "path",
-                    "required": True,
-                    "schema": {"type": "string"},
-                    "example": model_name,
-                }
-            ],
+            "parameters": [_path_param("model", model_name)],
             "responses": _responses("the model's card"),
         }
     }
+    for (method, path), (operation, parameters, what) in _PARAMETERIZED.items():
+        if path == LEDGER_PATH and not ledger_route:
+            continue
+        paths.setdefault(path, {})[method] = {
+            "operationId": operation,
+            "parameters": parameters,
+            "responses": _responses(what),
+        }
     description = (
         "Request bodies are JSON objects in UTF-8 (Content-Type: application/json, or none; "
         "other media types are a 415). Unknown fields are accepted, ignored and logged. "
         "Rules the schemas cannot express: " + "; ".join(UNEXPRESSED) + "."
     )
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {
             "title": "jaxserve OpenAI-compatible API",
@@ -337,3 +514,6 @@ def openapi_document(info: ServingInfo | str | None = None) -> dict[str, Any]:
         "paths": paths,
         "components": {"schemas": schemas},
     }
+    if root_path:
+        document["servers"] = [{"url": root_path}]
+    return document

@@ -22,6 +22,12 @@ DONE_EVENT = b"data: [DONE]\n\n"
 """The event that ends an OpenAI stream."""
 
 
+def named_event(chunk: dict[str, Any]) -> bytes:
+    """``chunk`` as an SSE event named by its ``type`` (the Responses API's streams):
+    ``event: response.output_text.delta\ndata: {...}\n\n``."""
+    return b"event: " + str(chunk["type"]).encode() + b"\ndata: " + dumps(chunk) + b"\n\n"
+
+
 def _flat_json(obj: dict) -> str | None:
     """``obj`` as ``dumps`` would write it, when it holds only str keys and str / int / None /
     dict-of-the-same values; None otherwise (the caller falls back to the encoder)."""
