@@ -4,8 +4,9 @@ and the store, function tools with their outputs fed back, and bad requests.
 
 The fake's script is set per test (``ScriptedFake.say``): each request emits exactly that text,
 then an end-of-sequence token, so a response ends "completed" (or "incomplete" when
-``max_output_tokens`` cuts it). A chat template given inline (``--chat-template``) writes tool
-calls and results into the prompt, so feeding them back changes the prompt by a known amount.
+``max_output_tokens`` cuts it). A chat template given inline (``--chat-template``) writes the
+tools (``tool_choice: "auto"`` is refused with a template that drops them), tool calls and
+results into the prompt, so feeding them back changes the prompt by a known amount.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.serving.responses import OutputItems, input_messages
 from jaxserve.serving.tool_calls import plan_tools
 
-TEMPLATE = (
+TEMPLATE = (  # renders the tools, so tool_choice "auto" is served (Tokenizer.template_shows_tools)
+    "{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
     "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
     "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} "
     "{{ c.function.arguments | tojson }}]{% endfor %}"
@@ -298,3 +300,22 @@ def test_output_items_stream_text_then_calls():
     message, call = items.items
     assert message["content"][0]["text"] == "Checking." and call["name"] == "get_weather"
     assert message["status"] == call["status"] == "completed"
+
+
+def test_auto_tool_choice_needs_a_template_that_shows_tools():
+    """As on chat (#39): with the bundled model's template, which drops ``tools``, "auto" (the
+    default with tools) is a 400 naming ``tool_choice``, not prose that ignores the tools."""
+    fake = FakeEngine(
+        MODEL_DIR, step_s=0.0005, tool_call_parser="hermes", enable_auto_tool_choice=True
+    )
+    llm = AsyncLLM(fake)
+    srv = LiveServer(llm)
+    try:
+        body = {"model": "fake-model", "input": "Weather?", "tools": [WEATHER]}
+        error = assert_error(httpx.post(srv.url + "/v1/responses", json=body), 400, "tool_choice")
+        assert "does not show the tools" in error["message"]
+        body["tool_choice"] = "required"  # the grammar writes the call: works with any template
+        assert httpx.post(srv.url + "/v1/responses", json=body).status_code == 200
+    finally:
+        srv.close()
+        llm.shutdown()
