@@ -44,7 +44,7 @@ async def _run(url: str, cases: list[str], reps: int, max_prompt_bytes: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per case")
     parser.add_argument(
         "--cases", default=",".join(CASES + N128_CASES), help="comma-separated case names"

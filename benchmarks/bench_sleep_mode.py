@@ -53,7 +53,7 @@ def run_once(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default=None, help="default: the bundled model")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="auto")

@@ -363,14 +363,15 @@ def test_auto_tool_choice_with_a_template_that_cannot_show_tools_is_a_400(oai):
     "extra,param",
     [
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
-        (
+        (  # tool_choice none: the bundled template cannot serve "auto" (a 400 of its own)
             {
                 "tools": [
                     {
                         "type": "function",
                         "function": {"name": "f", "parameters": {"type": "objectx"}},
                     }
-                ]
+                ],
+                "tool_choice": "none",
             },
             "tools",
         ),
