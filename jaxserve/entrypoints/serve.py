@@ -51,8 +51,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="require 'Authorization: Bearer <key>' on the API routes; repeat the flag or give "
-        "a comma list for several keys (a request's ledger is then readable only with the key "
-        "that created it) (default: $JAXSERVE_API_KEY, also a comma list, else open)",
+        "a comma list for several keys (a request's ledger and a stored /v1/responses response "
+        "are then readable only with the key that created them) (default: $JAXSERVE_API_KEY, "
+        "also a comma list, else open)",
     )
     parser.add_argument(
         "--ledger-route",

@@ -105,6 +105,8 @@ class Generation:
       stream: ``(engine, job) -> (streams, chunks)``: starts a streaming request.
       named_events: its stream's chunks are events named by their ``type`` (SSE ``event:``
         lines) and end without ``[DONE]`` (the Responses API).
+      owned: ``prepare`` takes the caller as ``owner`` (the Responses API: stored responses
+        belong to the API key that created them).
     """
 
     request_model: type[pydantic.BaseModel]
@@ -112,6 +114,7 @@ class Generation:
     create: Callable[[EngineClient, Any], Awaitable[dict[str, Any]]]
     stream: Callable[[EngineClient, Any], Awaitable[tuple[list[RequestOutputStream], Chunks]]]
     named_events: bool = False
+    owned: bool = False
 
 
 GENERATION: dict[str, Generation] = {
@@ -122,7 +125,12 @@ GENERATION: dict[str, Generation] = {
         ChatCompletionRequest, prepare_chat, create_chat, stream_chat
     ),
     "/v1/responses": Generation(
-        ResponsesRequest, prepare_responses, create_responses, stream_responses, True
+        ResponsesRequest,
+        prepare_responses,
+        create_responses,
+        stream_responses,
+        named_events=True,
+        owned=True,
     ),
 }
 """The generating endpoints by URL path (``/v1/responses``' prepare takes the server's
@@ -286,8 +294,11 @@ class OpenAIServing:
 
     # -- generation ----------------------------------------------------------------------------
 
-    def prepare(self, url: str, body: dict[str, Any]) -> tuple[Generation, Job]:
-        """Validates a generating request's body and builds its job: ``(endpoint, job)``.
+    def prepare(
+        self, url: str, body: dict[str, Any], owner: str | None = None
+    ) -> tuple[Generation, Job]:
+        """Validates a generating request's body and builds its job: ``(endpoint, job)``;
+        ``owner`` as for :meth:`generate`.
 
         Raises:
           APIError: 404 for an unknown URL or model, 400 for a bad body (naming the field).
@@ -304,7 +315,8 @@ class OpenAIServing:
             )
         request = validate(endpoint.request_model, body, url)
         check_priority(request.priority, self.info)
-        return endpoint, endpoint.prepare(request, self.info, self.engine.tokenizer)
+        extra = {"owner": owner} if endpoint.owned else {}
+        return endpoint, endpoint.prepare(request, self.info, self.engine.tokenizer, **extra)
 
     async def generate(
         self, url: str, body: dict[str, Any], owner: str | None = None, large: bool = False
@@ -314,14 +326,15 @@ class OpenAIServing:
         Args:
           url, body: the endpoint's path and the parsed JSON body.
           owner: who sends it, when callers are told apart (the API key's id); only the same
-            owner may read its ledger (:meth:`ledger`). None: anyone may.
+            owner may read its ledger (:meth:`ledger`) and read, delete or continue its stored
+            response (``/v1/responses``). None: anyone may.
           large: the body was large (over ``LARGE_BODY_BYTES``): prepared in the large-body
             lane (:func:`off_loop`).
 
         Raises:
           APIError: 4xx for bad input, 503 when the engine is dead or its queue is full.
         """
-        endpoint, job = await off_loop(self.prepare, url, body, large=large)
+        endpoint, job = await off_loop(self.prepare, url, body, owner, large=large)
         if owner is not None:
             self._remember_owner(job.request_id, owner)
         return await self.start(endpoint, job)
@@ -432,24 +445,27 @@ class OpenAIServing:
 
     # -- stored responses ----------------------------------------------------------------------
 
-    def stored_response(self, response_id: str) -> dict[str, Any]:
-        """``GET /v1/responses/{response_id}``: a stored Response object.
+    def stored_response(self, response_id: str, owner: str | None = None) -> dict[str, Any]:
+        """``GET /v1/responses/{response_id}``: a stored Response object (``owner``: the
+        caller, when callers are told apart; only the one that created it may read it).
 
         Raises:
-          APIError: 404 ``response_not_found`` when never stored (``store: false``) or evicted.
+          APIError: 404 ``response_not_found`` when never stored (``store: false``), evicted,
+            or (with ``owner``) created by another caller.
         """
-        stored = self.responses.get(response_id)
+        stored = self.responses.get(response_id, owner)
         if stored is None:
             raise _response_not_found(response_id)
         return stored.body
 
-    def delete_response(self, response_id: str) -> dict[str, Any]:
-        """``DELETE /v1/responses/{response_id}``: forgets a stored response.
+    def delete_response(self, response_id: str, owner: str | None = None) -> dict[str, Any]:
+        """``DELETE /v1/responses/{response_id}``: forgets a stored response (``owner`` as for
+        :meth:`stored_response`).
 
         Raises:
           APIError: 404 ``response_not_found``.
         """
-        if not self.responses.delete(response_id):
+        if not self.responses.delete(response_id, owner):
             raise _response_not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -604,7 +620,7 @@ class OpenAIServing:
 def _response_not_found(response_id: str) -> APIError:
     return APIError(
         f"Response with id {response_id!r} not found (never stored, stored with store: false, "
-        "or evicted)",
+        "evicted, or created with another API key)",
         status=404,
         param="response_id",
         code="response_not_found",

@@ -27,7 +27,10 @@ carries a ``sequence_number`` counting from 0. If the engine dies or goes to sle
 ``store`` (default true) keeps the response in the server's :class:`ResponseStore`, a bounded
 in-memory LRU (``GET /v1/responses/{id}``, ``previous_response_id``); ``store: false`` keeps
 nothing. Stored responses live as long as the server process, at most
-``RESPONSE_STORE_ENTRIES`` of them and ``RESPONSE_STORE_BYTES`` of conversation text.
+``RESPONSE_STORE_ENTRIES`` of them and ``RESPONSE_STORE_BYTES`` of conversation text. When
+callers are told apart (several API keys), each stored response belongs to the key that created
+it: another key can neither read, delete nor continue it (the 404 of an unknown id), as with
+request ledgers.
 """
 
 from __future__ import annotations
@@ -85,11 +88,14 @@ class StoredResponse:
       conversation: the chat messages through this response's output (its instructions left
         out): what a ``previous_response_id`` continues.
       nbytes: the conversation's size as JSON, bytes (what the store's bound counts).
+      owner: the caller that created it (the API key's id, when several keys tell callers
+        apart), or None.
     """
 
     body: dict[str, Any]
     conversation: list[dict[str, Any]]
     nbytes: int
+    owner: str | None = None
 
 
 class ResponseStore:
@@ -112,31 +118,36 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The stored response (now the most recently used), or None."""
+    def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        """The stored response (now the most recently used), or None; with ``owner``, None
+        also when another caller (or none) created it."""
         entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
+        if entry is None or (owner is not None and entry.owner != owner):
+            return None
+        self._entries.move_to_end(response_id)
         return entry
 
-    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        """Keeps a response under ``body["id"]``, evicting the least recently used ones past
-        the bounds."""
+    def put(
+        self, body: dict[str, Any], conversation: list[dict[str, Any]], owner: str | None = None
+    ) -> None:
+        """Keeps a response under ``body["id"]`` (``owner``: who created it), evicting the
+        least recently used ones past the bounds."""
         nbytes = len(json.dumps(conversation, ensure_ascii=False))
         if nbytes > self.max_bytes:
             return
         self.delete(body["id"])
-        self._entries[body["id"]] = StoredResponse(body, conversation, nbytes)
+        self._entries[body["id"]] = StoredResponse(body, conversation, nbytes, owner)
         self.nbytes += nbytes
         while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self.nbytes -= evicted.nbytes
 
-    def delete(self, response_id: str) -> bool:
-        """Forgets a response; False when it was not stored."""
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
+    def delete(self, response_id: str, owner: str | None = None) -> bool:
+        """Forgets a response; False when it was not stored (with ``owner``: or belongs to
+        another caller, and is kept)."""
+        if self.get(response_id, owner) is None:
             return False
+        entry = self._entries.pop(response_id)
         self.nbytes -= entry.nbytes
         return True
 
@@ -159,6 +170,7 @@ class ResponsesJob:
       params: its SamplingParams.
       tools: how tools are served (``tool_calls.ToolPlan``), or None without tools.
       store: where the response is kept when ``request.store``, or None.
+      owner: the caller that sent it (``OpenAIServing.generate``'s ``owner``), or None.
     """
 
     request: ResponsesRequest
@@ -170,6 +182,7 @@ class ResponsesJob:
     params: SamplingParams
     tools: ToolPlan | None = None
     store: ResponseStore | None = None
+    owner: str | None = None
 
     @property
     def first_prompt(self) -> list[int]:
@@ -305,12 +318,15 @@ def prepare_responses(
     tokenizer: Any,
     *,
     store: ResponseStore | None = None,
+    owner: str | None = None,
 ) -> ResponsesJob:
     """Builds the conversation, renders and tokenizes it, and builds its SamplingParams.
 
     Args:
       store: the server's stored responses (``previous_response_id`` is looked up there, and
         the response kept there when ``request.store``); None: none kept.
+      owner: the caller, when callers are told apart: ``previous_response_id`` must be one of
+        its own responses, and the response is kept as its own.
 
     Raises:
       APIError: 404 for an unknown model or ``previous_response_id``; 400 for a bad item,
@@ -319,11 +335,12 @@ def prepare_responses(
     info.check_model(request.model)
     history: list[dict[str, Any]] = []
     if request.previous_response_id is not None:
-        stored = store.get(request.previous_response_id) if store is not None else None
+        stored = store.get(request.previous_response_id, owner) if store is not None else None
         if stored is None:
             raise APIError(
                 f"Previous response with id {request.previous_response_id!r} not found (it was "
-                "never stored, was stored with store: false, or was evicted)",
+                "never stored, was stored with store: false, was evicted, or was created with "
+                "another API key)",
                 status=404,
                 param="previous_response_id",
                 code="previous_response_not_found",
@@ -375,6 +392,7 @@ def prepare_responses(
         params=params,
         tools=tools,
         store=store if request.store else None,
+        owner=owner,
     )
 
 
@@ -620,7 +638,7 @@ def _finish(job: ResponsesJob, items: OutputItems, final: RequestOutput) -> dict
     status = "incomplete" if sample.finish_reason == "length" else "completed"
     body = response_body(job, status, items.items, _usage(final))
     if job.store is not None:
-        job.store.put(body, job.conversation + _assistant_turns(items.items))
+        job.store.put(body, job.conversation + _assistant_turns(items.items), job.owner)
     return body
 
 

@@ -1,6 +1,8 @@
 """Ledger access (#38 F8): with several API keys (``--api-key`` repeated or a comma list) a
-ledger is readable only with the key that created its request; ``--no-ledger-route`` removes
-the route; with one key (or none) a request id is the capability to read it."""
+ledger is readable only with the key that created its request, and so is a stored
+``/v1/responses`` response (read, deleted or continued: it holds the conversation's text);
+``--no-ledger-route`` removes the route (and ``/openapi.json`` no longer names it); with one key
+(or none) a request id is the capability to read it."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from fake_engine import FakeEngine
 from server_harness import MODEL_DIR, LiveServer, assert_error
 
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.entrypoints.http.api_server import api_keys, build_app
+from jaxserve.entrypoints.http.api_server import api_keys, build_app, served_routes
 from jaxserve.entrypoints.serve import add_serve_parser
 
 COMPL = "/v1/completions"
@@ -58,6 +60,36 @@ def test_several_keys_read_only_their_own_ledgers(llm):
         srv.close()
 
 
+def test_several_keys_own_their_stored_responses(llm):
+    srv = LiveServer(llm, app=build_app(llm, api_key=["alice", "bob"]))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            body = {"model": "fake-model", "input": "Hi", "max_output_tokens": 2}
+            r = c.post("/v1/responses", json=body, headers=_auth("alice"))
+            assert r.status_code == 200, r.text
+            rid = r.json()["id"]
+            url = f"/v1/responses/{rid}"
+            assert_error(c.get(url, headers=_auth("bob")), 404, code="response_not_found")
+            assert_error(c.delete(url, headers=_auth("bob")), 404, code="response_not_found")
+            assert_error(
+                c.post(
+                    "/v1/responses",
+                    json={**body, "previous_response_id": rid},
+                    headers=_auth("bob"),
+                ),
+                404,
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+            assert c.get(url, headers=_auth("alice")).json()["id"] == rid  # bob deleted nothing
+            more = {**body, "previous_response_id": rid}
+            assert c.post("/v1/responses", json=more, headers=_auth("alice")).status_code == 200
+            assert c.delete(url, headers=_auth("alice")).json()["deleted"] is True
+        assert srv.internal_errors == []
+    finally:
+        srv.close()
+
+
 def test_one_key_reads_every_ledger_and_the_route_can_be_removed(llm):
     srv = LiveServer(llm, app=build_app(llm, api_key="alice"))
     off = LiveServer(llm, app=build_app(llm, ledger_route=False))
@@ -70,6 +102,10 @@ def test_one_key_reads_every_ledger_and_the_route_can_be_removed(llm):
             assert_error(c.get(f"/v1/requests/{rid}/ledger"), 404, code="not_found")
             body = {"prompt": "x", "max_tokens": 2, "include_ledger": True}
             assert "ledger" in c.post(COMPL, json=body).json()  # one's own, in the response
+            doc = c.get("/openapi.json").json()  # the document names the routes served
+            described = {(m.upper(), path) for path, ops in doc["paths"].items() for m in ops}
+            assert described == served_routes(off.app)
+            assert "/v1/requests/{request_id}/ledger" not in doc["paths"]
     finally:
         srv.close()
         off.close()

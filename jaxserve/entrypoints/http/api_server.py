@@ -29,10 +29,10 @@ anything else into a logged 500 and counts it in ``app[INTERNAL_ERRORS]`` (tests
 stays 0). With ``--api-key`` the ``/v1/*``, ``/tokenize``, ``/detokenize``, ``/sleep`` and
 ``/wake_up`` routes need ``Authorization: Bearer <key>`` (401 otherwise); ``/health``,
 ``/metrics``, ``/version`` and ``/is_sleeping`` stay open, as in vLLM. With several keys
-(``--api-key`` repeated or a comma list) a request's ledger is readable only with the key that
-created it; ``--no-ledger-route`` removes the ledger route. With ``--max-waiting-requests`` a
-request that finds that many requests waiting gets a 503 with ``Retry-After``; so does one
-that finds the engine asleep.
+(``--api-key`` repeated or a comma list) a request's ledger, and a stored ``/v1/responses``
+response, is readable only with the key that created it; ``--no-ledger-route`` removes the
+ledger route. With ``--max-waiting-requests`` a request that finds that many requests waiting
+gets a 503 with ``Retry-After``; so does one that finds the engine asleep.
 
 Transport options: TLS (``--ssl-keyfile`` / ``--ssl-certfile``: ``run_server``'s
 ``ssl_context``), CORS (``cors.py``) and ``--root-path`` (every route is served both at its
@@ -353,11 +353,13 @@ async def _openapi(request: web.Request) -> web.Response:
 
 
 async def _stored_response(request: web.Request) -> web.Response:
-    return json_response(request.app[SERVING].stored_response(request.match_info["response_id"]))
+    serving, response_id = request.app[SERVING], request.match_info["response_id"]
+    return json_response(serving.stored_response(response_id, owner=request.get(KEY_ID)))
 
 
 async def _delete_response(request: web.Request) -> web.Response:
-    return json_response(request.app[SERVING].delete_response(request.match_info["response_id"]))
+    serving, response_id = request.app[SERVING], request.match_info["response_id"]
+    return json_response(serving.delete_response(response_id, owner=request.get(KEY_ID)))
 
 
 async def _sleep(request: web.Request) -> web.Response:
