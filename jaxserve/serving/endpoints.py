@@ -486,12 +486,11 @@ class OpenAIServing:
           APIError: 404 without ``--enable-sleep-mode``; 400 naming a bad level or mode.
         """
         self._check_sleep_mode("/sleep")
+        if level is not None and level not in ("0", "1", "2"):  # not int(): " 1", "1_0", "+1"
+            raise bad_request(f"level must be 0, 1 or 2, got {level!r}", param="level")
+        number = int(level) if level is not None else 1
         try:
-            number = int(level) if level is not None else 1
-        except ValueError:
-            raise bad_request(f"level must be 0, 1 or 2, got {level!r}", param="level") from None
-        try:
-            await self.engine.sleep(number, mode or "abort")
+            await self.engine.sleep(number, mode if mode is not None else "abort")
         except ValueError as exc:
             raise from_value_error(exc) from None
         except EngineDeadError as exc:
