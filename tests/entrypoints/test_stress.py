@@ -95,14 +95,14 @@ def test_huge_prompts_are_refused_in_the_large_body_lane(server, monkeypatch):
     threads: dict[str, set[str]] = {"large": set(), "small": set()}
     prepare = OpenAIServing.prepare
 
-    def recording_prepare(self, url, body):
+    def recording_prepare(self, url, body, *args):
         kind = (
             "large"
             if isinstance(body.get("prompt"), str) and len(body["prompt"]) > 1000
             else "small"
         )
         threads[kind].add(threading.current_thread().name)
-        return prepare(self, url, body)
+        return prepare(self, url, body, *args)
 
     monkeypatch.setattr(OpenAIServing, "prepare", recording_prepare)
     huge = json.dumps({"prompt": "word " * (15_000_000 // 5), "max_tokens": 4}).encode()
