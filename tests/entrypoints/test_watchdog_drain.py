@@ -232,3 +232,24 @@ def test_sigterm_past_the_drain_window_tells_clients_and_exits_in_time(spawn):
     assert_error(plain["r"], 503, code="shutting_down")
     # window + 1 s, plus what this side adds (signal delivery, the wait's polling) on a busy box
     assert exited_s < window + 1.0 + 0.5, exited_s
+
+
+@pytest.mark.slow
+def test_sigterm_cuts_a_responses_stream_with_its_error_event(spawn):
+    """A ``/v1/responses`` stream (named events, no ``[DONE]``) still running when the drain
+    window runs out ends with the Responses API's ``error`` event, code ``shutting_down``, its
+    ``sequence_number`` the next one."""
+    proc = spawn("--step-s", "0.05", "--shutdown-timeout-s", "0.5")
+    body = {"model": "fake-model", "input": "x", "max_output_tokens": 200, "stream": True}
+    with httpx.Client(base_url=proc.url, timeout=30) as c:
+        with c.stream("POST", "/v1/responses", json=body) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.p.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+    assert proc.wait(20) == 0
+    assert rest[-2:-1] == ["event: error"], rest[-4:]
+    error = json.loads(rest[-1][len("data: ") :])
+    assert error["type"] == "error" and error["code"] == "shutting_down"
+    numbers = [json.loads(x[len("data: ") :])["sequence_number"] for x in rest if x[:6] == "data: "]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), numbers
