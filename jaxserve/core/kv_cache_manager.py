@@ -101,6 +101,14 @@ block (the null block for one a sliding window skips) or, with offloading, the b
 host-tier hit that admission loads into a fresh block."""
 
 
+def block_ids(blocks: KVCacheBlocks) -> tuple[list[int], ...]:
+    """Block ids of ``allocate_slots``' new blocks, one list per group (what
+    ``CachedRequestData.new_block_ids`` carries)."""
+    if len(blocks) == 1:
+        return ([b.block_id for b in blocks[0]],)
+    return tuple([b.block_id for b in group] for group in blocks)
+
+
 class KVCacheManager:
     """Owns the block pool and every request's block tables (one per KV-cache group).
 
@@ -334,7 +342,6 @@ class KVCacheManager:
         limit = num
         tables: list = [()] * self.num_groups
         while True:
-            before = limit
             for g, window in enumerate(self.sliding_windows):
                 if window is None:
                     found = self._find_full(g, hashes, limit, with_host)
@@ -342,7 +349,8 @@ class KVCacheManager:
                     found = self._find_sliding(g, window, hashes, limit, with_host)
                 tables[g] = found
                 limit = len(found)
-            if limit == before:  # a whole pass cut nothing: every table is ``limit`` long
+            # A group whose hit is the candidate would find it again: done when every one is.
+            if all(len(table) == limit for table in tables):
                 return tuple(tables)
 
     def _find_full(self, g: int, hashes: list[BlockHash], limit: int, with_host: bool) -> list:
@@ -452,7 +460,8 @@ class KVCacheManager:
         tables = self.req_to_blocks.get(req_id)
         if tables is not None and not num_new_computed_tokens:
             # A running request grows (a decode step crossing a block boundary, a prompt chunk).
-            num_new_blocks = -(-end // block_size) - len(tables[0])
+            first = tables[0]
+            num_new_blocks = -(-end // block_size) - len(first)
             if num_new_blocks > 0:
                 if self._sliding:
                     self._remove_skipped(tables, request.num_computed_tokens)
@@ -462,9 +471,17 @@ class KVCacheManager:
                     available -= self.watermark_blocks
                 if num_new_blocks * self.num_groups > available:
                     return None
-                new_blocks = tuple(pool.get_new_blocks(num_new_blocks) for _ in tables)
-                for table, blocks in zip(tables, new_blocks):
-                    table.extend(blocks)
+                blocks = pool.get_new_blocks(num_new_blocks)
+                first.extend(blocks)
+                if len(tables) == 1:
+                    new_blocks = (blocks,)
+                else:
+                    new_blocks = (
+                        blocks,
+                        *(pool.get_new_blocks(num_new_blocks) for _ in tables[1:]),
+                    )
+                    for table, group_blocks in zip(tables[1:], new_blocks[1:]):
+                        table.extend(group_blocks)
             else:
                 new_blocks = ()  # room in the tables, but a block fills up
         else:
@@ -474,7 +491,7 @@ class KVCacheManager:
             if new_blocks is None:
                 return None
             tables = self.req_to_blocks[req_id]
-        capacity = len(tables[0]) * block_size
+        capacity = len(tables[0]) * block_size  # every group's table has this length
         if self.enable_caching:
             num_cached = self.num_cached_block[req_id]
             if end // block_size > num_cached:
@@ -646,8 +663,11 @@ class KVCacheManager:
         if request.cache_salt and not self._salted_event_token_ids:
             token_ids = None  # a salted request's BlockStored: hashes, no token ids
         cache_full_blocks = self.block_pool.cache_full_blocks
-        for g, table in enumerate(tables):
-            cache_full_blocks(table, hashes, num_cached, num_full, token_ids, block_size, g)
+        if len(tables) == 1:
+            cache_full_blocks(tables[0], hashes, num_cached, num_full, token_ids, block_size)
+        else:
+            for g, table in enumerate(tables):
+                cache_full_blocks(table, hashes, num_cached, num_full, token_ids, block_size, g)
         self.num_cached_block[request.request_id] = num_full
         return num_full
 

@@ -57,7 +57,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from jaxserve.core.engine_core_output import DecodeTokens, EngineCoreOutput
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_manager import KVCacheManager, block_ids
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import make_request_queue
 from jaxserve.core.runner_output import ModelRunnerOutput
@@ -455,7 +455,7 @@ class Scheduler:
                 blocks = kv.allocate_slots(request, 1)
                 assert blocks is not None, "a block counted free could not be allocated"
                 if blocks:
-                    new_block_ids[i] = tuple([b.block_id for b in g] for g in blocks)
+                    new_block_ids[i] = block_ids(blocks)
                 # Its next call: the step whose token ends past its new no-op end; the very next
                 # one when that is not past this one (under async scheduling a block whose last
                 # token is still in flight is registered a step late).
@@ -560,9 +560,7 @@ class Scheduler:
                     new_blocks = allocate(request, num_new)
                 if new_blocks is None:
                     break  # preempted itself: it was the last running request
-                add_blocks(
-                    tuple([b.block_id for b in g] for g in new_blocks) if new_blocks else no_blocks
-                )
+                add_blocks(block_ids(new_blocks) if new_blocks else no_blocks)
             if end < num_tokens:  # a partial prompt chunk: the rest is spoken for
                 step.pending_blocks += kv.blocks_to_grow(end, num_tokens)
             add_req(request)
