@@ -11,7 +11,7 @@ Gemma-3-style layers: five local layers of a 1,024-token sliding window to one g
    sequence holds), the most sequences running at once in steady decode, preemptions.
 2. Step time (the real ModelRunner on this machine's device): a tiny model of the same pattern
    (6 layers, hidden 256, 2 KV heads of 64, float32; ``--attention-backend``, default the
-   platform's: the reference path on CPU, the Pallas kernel on a GPU or TPU), ``--seqs``
+   platform's: the xla path on CPU, the Pallas kernel on a GPU or TPU), ``--seqs``
    sequences decoding at a 32,768-token context, hybrid on vs off, steps interleaved; median
    and spread of the runner's wall time per step (``execute_model``: build, forward, sample,
    tokens back). The K/V content does not matter for time, so the sequences start at their

@@ -79,7 +79,7 @@ def prompts(runs):
 
 @pytest.fixture(scope="module")
 def oracle(runs, prompts):
-    from jaxserve.reference_generate import generate_dense
+    from jaxserve.model.dense_oracle import generate_dense
 
     return [generate_dense(runs["on"].model, p, MAX_TOKENS, eos_token_ids=[2]) for p in prompts]
 
