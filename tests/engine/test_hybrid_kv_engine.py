@@ -171,3 +171,93 @@ def test_preemption_chunked_prefill_and_offload_equal_the_oracle(runs, prompts, 
     assert stats.kv_offload_loaded_tokens_total > 0
     kv = engine.scheduler.kv_cache_manager
     assert kv.usage == 0.0 and not kv.host_pool.pinned
+
+
+GOLDEN_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "golden"
+)
+
+
+def windowed_golden_fixtures() -> list[str]:
+    """The golden fixtures (tests/fixtures/golden) with sliding-window layers: Mistral's (every
+    layer slides), and any family added later whose config has them (Gemma 2 and 3)."""
+    from jaxserve.model.arch_config import ModelArchConfig
+
+    return [
+        name
+        for name in sorted(os.listdir(GOLDEN_DIR))
+        if any(
+            ModelArchConfig.from_pretrained(os.path.join(GOLDEN_DIR, name)).layer_sliding_windows
+        )
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", windowed_golden_fixtures())
+def test_golden_fixtures_with_windows_on_equal_off_and_transformers(name):
+    """A checkpoint's own sliding windows (4 tokens on the fixtures) through the hybrid cache:
+    its two golden prompts plus two longer ones (whose windows leave blocks behind), twice (the
+    second time from the prefix cache: the same tokens). Where the fixture records
+    transformers' greedy tokens (Gemma's), the golden prompts' tokens equal them; otherwise
+    (Mistral's) tokens and logprobs are identical with the hybrid cache off. The pool empties
+    out."""
+    import numpy as np
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.model.loader import load_model
+    from jaxserve.worker.model_runner import ModelRunner
+
+    path = os.path.join(GOLDEN_DIR, name)
+    golden = np.load(os.path.join(path, "golden.npz"))
+    model, arch, gen = load_model(path, "float32")
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    prompts = [golden["prompt_0"].tolist(), golden["prompt_1"].tolist()] + [
+        [1] + rng.integers(3, arch.vocab_size, n).tolist() for n in (40, 70)
+    ]
+    # Transformers' greedy tokens when the fixture records them (Gemma's), else the hybrid
+    # cache off, are what the hybrid cache is checked against.
+    has_greedy = "greedy_0" in golden.files
+    got = {}
+    for mode in ("on",) if has_greedy else ("on", "off"):
+        args = engine_args(
+            path,
+            XLA_CACHE_DIR,
+            token_buckets="32",
+            max_num_batched_tokens=32,
+            max_num_seqs=4,
+            num_gpu_blocks_override=100,
+            disable_hybrid_kv_cache_manager=mode == "off",
+        )
+        config = args.create_engine_config(arch.max_position_embeddings)
+        runner = ModelRunner(model, arch, config, warmup_sampling=(params,))
+        spec = runner.initialize_kv_cache()
+        groups = runner.kv_layout.sliding_windows
+        windows = set(arch.layer_sliding_windows) - {None}
+        assert groups == (None,) if mode == "off" else set(groups) - {None} == windows
+        engine = LLMEngine(
+            variant_config(config, num_gpu_blocks=spec.num_blocks), runner, arch, None, gen
+        )
+        results = []
+        for tag in ("a", "b"):
+            for i, p in enumerate(prompts):
+                engine.add_request(f"{tag}{i}", p, params)
+            done = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        c = out.outputs[0]
+                        done[out.request_id] = (
+                            list(c.token_ids),
+                            [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                        )
+            results += [done[f"{tag}{i}"] for i in range(len(prompts))]
+        assert engine.get_stats().prefix_cache_hits_total > 0
+        assert engine.scheduler.kv_cache_manager.usage == 0.0
+        got[mode] = results
+    if has_greedy:
+        assert [got["on"][i][0] for i in (0, 1)] == [golden[f"greedy_{i}"].tolist() for i in (0, 1)]
+        # the second round, from the prefix cache
+        assert [t for t, _ in got["on"][4:]] == [t for t, _ in got["on"][:4]]
+    else:
+        assert got["on"] == got["off"]
