@@ -44,7 +44,7 @@ def hybrid_model_dir(model_dir, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def runs(hybrid_model_dir):
-    """Per mode ("on", "off"): the model, config and a warmed-up runner (buckets 16 and 64)."""
+    """Per mode ("on", "off"): the model, config and a warmed-up runner (one bucket: 64)."""
     from jaxserve.model.loader import load_model
     from jaxserve.worker.model_runner import ModelRunner
 
@@ -55,7 +55,7 @@ def runs(hybrid_model_dir):
         args = engine_args(
             hybrid_model_dir,
             XLA_CACHE_DIR,
-            token_buckets="16,64",
+            token_buckets="64",
             max_num_batched_tokens=64,
             max_num_seqs=8,
             num_gpu_blocks_override=400,
