@@ -114,11 +114,20 @@ class CacheConfig:
         (``ModelRunner.measure_offload_costs``): a resumed preempted request loads its host
         blocks when ``per_call + n * per_block <= n * block_size * per_token``, else
         recomputes them. All 0 = unmeasured (it always loads).
+      disable_hybrid_kv_cache_manager: keep every layer's KV for the whole context in one
+        block table (vLLM's flag). Off (the default), layers are grouped by attention kind and
+        a sliding-window group keeps only its window's blocks (``jaxserve/core/
+        kv_cache_groups.py``). Unlike vLLM's flag, it also turns off the window's block
+        freeing of a model whose layers all share one window (Mistral), so on and off are the
+        same cache otherwise.
+      kv_cache_groups: resolved KV-cache groups (set by the engine from the model's layers):
+        each group's sliding window in tokens, None for full attention; () = one
+        full-attention group.
 
     Raises:
       ValueError: block_size not in (8, 16, 32, 64, 128), gpu_memory_utilization outside
-        (0, 1], num_gpu_blocks_override < 2, watermark outside [0, 1), kv_offloading_size < 0
-        or an unknown kv_offloading_backend (naming the field).
+        (0, 1], num_gpu_blocks_override < 2, watermark outside [0, 1), kv_offloading_size < 0,
+        an unknown kv_offloading_backend or a kv_cache_groups window < 1 (naming the field).
     """
 
     block_size: int = 16
@@ -133,6 +142,8 @@ class CacheConfig:
     offload_load_s_per_call: float = 0.0
     offload_load_s_per_block: float = 0.0
     offload_recompute_s_per_token: float = 0.0
+    disable_hybrid_kv_cache_manager: bool = False
+    kv_cache_groups: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -152,6 +163,10 @@ class CacheConfig:
         if self.kv_offloading_backend != "native":
             raise ValueError(
                 f"kv_offloading_backend must be 'native', got {self.kv_offloading_backend!r}"
+            )
+        if any(w is not None and w < 1 for w in self.kv_cache_groups):
+            raise ValueError(
+                f"kv_cache_groups: sliding windows must be >= 1 token, got {self.kv_cache_groups}"
             )
 
 
@@ -625,6 +640,13 @@ class EngineArgs:
             choices=["native"],
         ),
     )
+    disable_hybrid_kv_cache_manager: bool = dataclasses.field(
+        default=False,
+        metadata=_meta(
+            "keep every layer's KV for the whole context; default: sliding-window layers keep "
+            "only their window's KV blocks (a block table per attention kind)"
+        ),
+    )
     max_num_batched_tokens: int = dataclasses.field(
         default=8192, metadata=_meta("token budget per step")
     )
@@ -879,6 +901,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_offloading_size=self.kv_offloading_size,
                 kv_offloading_backend=self.kv_offloading_backend,
+                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -19,6 +19,15 @@ event class name under ``"type"``). Each ZMQ message has three frames::
             | {"type": "BlockRemoved", "block_hashes": [bytes32, ...], "medium": "GPU"}
             | {"type": "AllBlocksCleared"}
 
+With several KV-cache groups (a model with sliding-window layers: ``jaxserve/core/
+kv_cache_groups.py``) the same tokens are stored once per group, and each ``BlockStored`` also
+carries ``"group_idx": int, "kv_cache_spec_kind": "full_attention" | "sliding_window",
+"kv_cache_spec_sliding_window": int | None`` and each ``BlockRemoved`` ``"group_idx"`` (vLLM's
+fields of the same names). A router that predicts prefix hits should count a prefix as held
+only when the full-attention group holds all of it (a sliding group keeps only the blocks of
+its window; jaxserve/core/kv_cache_manager.py, "Prefix caching"). With one group these fields
+are left out, as vLLM's encoder leaves out unset fields.
+
 A gap in ``seq`` means the subscriber missed messages (PUB drops above its high-water mark
 and before a subscriber connects); vLLM's replay socket is not implemented, so a subscriber
 that sees a gap should treat that replica's index as stale. ``medium`` is always "GPU"
@@ -68,10 +77,15 @@ MEDIUM = "GPU"
 """vLLM's name for the device KV pool (the only pool we have)."""
 
 
-def event_to_wire(event: KVEvent, block_size: int) -> dict[str, Any]:
-    """One event as vLLM's msgspec struct encodes it (a map with its class name under "type")."""
+def event_to_wire(
+    event: KVEvent, block_size: int, group_windows: Sequence[int | None] = ()
+) -> dict[str, Any]:
+    """One event as vLLM's msgspec struct encodes it (a map with its class name under "type").
+
+    ``group_windows``: each KV-cache group's sliding window (None: full attention), for the
+    ``kv_cache_spec_*`` fields of an event that names its group."""
     if isinstance(event, BlockStored):
-        return {
+        wire = {
             "type": "BlockStored",
             "block_hashes": list(event.block_hashes),
             "parent_block_hash": event.parent_block_hash,
@@ -81,15 +95,29 @@ def event_to_wire(event: KVEvent, block_size: int) -> dict[str, Any]:
             "medium": MEDIUM,
             "lora_name": None,
         }
+        group = event.group_idx
+        if group is not None:
+            window = group_windows[group] if group < len(group_windows) else None
+            wire["group_idx"] = group
+            wire["kv_cache_spec_kind"] = "full_attention" if window is None else "sliding_window"
+            wire["kv_cache_spec_sliding_window"] = window
+        return wire
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": MEDIUM}
+        wire = {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": MEDIUM}
+        if event.group_idx is not None:
+            wire["group_idx"] = event.group_idx
+        return wire
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {event!r}")
 
 
 def encode_batch(
-    events: Sequence[KVEvent], block_size: int, data_parallel_rank: int, ts: float | None = None
+    events: Sequence[KVEvent],
+    block_size: int,
+    data_parallel_rank: int,
+    ts: float | None = None,
+    group_windows: Sequence[int | None] = (),
 ) -> bytes:
     """msgpack bytes of one event batch (vLLM's ``KVEventBatch``).
 
@@ -98,13 +126,14 @@ def encode_batch(
       block_size: tokens per block (``BlockStored.block_size``).
       data_parallel_rank: the replica's index.
       ts: Unix seconds (default: now).
+      group_windows: each KV-cache group's sliding window (see :func:`event_to_wire`).
     """
     import msgpack
 
     return msgpack.packb(
         {
             "ts": time.time() if ts is None else ts,
-            "events": [event_to_wire(e, block_size) for e in events],
+            "events": [event_to_wire(e, block_size, group_windows) for e in events],
             "data_parallel_rank": data_parallel_rank,
         },
         use_bin_type=True,
@@ -193,6 +222,9 @@ class KVEventPublisher:
       topic: first frame of every message.
       max_queue: batches kept while the socket is slow; beyond it new batches are dropped
         (counted in ``num_dropped``; the subscriber sees a ``seq`` gap only for sent ones).
+      hwm: the socket's high-water mark (messages).
+      group_windows: each KV-cache group's sliding window (``CacheConfig.kv_cache_groups``),
+        for the group fields of the events (:func:`event_to_wire`).
 
     Attributes:
       address: where the socket listens (bound; the port resolved) or what it connected to.
@@ -211,6 +243,7 @@ class KVEventPublisher:
         topic: str = "",
         max_queue: int = 10_000,
         hwm: int = 100_000,
+        group_windows: Sequence[int | None] = (),
     ) -> None:
         try:
             import msgpack  # noqa: F401
@@ -222,6 +255,7 @@ class KVEventPublisher:
         self.endpoint = endpoint
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
+        self.group_windows = tuple(group_windows)
         self.num_dropped = 0
         self._topic = topic.encode()
         self._queue: queue.Queue[list[KVEvent] | None] = queue.Queue(max_queue)
@@ -265,7 +299,12 @@ class KVEventPublisher:
             if events is None:
                 return
             try:
-                payload = encode_batch(events, self.block_size, self.data_parallel_rank)
+                payload = encode_batch(
+                    events,
+                    self.block_size,
+                    self.data_parallel_rank,
+                    group_windows=self.group_windows,
+                )
                 self._socket.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                 seq += 1
             except Exception:  # noqa: BLE001 - events are best-effort; the engine goes on

@@ -8,7 +8,7 @@
 # The whole script is ~15 minutes, more than one 10-minute device call: run it as two calls,
 #   PART=1 OUT=... bash scripts/gpu_check.sh   # kernel tests + attention bench + 8B offline (~9 min)
 #   PART=2 OUT=... bash scripts/gpu_check.sh   # offloading, async on/off, host cost, structured (~9 min)
-#   PART=3 OUT=... bash scripts/gpu_check.sh   # sleep mode: device memory freed, wake-up time (~2 min)
+#   PART=3 OUT=... bash scripts/gpu_check.sh   # features: sleep mode (#35), hybrid KV cache (#29) (~6 min)
 # (PART=2 and 3 use BACKEND, default pallas, since part 1's test log is not there.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,3 +77,12 @@ timeout -k 10 "${SLEEP_BUDGET:-200}" "$PY" benchmarks/bench_sleep_mode.py llama-
     --load-format dummy --dtype bfloat16 --max-model-len 4096 --token-buckets 256,2048 \
     --repeats 1 2>&1 | grep -v compiling | tee "$OUT/sleep_mode.log"
 echo "sleep mode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/sleep_mode.log"
+
+echo "== hybrid KV cache (#29): the compiled kernel reads a layer's group table with stale entries before the window (budget ${HYBRID_TEST_BUDGET:-120}s)"
+timeout -k 10 "${HYBRID_TEST_BUDGET:-120}" "$PY" -m pytest -q tests/pallas_kernels/test_hybrid_block_tables.py \
+    2>&1 | tail -5 | tee "$OUT/hybrid_tests.log"
+echo "hybrid tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/hybrid_tests.log"
+echo "== hybrid KV cache: capacity at 32k (pure Python), decode step at 32k on vs off, greedy on/off equality (budget ${HYBRID_BENCH_BUDGET:-200}s)"
+timeout -k 10 "${HYBRID_BENCH_BUDGET:-200}" "$PY" benchmarks/bench_hybrid_kv.py --attention-backend "$backend" \
+    --seqs 16 --rounds 5 2>&1 | grep -v compiling | tee "$OUT/hybrid_bench.log"
+echo "hybrid bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/hybrid_bench.log"

@@ -161,6 +161,13 @@ def update_block_hashes(
     return hashes
 
 
+def group_block_key(block_hash: BlockHash, group: int) -> bytes:
+    """A block hash made unique across KV-cache groups (the host tier's key: one tier holds
+    every group's blocks): the hash itself for group 0, else the hash and the group as 2 bytes.
+    """
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+
 class KVCacheBlock:
     """Metadata of one KV block (the device memory is in the runner's arrays).
 
@@ -169,6 +176,7 @@ class KVCacheBlock:
       ref_cnt: number of requests whose block table holds this block.
       block_hash: prefix-cache hash while the block is cached (also while it sits, free, in
         the free queue: lazy eviction); None otherwise.
+      group: the KV-cache group whose prefix cache holds it (read while ``block_hash`` is set).
       prev_free_block, next_free_block: links of the free queue (None when not in it).
       is_null: True only for block 0.
     """
@@ -177,6 +185,7 @@ class KVCacheBlock:
         "block_id",
         "ref_cnt",
         "block_hash",
+        "group",
         "prev_free_block",
         "next_free_block",
         "is_null",
@@ -186,6 +195,7 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.group = 0
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
@@ -363,12 +373,20 @@ class PrefixCacheStats:
 
 
 def load_beats_recompute(
-    num_blocks: int, block_size: int, per_call: float, per_block: float, per_token: float
+    num_blocks: int,
+    block_size: int,
+    per_call: float,
+    per_block: float,
+    per_token: float,
+    num_tokens: int | None = None,
 ) -> bool:
     """The resume cost model of KV offloading: True when loading ``num_blocks`` host blocks
-    (``per_call + num_blocks * per_block`` seconds) costs no more than recomputing their
-    ``num_blocks * block_size`` tokens (``per_token`` seconds each). All 0: True."""
-    return per_call + num_blocks * per_block <= num_blocks * block_size * per_token
+    (``per_call + num_blocks * per_block`` seconds) costs no more than recomputing the
+    ``num_tokens`` tokens they would spare (``per_token`` seconds each; default ``num_blocks *
+    block_size``: one KV-cache group, whose blocks are the tokens'). All 0: True."""
+    if num_tokens is None:
+        num_tokens = num_blocks * block_size
+    return per_call + num_blocks * per_block <= num_tokens * per_token
 
 
 @dataclasses.dataclass
@@ -421,18 +439,23 @@ class BlockStored:
       block_hashes: the blocks' chained hashes, in order.
       parent_block_hash: hash of the block before the first one; None for a prompt's first block.
       token_ids: the blocks' tokens, ``len(block_hashes) * block_size`` of them.
+      group_idx: the KV-cache group whose blocks these are, when the cache has several groups
+        (the same hashes are then stored once per group; vLLM's ``group_idx``); else None.
     """
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
+    group_idx: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """KV event: cached blocks were evicted (their hashes no longer hit)."""
+    """KV event: cached blocks were evicted (their hashes no longer hit); ``group_idx`` as in
+    ``BlockStored``."""
 
     block_hashes: list[BlockHash]
+    group_idx: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

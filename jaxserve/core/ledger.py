@@ -7,7 +7,8 @@ where something happens to a request:
   prefix-cache hit it got;
 * ``scheduled``: a prompt chunk, a recompute chunk or a decode token computed in a step
   (the decode fast path appends the step index to ``decode_steps`` itself: one list append);
-* ``preempted``: evicted by recompute, with the tokens whose K/V it threw away;
+* ``preempted``: evicted by recompute, with the tokens whose K/V it threw away and the blocks
+  it held in each KV-cache group (a sliding-window group holds only its window's);
 * ``finished``: freed, for any reason (keeps the request's times and counts, so the ledger
   outlives the request and its token lists; the request hands them over in ``close_ledger``).
 
@@ -44,10 +45,11 @@ class RequestLedger:
         num_tokens)``, of which the first ``recomputed`` had been computed before a preemption
         (a "recompute" chunk may run on past them into new positions).
       preemptions: ``[step, time, tokens_discarded, resume_step, resume_time,
-        tokens_restored, tokens_recomputed, resumed_by, host_tokens]`` per preemption (resume
-        fields None until resumed). With offloading, ``resumed_by`` is "load" or "recompute":
-        the cost model's choice for the ``host_tokens`` tokens found in the host tier at the
-        resume (None: none were found).
+        tokens_restored, tokens_recomputed, resumed_by, host_tokens, blocks_discarded]`` per
+        preemption (resume fields None until resumed). With offloading, ``resumed_by`` is
+        "load" or "recompute": the cost model's choice for the ``host_tokens`` tokens found in
+        the host tier at the resume (None: none were found). ``blocks_discarded``: the KV blocks
+        it held per KV-cache group when preempted (None when not given).
       device_hit_tokens: prompt tokens served from the device prefix cache at admission(s).
       host_hit_tokens: prompt tokens loaded from the host KV tier at admission(s); None when
         offloading is off.
@@ -127,9 +129,12 @@ class RequestLedger:
             kind = DECODE
         self.chunks.append((step, now, start, num_tokens, kind, redo))
 
-    def preempted(self, step: int, now: float, num_computed: int) -> None:
-        """Evicted by recompute in step ``step``, throwing away ``num_computed`` tokens of K/V."""
-        self.preemptions.append([step, now, num_computed, None, None, 0, 0, None, 0])
+    def preempted(
+        self, step: int, now: float, num_computed: int, group_blocks: list[int] | None = None
+    ) -> None:
+        """Evicted by recompute in step ``step``, throwing away ``num_computed`` tokens of K/V
+        held in ``group_blocks`` blocks per KV-cache group."""
+        self.preemptions.append([step, now, num_computed, None, None, 0, 0, None, 0, group_blocks])
         if num_computed > self.high_water:
             self.high_water = num_computed
 
@@ -204,6 +209,7 @@ class RequestLedger:
                 "tokens_recomputed": recomputed,
                 "resumed_by": resumed_by,
                 "host_tokens": host_tokens,
+                "kv_blocks_discarded": blocks,
             }
             for (
                 step,
@@ -215,6 +221,7 @@ class RequestLedger:
                 recomputed,
                 resumed_by,
                 host_tokens,
+                blocks,
             ) in self.preemptions
         ]
         ttft = rel(self.first_token_time)

@@ -7,7 +7,8 @@ request id, so a request's prompt and sampling params cross this boundary once (
 One step, for the runner:
   1. drop the rows of ``finished_req_ids`` and ``preempted_req_ids``;
   2. add a row for each of ``scheduled_new_reqs``;
-  3. for each of ``scheduled_cached_reqs``, append ``new_block_ids`` to its block table;
+  3. for each of ``scheduled_cached_reqs``, append ``new_block_ids`` to its block tables (one
+     per KV-cache group: ``jaxserve/core/kv_cache_groups.py``; a layer reads its group's);
   4. run ``num_scheduled_tokens[req_id]`` tokens of each scheduled request, starting at
      position ``num_computed_tokens`` (the token ids are ``all_token_ids[start:start+n]``;
      ``CachedRequestData.new_token_ids`` carries them);
@@ -40,8 +41,10 @@ class NewRequestData:
       sampling_params: the request's SamplingParams (temperature, top-p, seed, logprobs, ...).
       eos_token_id: the EOS id (None if the model has none); the sampler masks it, together
         with ``sampling_params.stop_token_ids``, while fewer than ``min_tokens`` were generated.
-      block_ids: the request's whole block table so far (prefix-cache hits first, then new
-        blocks). Token t lives in slot ``block_ids[t // block_size] * block_size + t % block_size``.
+      block_ids: the request's whole block tables so far, one list per KV-cache group, all of
+        one length (prefix-cache hits first, then new blocks; 0, the null block, where a
+        sliding-window group freed or never needed a block). In group g, token t lives in slot
+        ``block_ids[g][t // block_size] * block_size + t % block_size``.
       num_computed_tokens: tokens already in the cache (the prefix-cache hit, block-aligned);
         this step's tokens start at this position.
     """
@@ -51,7 +54,7 @@ class NewRequestData:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
 
 
@@ -63,10 +66,11 @@ class CachedRequestData:
 
     Attributes:
       req_ids: request ids.
-      new_block_ids: block ids appended to each request's block table this step (usually
-        empty for decode; one id when a block boundary is crossed). Block tables are
-        append-only while a request runs. Read-only: the requests that get no new block
-        share one empty list.
+      new_block_ids: per request, None when it gets no new block this step (usual for
+        decode), else the block ids appended to its block table of each KV-cache group (one
+        list per group, one id each when a block boundary is crossed). The runner's tables are
+        append-only while a request runs (a sliding-window group's freed blocks stay in them,
+        outside every query's window).
       num_computed_tokens: tokens in the cache before this step; this step's tokens start at
         this position.
       new_token_ids: the token ids this step feeds for each request,
@@ -76,7 +80,7 @@ class CachedRequestData:
     """
 
     req_ids: list[str] = dataclasses.field(default_factory=list)
-    new_block_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = dataclasses.field(default_factory=list)
     num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
     new_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
 

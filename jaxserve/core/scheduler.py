@@ -57,7 +57,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from jaxserve.core.engine_core_output import DecodeTokens, EngineCoreOutput
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_manager import KVCacheManager, block_ids
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import make_request_queue
 from jaxserve.core.runner_output import ModelRunnerOutput
@@ -151,7 +151,9 @@ class Scheduler:
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
-        self.kv_cache_manager = KVCacheManager(cache_config, num_gpu_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            cache_config, num_gpu_blocks, scheduler_config.max_num_batched_tokens
+        )
         self.block_size = cache_config.block_size
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_running_reqs = scheduler_config.max_num_seqs
@@ -369,13 +371,12 @@ class Scheduler:
             return True  # _admit_waiting does not try
         request = self.waiting.peek()
         kv = self.kv_cache_manager
-        hit_blocks, num_hit = kv.get_computed_blocks(request)
+        hit, num_hit = kv.get_computed_blocks(request)
         num_tokens = request.num_tokens
         if not (self.enable_chunked_prefill or request.num_preemptions > 0):
             if num_tokens - num_hit > budget:
                 return True
-        need = -(-num_tokens // self.block_size) - len(hit_blocks)
-        evictable = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        need, evictable = kv.admission_blocks(num_tokens, hit)
         return need > kv.num_free_blocks - evictable - kv.watermark_blocks
 
     def _settle(self) -> None:
@@ -440,13 +441,12 @@ class Scheduler:
         reqs = st.reqs
         n = len(reqs)
         k = st.steps + 1
-        no_blocks: list[int] = []
-        new_block_ids = [no_blocks] * n
+        new_block_ids: list[tuple[list[int], ...] | None] = [None] * n
         grow = st.grow_at.get(k)
         if grow:
             kv = self.kv_cache_manager
-            if len(grow) > kv.num_free_blocks:
-                return None  # a decode token needs at most one new block each
+            if len(grow) * kv.num_groups > kv.num_free_blocks:
+                return None  # a decode token needs at most one new block per group
             del st.grow_at[k]
             noop_end = kv.get_noop_ends()
             grow_at = st.grow_at
@@ -455,7 +455,7 @@ class Scheduler:
                 blocks = kv.allocate_slots(request, 1)
                 assert blocks is not None, "a block counted free could not be allocated"
                 if blocks:
-                    new_block_ids[i] = [b.block_id for b in blocks]
+                    new_block_ids[i] = block_ids(blocks)
                 # Its next call: the step whose token ends past its new no-op end; the very next
                 # one when that is not past this one (under async scheduling a block whose last
                 # token is still in flight is registered a step late).
@@ -493,7 +493,6 @@ class Scheduler:
         running = self.running
         priority = self._priority
         chunk_limit = self.chunk_limit
-        block_size = self.block_size
         step_index, now = step.index, step.now
         noop_end = kv.get_noop_ends()
         allocate = kv.allocate_slots
@@ -502,7 +501,7 @@ class Scheduler:
         add_req = step.scheduled.append
         add_id, add_blocks = cached.req_ids.append, cached.new_block_ids.append
         add_computed, add_tokens = cached.num_computed_tokens.append, cached.new_token_ids.append
-        no_blocks: list[int] = []  # new_block_ids of every request that gets no block (read-only)
+        no_blocks = None  # new_block_ids of every request that gets no block
         # Priority walks a copy: admissions insert into ``running`` and preemptions remove from
         # it while we walk; fcfs only pops victims off the end of ``running`` (which ends the
         # walk before them), so it walks the list itself.
@@ -561,9 +560,9 @@ class Scheduler:
                     new_blocks = allocate(request, num_new)
                 if new_blocks is None:
                     break  # preempted itself: it was the last running request
-                add_blocks([b.block_id for b in new_blocks] if new_blocks else no_blocks)
+                add_blocks(block_ids(new_blocks) if new_blocks else no_blocks)
             if end < num_tokens:  # a partial prompt chunk: the rest is spoken for
-                step.pending_blocks += -(-num_tokens // block_size) - -(-end // block_size)
+                step.pending_blocks += kv.blocks_to_grow(end, num_tokens)
             add_req(request)
             add_id(req_id)
             add_computed(num_computed)
@@ -618,9 +617,7 @@ class Scheduler:
             num_new = min(num_new, self.chunk_limit, budget)
         elif num_new > budget:
             return 0
-        block_size = self.block_size
-        need = -(-num_tokens // block_size) - len(hit_blocks)
-        evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        need, evictable_hits = kv.admission_blocks(num_tokens, hit_blocks)
 
         def available() -> int:
             if not running:
@@ -678,12 +675,12 @@ class Scheduler:
             step.index,
             step.now,
             num_hit,
-            None if kv.host_pool is None else len(hit_blocks) * block_size,
+            None if kv.host_pool is None else kv.device_hit_tokens(hit_blocks, num_hit),
         )
         ledger.scheduled(step.index, step.now, num_hit, num_new, request.num_prompt_tokens)
         end = num_hit + num_new
         if end < num_tokens:
-            step.pending_blocks += -(-num_tokens // block_size) - -(-end // block_size)
+            step.pending_blocks += kv.blocks_to_grow(end, num_tokens)
         return num_new
 
     def _preempt(self, victim: Request, step: _Step) -> None:
@@ -695,8 +692,10 @@ class Scheduler:
         self.running.pop()
         self._running_epoch += 1
         self._running_removals += 1
-        self.kv_cache_manager.free(victim, preempted=True)  # offloading: saved to the host
-        victim.ledger.preempted(step.index, step.now, victim.num_computed_tokens)
+        kv = self.kv_cache_manager
+        held = kv.group_blocks_held(victim.request_id)
+        kv.free(victim, preempted=True)  # offloading: saved to the host
+        victim.ledger.preempted(step.index, step.now, victim.num_computed_tokens, held)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1

@@ -73,7 +73,8 @@ class LLMEngine:
     ``step`` / ``abort_request`` (the async engine runs it on its own thread).
 
     Args:
-      config: resolved configs (``cache.num_gpu_blocks`` set from the runner's KV pool).
+      config: resolved configs (``cache.num_gpu_blocks`` set from the runner's KV pool;
+        ``cache.kv_cache_groups`` is taken from the runner's ``kv_layout``).
       runner: a ModelRunner with its KV cache allocated (and warmed up, if configured).
       arch: the model's ModelArchConfig.
       tokenizer: the model's tokenizer, or None (then prompts must be token ids and outputs
@@ -89,6 +90,11 @@ class LLMEngine:
         tokenizer: Tokenizer | None,
         generation_config: dict[str, Any],
     ) -> None:
+        layout = getattr(runner, "kv_layout", None)
+        if layout is not None and config.cache.kv_cache_groups != layout.sliding_windows:
+            # The runner's KV-cache groups decide: the scheduler's tables mirror its pool.
+            cache = dataclasses.replace(config.cache, kv_cache_groups=layout.sliding_windows)
+            config = dataclasses.replace(config, cache=cache)
         self.config = self.engine_config = config
         self.runner = runner
         self.arch = arch
@@ -122,7 +128,12 @@ class LLMEngine:
         manager = self.scheduler.kv_cache_manager
         self._block_pool = manager.record_kv_events(obs.kv_events_include_token_ids)
         endpoint = offset_endpoint(obs.kv_events_endpoint, obs.data_parallel_rank)
-        publisher = KVEventPublisher(endpoint, config.cache.block_size, obs.data_parallel_rank)
+        publisher = KVEventPublisher(
+            endpoint,
+            config.cache.block_size,
+            obs.data_parallel_rank,
+            group_windows=config.cache.kv_cache_groups,
+        )
         logger.info("publishing KV-cache events on %s", publisher.address)
         return publisher
 

@@ -197,10 +197,21 @@ def startup_report(llm: AsyncLLM, startup_s: float, args: argparse.Namespace | N
             f"(sequence buckets {list(runner.seq_buckets)})"
         )
     blocks, size = cfg.cache.num_gpu_blocks, cfg.cache.block_size
-    lines.append(
-        f"KV pool: {blocks} blocks x {size} tokens ({max(blocks - 1, 0) * size} usable tokens; "
-        f"block 0 is the null block)"
-    )
+    groups = cfg.cache.kv_cache_groups
+    if any(w is not None for w in groups):  # sliding-window groups: blocks are per group
+        layout = getattr(runner, "kv_layout", None)
+        kinds = ", ".join("full" if w is None else f"window {w}" for w in groups)
+        lines.append(
+            f"KV pool: {blocks} blocks x {size} tokens, shared by {len(groups)} KV-cache groups "
+            f"({kinds}"
+            + ("" if layout is None else f"; a block holds {layout.num_tensors} layers' K/V")
+            + "); block 0 is the null block"
+        )
+    else:
+        lines.append(
+            f"KV pool: {blocks} blocks x {size} tokens ({max(blocks - 1, 0) * size} usable "
+            f"tokens; block 0 is the null block)"
+        )
     num_host = getattr(cfg.cache, "num_host_blocks", 0)
     if num_host:
         lines.append(

@@ -53,14 +53,19 @@ def token_bucket_multiple(backend: str) -> int:
 class PagedAttentionMetadata:
     """Where this step's tokens go in the paged KV cache and what each one attends to.
 
-    T is the padded token bucket, S the padded sequence bucket.
+    T is the padded token bucket, S the padded sequence bucket, G the KV-cache groups (layers
+    that share a block table: ``jaxserve/core/kv_cache_groups.py``; 1 without sliding-window
+    layers). The model hands each layer ``for_layer(i)``: its group's ``[T]`` slots and
+    ``[S, P]`` block table, the shapes ``paged_attention`` and every kernel take.
 
     Attributes:
-      slot_mapping: int32 ``[T]``, flat cache slot of each step token
+      slot_mapping: int32 ``[G, T]``, per group the flat cache slot of each step token
         (``block_table[pos // block_size] * block_size + pos % block_size``); -1 for padding,
-        which writes nowhere.
-      block_tables: int32 ``[S, max_blocks_per_seq]``, block ids of each sequence, padded with the
-        null block 0.
+        which writes nowhere. (``[T]`` in a layer's view.)
+      block_tables: int32 ``[G, S, max_blocks_per_seq]``, per group the block ids of each
+        sequence, padded with the null block 0; a sliding-window group's entries before the
+        window may name blocks another request now holds (never read unmasked). (``[S, P]``
+        in a layer's view.)
       context_lens: int32 ``[S]``, tokens of each sequence in the cache after this step's writes
         (cached + new); 0 for padding sequences.
       query_start_loc: int32 ``[S + 1]``, cumulative query lengths; sequence i's tokens are
@@ -72,6 +77,9 @@ class PagedAttentionMetadata:
       mesh: static; the tensor-parallel mesh ``("model",)`` when it has more than one device,
         else None. With a mesh the cache write and the attention run per shard of heads
         (``shard_map``); the metadata arrays are replicated.
+      kv_layout: static; per layer, ``(group, array pair)``: the block table it reads and the
+        pool's ``(k_cache, v_cache)`` pair it uses (``KVCacheLayout.layer_kv``); None: one group,
+        layer i uses pair i.
     """
 
     slot_mapping: jax.Array
@@ -82,16 +90,30 @@ class PagedAttentionMetadata:
     backend: str = "xla"
     interpret: bool = False
     mesh: Mesh | None = None
+    kv_layout: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
         if self.backend not in ATTENTION_BACKENDS:
             raise ValueError(f"backend must be one of {ATTENTION_BACKENDS}, got {self.backend!r}")
 
+    def for_layer(self, layer: int) -> tuple[int, PagedAttentionMetadata]:
+        """Layer ``layer``'s pool array pair and its view of the step: its group's ``[T]`` slot
+        mapping and ``[S, P]`` block table (static indexing, free under jit), what
+        ``paged_attention`` takes."""
+        group, pair = (0, layer) if self.kv_layout is None else self.kv_layout[layer]
+        view = dataclasses.replace(
+            self,
+            slot_mapping=self.slot_mapping[group],
+            block_tables=self.block_tables[group],
+            kv_layout=None,
+        )
+        return pair, view
+
 
 jax.tree_util.register_dataclass(
     PagedAttentionMetadata,
     data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc", "num_seqs"],
-    meta_fields=["backend", "interpret", "mesh"],
+    meta_fields=["backend", "interpret", "mesh", "kv_layout"],
 )
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
@@ -116,7 +138,8 @@ def paged_attention(
       kv_cache: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, Dc]``; donate them.
         ``Dc >= D`` (``cache_head_dim``): q, k and v are zero-padded to ``Dc``, which changes
         no score, and the output is cut back to ``D``.
-      metadata: the step's ``PagedAttentionMetadata``.
+      metadata: the layer's view of the step's ``PagedAttentionMetadata`` (``for_layer``:
+        ``[T]`` slots, ``[S, P]`` block table).
       sm_scale: softmax scale, usually ``head_dim ** -0.5``.
       soft_cap: attention-logit soft cap (``cap * tanh(s / cap)``), or None.
       sliding_window: keys at positions ``> q_pos - sliding_window`` are visible, or None (all).
@@ -124,7 +147,15 @@ def paged_attention(
     Returns:
       ``(out [T, Hq, D] in q's dtype, (k_cache, v_cache))``; rows for padding tokens are
       unspecified (finite).
+
+    Raises:
+      ValueError: the step's metadata instead of a layer's view (a ``[G, S, P]`` block table).
     """
+    if metadata.block_tables.ndim != 2:
+        raise ValueError(
+            f"block_tables must be a layer's [S, P] table, got shape "
+            f"{tuple(metadata.block_tables.shape)}: pass metadata.for_layer(i)"
+        )
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if metadata.mesh is None:
         return _write_and_attend(q, k, v, kv_cache, metadata, kwargs)

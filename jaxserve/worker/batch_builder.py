@@ -150,27 +150,33 @@ class InputBatch:
       max_num_reqs: rows (the scheduler's max_num_seqs: a row per running request).
       max_model_len: longest sequence, tokens.
       block_size: tokens per KV block.
+      num_groups: KV-cache groups (a block table each; ``jaxserve/core/kv_cache_groups.py``).
 
     Attributes:
       token_ids: ``[max_num_reqs, max_model_len]`` int32, prompt + output tokens known so far.
       num_tokens: ``[max_num_reqs]`` int32, how many of them are known.
       num_prompt_tokens: ``[max_num_reqs]`` int32.
-      block_table: ``[max_num_reqs, max_blocks_per_req]`` int32, padded with the null block 0.
-      num_blocks: ``[max_num_reqs]`` int32, block ids held per row.
+      block_table: ``[num_groups, max_num_reqs, max_blocks_per_req]`` int32, padded with the
+        null block 0 (append-only: a sliding-window group's freed blocks stay, outside every
+        query's window).
+      num_blocks: ``[max_num_reqs]`` int32, block ids held per row (in each group's table).
       params: per row, the request's SamplingParams (None for a free row).
       eos_token_ids: per row, the EOS id or None.
       req_id_to_row: request id -> row.
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, num_groups: int = 1
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.num_groups = num_groups
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
         self.num_tokens = np.zeros(max_num_reqs, np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
-        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), np.int32)
+        self.block_table = np.zeros((num_groups, max_num_reqs, self.max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
@@ -209,7 +215,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = n_prompt
         self.num_blocks[row] = 0
-        self.block_table[row] = 0
+        self.block_table[:, row] = 0
         self.append_block_ids(row, new.block_ids)
         self.params[row] = new.sampling_params
         self.eos_token_ids[row] = new.eos_token_id
@@ -231,14 +237,25 @@ class InputBatch:
         self._free_rows.append(row)
         self.row_changes += 1
 
-    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
-        """Appends block ids to the row's block table."""
-        if not block_ids:
+    def append_block_ids(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        """Appends block ids to the row's block tables, one list per group (all of one length).
+
+        Raises:
+          AssertionError: not one list per group, lists of different lengths, or a table
+            longer than a row.
+        """
+        assert len(block_ids) == self.num_groups, (
+            f"{len(block_ids)} tables, {self.num_groups} groups"
+        )
+        n = len(block_ids[0])
+        if not n:
             return
         start = int(self.num_blocks[row])
-        end = start + len(block_ids)
+        end = start + n
         assert end <= self.max_blocks_per_req, f"block table of row {row} overflows ({end} blocks)"
-        self.block_table[row, start:end] = block_ids
+        for g, ids in enumerate(block_ids):
+            assert len(ids) == n, f"groups' new blocks differ in number: {block_ids}"
+            self.block_table[g, row, start:end] = ids
         self.num_blocks[row] = end
 
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
@@ -262,7 +279,7 @@ class _SteadyRun:
     last: StepBatch
     positions: slice
     context_lens: slice
-    slots: slice
+    slots: list[slice]  # per KV-cache group
     input_ids: slice
     prev_index: slice
     first_at: list[np.ndarray]
@@ -423,13 +440,14 @@ class BatchBuilder:
         packed = last.inputs.packed.copy()
         packed[run.positions] += 1  # positions, context lengths and slots, one on
         packed[run.context_lens] += 1
-        packed[run.slots] += 1
+        for slots in run.slots:
+            packed[slots] += 1
         first = run.first_at[k % batch.block_size]  # at a block's first position: a new block's
         if len(first):
             bs = batch.block_size
-            packed[run.slots.start + first] = (
-                batch.block_table[rows[first], start[first] // bs] * bs
-            )
+            new_slots = batch.block_table[:, rows[first], start[first] // bs] * bs  # [G, n]
+            for slots, group_slots in zip(run.slots, new_slots):
+                packed[slots.start + first] = group_slots
         pending = start >= batch.num_tokens[rows]  # its token is the one ``last`` samples
         if pending.all():
             if not run.prev_identity:  # input ids are not read
@@ -443,7 +461,7 @@ class BatchBuilder:
         inputs = StepInputs(packed, prev, last.inputs.layout)
         if self._grown:
             grown = np.asarray(self._grown)
-            inputs.block_tables[grown] = batch.block_table[rows[grown]]
+            inputs.block_tables[:, grown] = batch.block_table[:, rows[grown]]
         step = StepBatch(
             inputs=inputs,
             req_ids=req_ids,
@@ -474,6 +492,11 @@ class BatchBuilder:
             return None
         off = StepInputs.offsets(last.inputs.layout)
         at = {f: slice(o, o + n) for f, (o, _, _) in off.items()}
+        _, _, (num_groups, t) = off["slot_mapping"]  # one slot row of T per group
+        slots = [
+            slice(at["slot_mapping"].start + g * t, at["slot_mapping"].stop + g * t)
+            for g in range(num_groups)
+        ]
         bs = self.batch.block_size
         # the rows whose position k steps after last's is a block's first: (start + k) % bs == 0
         residue = last.start_positions % bs
@@ -482,7 +505,7 @@ class BatchBuilder:
             last=last,
             positions=at["positions"],
             context_lens=at["context_lens"],
-            slots=at["slot_mapping"],
+            slots=slots,
             input_ids=at["input_ids"],
             prev_index=at["prev_index"],
             first_at=first_at,
@@ -532,16 +555,16 @@ class BatchBuilder:
         seq_of_tok = np.repeat(np.arange(num_reqs), n_sched)  # [total]
         positions = np.arange(total) - np.repeat(cu - n_sched, n_sched) + start[seq_of_tok]
         row_of_tok = rows[seq_of_tok]
-        block_ids = batch.block_table[row_of_tok, positions // bs]
+        block_ids = batch.block_table[:, row_of_tok, positions // bs]  # [G, total]
 
         input_ids = np.zeros(T, np.int32)
         input_ids[:total] = batch.token_ids[row_of_tok, positions]  # pending ones: from prev_idx
         pos_pad = np.zeros(T, np.int32)
         pos_pad[:total] = positions
-        slot_mapping = np.full(T, -1, np.int32)
-        slot_mapping[:total] = block_ids * bs + positions % bs
-        block_tables = np.zeros((S, batch.max_blocks_per_req), np.int32)
-        block_tables[:num_reqs] = batch.block_table[rows]
+        slot_mapping = np.full((batch.num_groups, T), -1, np.int32)
+        slot_mapping[:, :total] = block_ids * bs + positions % bs
+        block_tables = np.zeros((batch.num_groups, S, batch.max_blocks_per_req), np.int32)
+        block_tables[:, :num_reqs] = batch.block_table[:, rows]
         context_lens = np.zeros(S, np.int32)
         context_lens[:num_reqs] = end
         query_start_loc = np.full(S + 1, total, np.int32)

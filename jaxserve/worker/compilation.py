@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxserve.core.kv_cache_groups import KVCacheLayout, blocks_per_sequence
 from jaxserve.model.attention import PagedAttentionMetadata
 from jaxserve.model.sharding import gather_logits
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -73,6 +74,8 @@ class StepGraph:
       interpret: run the Pallas kernel in Pallas interpret mode (``--pallas-interpret``).
       mesh: the tensor-parallel mesh when it has more than one device (attention per shard
         under shard_map, logits gathered before the sampler), else None.
+      kv_layout: per layer, ``(KV-cache group, pool array pair)``
+        (``PagedAttentionMetadata.kv_layout``); None: one group, a pair per layer.
       traces: traces per step function ("forward", "sampler", "prompt_logprobs").
     """
 
@@ -82,6 +85,7 @@ class StepGraph:
     interpret: bool = False
     mesh: Mesh | None = None
     state_def: Any = None
+    kv_layout: tuple[tuple[int, int], ...] | None = None
     traces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -101,6 +105,7 @@ def forward_step(graph: StepGraph, params: list, kv_caches: list, inputs: StepIn
         backend=graph.backend,
         interpret=graph.interpret,
         mesh=graph.mesh,
+        kv_layout=graph.kv_layout,
     )
     # Async scheduling: tokens sampled by the previous step come straight from its output.
     prev = inputs.prev_index  # [T]
@@ -166,6 +171,7 @@ class RunnerFields(Protocol):
     input_batch: InputBatch
     warmup_sampling: tuple[SamplingParams, ...]
     kv_head_dim: int
+    kv_layout: KVCacheLayout
     kv_spec: KVCacheSpec | None
     kv_caches: list | None
     aot_forward: dict[int, Any]
@@ -191,23 +197,21 @@ def padding_inputs(runner: RunnerFields, token_bucket: int) -> StepInputs:
         seq_bucket(token_bucket, runner.max_num_seqs),
         runner.input_batch.max_blocks_per_req,
         runner.graph.max_seqs,
+        len(runner.kv_layout.groups),
     )
 
 
 def _probe_spec(runner: RunnerFields, num_blocks: int) -> KVCacheSpec:
     arch, dtype = runner.arch, runner.dtype
+    num_tensors = runner.kv_layout.num_tensors
     return KVCacheSpec(
         num_blocks=num_blocks,
         block_size=runner.block_size,
-        num_layers=arch.num_layers,
+        num_layers=num_tensors,
         num_kv_heads=arch.num_kv_heads,
         head_dim=runner.kv_head_dim,
         dtype=dtype.name,
-        bytes_per_token=2
-        * arch.num_layers
-        * arch.num_kv_heads
-        * runner.kv_head_dim
-        * dtype.itemsize,
+        bytes_per_token=2 * num_tensors * arch.num_kv_heads * runner.kv_head_dim * dtype.itemsize,
         source="probe",
         num_shards=runner.mesh.size,
     )
@@ -275,8 +279,9 @@ def initialize_kv_cache(runner: RunnerFields) -> KVCacheSpec:
         t0 = time.perf_counter()
         peak = profile_peak_activation_bytes(runner)
         runner.compile_seconds += time.perf_counter() - t0
+    layout = runner.kv_layout
     spec = determine_kv_cache_spec(
-        num_layers=arch.num_layers,
+        num_layers=layout.num_tensors,
         num_kv_heads=arch.num_kv_heads,
         head_dim=runner.kv_head_dim,
         dtype=runner.dtype,
@@ -285,6 +290,12 @@ def initialize_kv_cache(runner: RunnerFields) -> KVCacheSpec:
         num_gpu_blocks_override=cache.num_gpu_blocks_override,
         max_num_seqs=runner.max_num_seqs,
         max_model_len=runner.max_model_len,
+        blocks_per_seq=blocks_per_sequence(
+            layout.sliding_windows,
+            runner.max_model_len,
+            runner.block_size,
+            runner.config.scheduler.max_num_batched_tokens,
+        ),
         device=devices,
         peak_activation_bytes=peak,
         num_shards=runner.mesh.size,

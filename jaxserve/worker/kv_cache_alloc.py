@@ -10,7 +10,9 @@ anything else already on the device) and the step's peak activation memory are a
 ``compiled.memory_analysis()`` of the largest step bucket (temporaries plus outputs that do not
 alias a donated input), measured by the runner before the pool exists. CPU devices report no
 memory stats; there the pool holds ``max_num_seqs`` full-length sequences (plus the null block),
-capped at ``CPU_KV_CACHE_CAP_BYTES`` (1 GiB per device). ``num_gpu_blocks_override`` bypasses both.
+capped at ``CPU_KV_CACHE_CAP_BYTES`` (1 GiB per device); a sequence's blocks are counted per
+KV-cache group (``jaxserve.core.kv_cache_groups.blocks_per_sequence``: a sliding-window group
+holds its window only). ``num_gpu_blocks_override`` bypasses both.
 
 Tensor parallel (``num_shards`` > 1): every device holds ``1 / num_shards`` of each token's KV
 (its KV heads), so the pool is sized from each device's own budget and its share of a token's
@@ -19,6 +21,8 @@ over several processes, the process with the least room (``min_over_processes``)
 
 Layout (docs/ARCHITECTURE.md): one ``(k_cache, v_cache)`` pair per layer, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype; block 0 is the null block.
+With KV-cache groups (``jaxserve/core/kv_cache_groups.py``) the groups share the pairs: one pair
+per layer of a group (``KVCacheLayout.num_tensors``), so a block is that many layers' memory.
 """
 
 from __future__ import annotations
@@ -51,9 +55,12 @@ class KVCacheSpec:
     Attributes:
       num_blocks: blocks in the pool, the null block included.
       block_size: tokens per block.
-      num_layers, num_kv_heads, head_dim: per-layer array shape parts.
+      num_layers: ``(k_cache, v_cache)`` pairs in the pool: the model's layers, or the layers
+        of one KV-cache group when the groups share the pairs (``KVCacheLayout.num_tensors``).
+      num_kv_heads, head_dim: per-layer array shape parts.
       dtype: element dtype name ("float32", "bfloat16").
-      bytes_per_token: ``2 * num_layers * num_kv_heads * head_dim * itemsize``, bytes.
+      bytes_per_token: ``2 * num_layers * num_kv_heads * head_dim * itemsize``, bytes: one
+        block-slot's bytes (a token's K/V in one group's layers).
       source: how num_blocks was chosen: "override", "memory" or "cpu-default".
       num_shards: devices the KV heads are split over (tensor parallel size).
     """
@@ -102,11 +109,18 @@ def device_memory(device: jax.Device) -> tuple[int, int] | None:
 
 
 def cpu_default_num_blocks(
-    max_num_seqs: int, max_model_len: int, block_size: int, bytes_per_token: int
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    bytes_per_token: int,
+    blocks_per_seq: int | None = None,
 ) -> int:
     """Blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens plus the null block,
-    capped at ``CPU_KV_CACHE_CAP_BYTES``; at least 2."""
-    wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
+    capped at ``CPU_KV_CACHE_CAP_BYTES``; at least 2. ``blocks_per_seq``: one sequence's
+    blocks, all KV-cache groups together (default ``ceil(max_model_len / block_size)``)."""
+    if blocks_per_seq is None:
+        blocks_per_seq = math.ceil(max_model_len / block_size)
+    wanted = max_num_seqs * blocks_per_seq + 1
     cap = CPU_KV_CACHE_CAP_BYTES // (block_size * bytes_per_token)
     return max(2, min(wanted, cap))
 
@@ -125,12 +139,14 @@ def determine_kv_cache_spec(
     device: jax.Device | Sequence[jax.Device],
     peak_activation_bytes: int = 0,
     num_shards: int = 1,
+    blocks_per_seq: int | None = None,
 ) -> KVCacheSpec:
     """Chooses the number of KV blocks (see the module docstring for the rule).
 
     Args:
-      num_layers, num_kv_heads, head_dim: the model's attention shape (``num_kv_heads`` counts
-        every shard's heads, replicated ones included).
+      num_layers, num_kv_heads, head_dim: the pool's array shape (``num_layers``: its
+        ``(k_cache, v_cache)`` pairs, ``KVCacheSpec.num_layers``; ``num_kv_heads`` counts every
+        shard's heads, replicated ones included).
       dtype: the KV cache dtype (the model dtype).
       block_size: tokens per block.
       gpu_memory_utilization: fraction of the device's memory the engine may use, in (0, 1].
@@ -140,6 +156,9 @@ def determine_kv_cache_spec(
       peak_activation_bytes: the largest step's activation memory per device, bytes (from
         ``compiled.memory_analysis()``); ignored on CPU and with an override.
       num_shards: devices the KV heads are split over; each holds ``1 / num_shards`` of a token.
+      blocks_per_seq: one ``max_model_len`` sequence's blocks, all KV-cache groups together
+        (``blocks_per_sequence``), for the CPU default; None: ``ceil(max_model_len /
+        block_size)``.
 
     Returns:
       The KVCacheSpec.
@@ -166,7 +185,9 @@ def determine_kv_cache_spec(
     )
     mems = [device_memory(d) for d in devices]
     if any(m is None for m in mems):
-        blocks = cpu_default_num_blocks(max_num_seqs, max_model_len, block_size, per_device)
+        blocks = cpu_default_num_blocks(
+            max_num_seqs, max_model_len, block_size, per_device, blocks_per_seq
+        )
         return KVCacheSpec(num_blocks=blocks, source="cpu-default", **common)
     # The device with the least room decides: every device holds the same blocks.
     limit, in_use = min(mems, key=lambda m: int(gpu_memory_utilization * m[0]) - m[1])

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.core.kv_cache_groups import make_kv_cache_layout
 from jaxserve.core.kv_cache_utils import load_beats_recompute
 from jaxserve.core.runner_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -191,6 +192,13 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_num_seqs = sched.max_num_seqs
         self.max_model_len = sched.max_model_len
+        # KV-cache groups (jaxserve/core/kv_cache_groups.py): the scheduler gets their windows
+        # (CacheConfig.kv_cache_groups), the step each layer's group and pool array pair.
+        self.kv_layout = make_kv_cache_layout(
+            arch.layer_sliding_windows,
+            hybrid=not config.cache.disable_hybrid_kv_cache_manager,
+            max_model_len=sched.max_model_len,
+        )
         self.token_buckets = resolve_token_buckets(
             config.runner.token_buckets,
             sched.max_num_batched_tokens,
@@ -207,8 +215,11 @@ class ModelRunner:
             self.interpret,
             self.step_mesh,
             state_def=state_def,
+            kv_layout=self.kv_layout.layer_kv if len(self.kv_layout.groups) > 1 else None,
         )
-        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
+        self.input_batch = InputBatch(
+            sched.max_num_seqs, sched.max_model_len, self.block_size, len(self.kv_layout.groups)
+        )
         self.builder = BatchBuilder(self.input_batch, self.token_buckets, self.max_num_seqs)
         self.warmup_sampling = warmup_sampling
         self.kv_spec: KVCacheSpec | None = None
@@ -237,12 +248,14 @@ class ModelRunner:
         self._last_params: list[SamplingParams] = []
         logger.info(
             "model runner: attention backend %s%s, KV head dim %d, token buckets %s, "
-            "sequence buckets %s",
+            "sequence buckets %s, KV-cache groups %s (%d array pairs)",
             self.backend,
             " (Pallas interpret mode)" if self.interpret else "",
             self.kv_head_dim,
             self.token_buckets,
             self.seq_buckets,
+            [(g.sliding_window or "full", len(g.layers)) for g in self.kv_layout.groups],
+            self.kv_layout.num_tensors,
         )
 
     # ------------------------------------------------------------------ start-up

@@ -58,8 +58,10 @@ class StepInputs:
     Fields (views of ``packed``):
       input_ids: ``[T]`` token ids (0 for padding).
       positions: ``[T]`` position of each token in its sequence (0 for padding).
-      slot_mapping: ``[T]`` flat cache slot of each token; -1 for padding.
-      block_tables: ``[S, P]`` block ids per sequence, padded with the null block 0.
+      slot_mapping: ``[G, T]`` per KV-cache group, the flat cache slot of each token; -1 for
+        padding.
+      block_tables: ``[G, S, P]`` per KV-cache group, the block ids of each sequence, padded
+        with the null block 0.
       context_lens: ``[S]`` tokens in the cache after this step's writes; 0 for padding.
       query_start_loc: ``[S + 1]`` cumulative query lengths (padding sequences are empty).
       num_seqs: ``[]`` real sequences.
@@ -109,10 +111,16 @@ class StepInputs:
 
     @classmethod
     def padding(
-        cls, token_bucket: int, seq_bucket: int, max_blocks_per_req: int, max_seq_bucket: int
+        cls,
+        token_bucket: int,
+        seq_bucket: int,
+        max_blocks_per_req: int,
+        max_seq_bucket: int,
+        num_groups: int = 1,
     ) -> StepInputs:
-        """All-padding inputs of a ``[T = token_bucket, S = seq_bucket]`` step: one sequence of
-        one token whose slot is -1 (it writes nothing); for compiling and profiling."""
+        """All-padding inputs of a ``[T = token_bucket, S = seq_bucket]`` step with
+        ``num_groups`` KV-cache groups: one sequence of one token whose slots are -1 (it writes
+        nothing); for compiling and profiling."""
         query_start_loc = np.ones(seq_bucket + 1, np.int32)
         query_start_loc[0] = 0
         context_lens = np.zeros(seq_bucket, np.int32)
@@ -120,8 +128,8 @@ class StepInputs:
         return cls.from_arrays(
             input_ids=np.zeros(token_bucket, np.int32),
             positions=np.zeros(token_bucket, np.int32),
-            slot_mapping=np.full(token_bucket, -1, np.int32),
-            block_tables=np.zeros((seq_bucket, max_blocks_per_req), np.int32),
+            slot_mapping=np.full((num_groups, token_bucket), -1, np.int32),
+            block_tables=np.zeros((num_groups, seq_bucket, max_blocks_per_req), np.int32),
             context_lens=context_lens,
             query_start_loc=query_start_loc,
             num_seqs=np.asarray(1, np.int32),

@@ -52,6 +52,7 @@ def make_scheduler(
     max_model_len: int = 2048,
     prefix_caching: bool = True,
     watermark: float = 0.0,
+    kv_cache_groups: tuple[int | None, ...] = (),
 ) -> Scheduler:
     sched_cfg = SchedulerConfig(
         max_num_batched_tokens=budget,
@@ -62,7 +63,10 @@ def make_scheduler(
         max_model_len=max_model_len,
     )
     cache_cfg = CacheConfig(
-        block_size=block_size, enable_prefix_caching=prefix_caching, watermark=watermark
+        block_size=block_size,
+        enable_prefix_caching=prefix_caching,
+        watermark=watermark,
+        kv_cache_groups=kv_cache_groups,
     )
     return Scheduler(sched_cfg, cache_cfg, num_gpu_blocks=num_blocks)
 
@@ -76,10 +80,16 @@ def fake_token(req_id: str, position: int, tokens: list[int] | None = None) -> i
 class FakeRunner:
     """Plays the model runner against a SchedulerOutput, mirroring its persistent batch.
 
-    It keeps per request its token list and block table the way the real runner must (adds
-    rows from NewRequestData, appends CachedRequestData.new_block_ids, drops finished and
-    preempted rows), checks the scheduler's bookkeeping against it, and samples
-    ``token_fn(req_id, position)`` for each request that reached the end of its tokens.
+    It keeps per request its token list and block tables (one per KV-cache group) the way the
+    real runner must (adds rows from NewRequestData, appends CachedRequestData.new_block_ids,
+    drops finished and preempted rows), checks the scheduler's bookkeeping against it, and
+    samples ``token_fn(req_id, position)`` for each request that reached the end of its tokens.
+
+    With sliding-window groups it also checks what attention would read there: after the step's
+    writes, every key a scheduled token sees in its window sits, through the runner's own
+    append-only tables, in a slot that holds exactly that token at that position (a
+    full-attention group's tables only grow: its hits are checked at admission, as without
+    groups).
     """
 
     def __init__(
@@ -90,8 +100,26 @@ class FakeRunner:
         self.eos_at = eos_at or {}
         self.rows: dict[str, dict] = {}
         self.finish_reasons: dict[str, str] = {}
-        # Simulated device cache content: slot -> (token id, position), to check block tables.
-        self.slots: dict[int, tuple[int, int]] = {}
+        # Simulated device cache content: (group, slot) -> (token id, position).
+        self.slots: dict[tuple[int, int], tuple[int, int]] = {}
+        self.windows = scheduler.kv_cache_manager.sliding_windows
+        self.check_reads = any(w is not None for w in self.windows)
+
+    def _check_reads(self, req_id: str, start: int, end: int) -> None:
+        """Every key that tokens ``[start, end)`` of the request read, in every sliding group."""
+        bs = self.scheduler.block_size
+        row = self.rows[req_id]
+        tokens = row["tokens"]
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            table = row["blocks"][g]
+            lo = max(0, start - window + 1)
+            for pos in range(lo, end):
+                block = table[pos // bs]
+                assert block != 0, (req_id, g, pos, "a key in the window sits in the null block")
+                got = self.slots.get((g, block * bs + pos % bs))
+                assert got == (tokens[pos], pos), (req_id, g, pos, got)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.scheduler.block_size
@@ -99,15 +127,20 @@ class FakeRunner:
             self.rows.pop(req_id, None)
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.rows, new.req_id
+            assert len(new.block_ids) == len(self.windows), new.block_ids
+            assert len({len(t) for t in new.block_ids}) == 1, new.block_ids
             self.rows[new.req_id] = {
                 "tokens": list(new.prompt_token_ids) + list(new.output_token_ids),
-                "blocks": list(new.block_ids),
+                "blocks": [list(t) for t in new.block_ids],
                 "computed": new.num_computed_tokens,
             }
         cached = out.scheduled_cached_reqs
         for k, req_id in enumerate(cached.req_ids):
             row = self.rows[req_id]
-            row["blocks"].extend(cached.new_block_ids[k])
+            if cached.new_block_ids[k] is not None:
+                assert len(cached.new_block_ids[k]) == len(self.windows)
+                for table, ids in zip(row["blocks"], cached.new_block_ids[k]):
+                    table.extend(ids)
             assert cached.num_computed_tokens[k] == row["computed"], req_id
             n = out.num_scheduled_tokens[req_id]
             start = row["computed"]
@@ -119,15 +152,24 @@ class FakeRunner:
                 assert cached.new_token_ids[k] == row["tokens"][start : start + n], req_id
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
+        spans = {}
         for req_id in req_ids:
             row = self.rows[req_id]
             n = out.num_scheduled_tokens[req_id]
             start = row["computed"]
             assert start + n <= len(row["tokens"])
             for pos in range(start, start + n):  # "write" K/V through the slot mapping
-                slot = row["blocks"][pos // bs] * bs + pos % bs
-                assert row["blocks"][pos // bs] != 0, "null block written"
-                self.slots[slot] = (row["tokens"][pos], pos)
+                for g, table in enumerate(row["blocks"]):
+                    assert table[pos // bs] != 0, "null block written"
+                    self.slots[(g, table[pos // bs] * bs + pos % bs)] = (row["tokens"][pos], pos)
+            spans[req_id] = (start, start + n)
+        if self.check_reads:  # after every write of the step, as the kernels read
+            for req_id, (start, end) in spans.items():
+                self._check_reads(req_id, start, end)
+        for req_id in req_ids:
+            row = self.rows[req_id]
+            start = row["computed"]
+            n = out.num_scheduled_tokens[req_id]
             row["computed"] = start + n
             if row["computed"] == len(row["tokens"]):
                 pos = len(row["tokens"])
@@ -140,9 +182,12 @@ class FakeRunner:
         # writes: a block cached by a request earlier in the same step is written by this step).
         for new in out.scheduled_new_reqs:
             tokens = self.rows[new.req_id]["tokens"]
-            for pos in range(new.num_computed_tokens):
-                slot = new.block_ids[pos // bs] * bs + pos % bs
-                assert self.slots.get(slot) == (tokens[pos], pos), (new.req_id, pos)
+            for g, window in enumerate(self.windows):
+                if window is not None:
+                    continue  # a window's hit blocks are checked by _check_reads
+                for pos in range(new.num_computed_tokens):
+                    slot = new.block_ids[g][pos // bs] * bs + pos % bs
+                    assert self.slots.get((g, slot)) == (tokens[pos], pos), (new.req_id, g, pos)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -163,9 +208,12 @@ def check_scheduler_invariants(s: Scheduler, out: SchedulerOutput) -> None:
         assert max(out.num_scheduled_tokens.values(), default=0) <= cfg.long_prefill_token_threshold
     kv = s.kv_cache_manager
     owners: dict[int, int] = {}
-    for blocks in kv.req_to_blocks.values():
-        for b in blocks:
-            owners[b.block_id] = owners.get(b.block_id, 0) + 1
+    for tables in kv.req_to_blocks.values():
+        assert len(tables) == kv.num_groups and len({len(t) for t in tables}) == 1
+        for blocks in tables:
+            for b in blocks:
+                if not b.is_null:
+                    owners[b.block_id] = owners.get(b.block_id, 0) + 1
     for block in kv.block_pool.blocks[1:]:
         assert block.ref_cnt == owners.get(block.block_id, 0), block
     assert set(kv.req_to_blocks) == {r.request_id for r in s.running}
@@ -208,3 +256,60 @@ def step(s: Scheduler, runner: FakeRunner):
     out = s.schedule()
     check_scheduler_invariants(s, out)
     return out, s.update_from_output(out, runner.execute(out))
+
+
+def run_random_workload(
+    s: Scheduler,
+    rng,
+    *,
+    num_requests: int = 40,
+    max_prompt: int = 100,
+    max_len: int = 160,
+    abort_rate: float = 0.03,
+) -> None:
+    """Random arrivals (prompts of 1..``max_prompt`` tokens from a few shared bases, outputs up
+    to ``max_len`` in all, random priorities) and aborts, stepped through ``s`` and a
+    FakeRunner until drained, checking the invariants each step; then every request's tokens
+    are the fake model's (an aborted one's a prefix of them) and no block is held."""
+    runner = FakeRunner(s)
+    bases = [[rng.randrange(900) for _ in range(64)] for _ in range(3)]
+    want, outs, aborted, arrivals = {}, {}, set(), 0
+    for step in range(3000):
+        if arrivals < num_requests and rng.random() < 0.3:
+            p = rng.randint(1, max_prompt)
+            m = rng.randint(0, max_len - 1 - p) if rng.random() < 0.9 else rng.randint(1, 3)
+            prompt = (rng.choice(bases) + [rng.randrange(900) for _ in range(max_prompt)])[:p]
+            req_id = f"q{arrivals}"
+            try:
+                s.add_request(
+                    make_request(
+                        req_id,
+                        prompt,
+                        max_tokens=m,
+                        priority=rng.randint(0, 3),
+                        arrival_time=float(step),
+                    )
+                )
+                want[req_id] = expected_tokens(req_id, p, m)
+            except ValueError as e:
+                assert not s.enable_chunked_prefill and p > s.max_num_scheduled_tokens, e
+            arrivals += 1
+        if s.requests and rng.random() < abort_rate:
+            victim = rng.choice(sorted(s.requests))
+            s.abort_requests(victim)
+            aborted.add(victim)
+        if not s.has_unfinished_requests() and arrivals >= num_requests:
+            break
+        out = s.schedule()
+        check_scheduler_invariants(s, out)
+        for o in s.update_from_output(out, runner.execute(out)):
+            outs.setdefault(o.req_id, []).extend(o.new_token_ids)
+    else:
+        raise AssertionError("workload did not drain")
+    for req_id, tokens in want.items():
+        if req_id in aborted:
+            assert tokens[: len(outs.get(req_id, []))] == outs.get(req_id, [])
+        else:
+            assert outs.get(req_id, []) == tokens, req_id
+    kv = s.kv_cache_manager
+    assert kv.usage == 0.0 and kv.req_to_blocks == {} and len(s.waiting) == 0 and s.running == []

@@ -73,7 +73,7 @@ def test_evicted_cached_block_is_saved_then_reloaded_as_host_hit():
     kv.free(b)  # its 4 full blocks are cached; free queue: 1, 2, 3, 4 (its last block first)
     a2 = req("a2", list(range(33)))  # same prompt as a: 2 host hits
     hits, num_hit = kv.get_computed_blocks(a2)
-    assert hits == [] and num_hit == 2 * B
+    assert hits == (a2.block_hashes[:2],) and num_hit == 2 * B  # both from the host tier
     assert schedule(kv, a2) == ([], [1, 2, 3])
     # Evicting b's blocks 1, 2, 3 saves two of them into free slots 2, 3; the third is dropped
     # (slots 0 and 1 are pinned: this step loads them into the first two new blocks).
@@ -100,16 +100,16 @@ def test_device_chain_then_host_chain_and_salts_never_share():
     assert transfers(kv) == ([3], [0], [], [])
     a2 = req("a2", prompt)
     hits, num_hit = kv.get_computed_blocks(a2)
-    assert [b.block_id for b in hits] == [1, 2] and num_hit == 3 * B  # device 2 + host 1
+    assert [b.block_id for b in hits[0][:2]] == [1, 2] and num_hit == 3 * B  # device 2 + host 1
     salted = req("s", prompt, salt="other")
-    assert kv.get_computed_blocks(salted) == ([], 0)  # the salt is in every hash
+    assert kv.get_computed_blocks(salted)[1] == 0  # the salt is in every hash
     kv.free(c)  # free queue: 2, 1, 3, 4 -> after a2 touches its hits: 3, 4
     assert schedule(kv, a2) == ([1, 2], [3, 4])
     # c's cached first block (4) is saved; slot 0 is loaded into 3, the first new block.
     assert transfers(kv) == ([4], [1], [0], [3])
     kv.free(a2)
     kv.free(salted)
-    assert kv.usage == 0.0 and not kv._host_hits
+    assert kv.usage == 0.0
 
 
 def test_reset_prefix_cache_clears_the_host_tier():
@@ -122,7 +122,7 @@ def test_reset_prefix_cache_clears_the_host_tier():
     kv.free(b)
     assert kv.reset_prefix_cache()
     assert kv.host_pool.get_usage() == 0.0
-    assert kv.get_computed_blocks(req("a2", list(range(33)))) == ([], 0)
+    assert kv.get_computed_blocks(req("a2", list(range(33))))[1] == 0
 
 
 def test_offloading_is_off_by_default_and_without_prefix_caching():
@@ -163,11 +163,11 @@ def test_preempted_blocks_are_saved_at_once_and_the_resume_loads_them():
     # The resume: block 1 from the device, block 2's tokens from host slot 0 (a load: the
     # costs are unmeasured, 0, so loading is never dearer); d's block 3 is evicted to slot 1.
     hits, num_hit = kv.get_computed_blocks(a)
-    assert [b.block_id for b in hits] == [1] and num_hit == 2 * B
+    assert [b.block_id for b in hits[0][:1]] == [1] and num_hit == 2 * B
     assert schedule(kv, a) == ([1], [2, 3])
     assert transfers(kv) == ([3], [1], [0], [2])
-    assert kv.get_block_ids("a") == [1, 2, 3]
-    assert a.ledger.preemptions[-1][7:] == ["load", B]
+    assert kv.get_block_ids("a") == ([1, 2, 3],)
+    assert a.ledger.preemptions[-1][7:9] == ["load", B]
     stats = kv.make_stats()
     assert stats.resumed_loaded_tokens == B and stats.resumed_recomputed_tokens == 0
     assert stats.offload_loaded_tokens == B and stats.offload_stored_tokens == 2 * B
@@ -176,7 +176,7 @@ def test_preempted_blocks_are_saved_at_once_and_the_resume_loads_them():
     assert transfers(kv) is None
     kv.free(c)
     kv.free(a)
-    assert kv.usage == 0.0 and not kv._host_hits and not kv._resume_choice
+    assert kv.usage == 0.0 and not kv._resume_choice
     check_host_invariants(kv.host_pool)
     assert sorted(kv.host_pool.cached.values()) == [0, 1]
     assert kv.reset_prefix_cache() and kv.host_pool.get_usage() == 0.0
@@ -199,10 +199,10 @@ def test_resume_recomputes_when_the_cost_model_says_loading_is_dearer():
     kv.free(d)
     # One host block to get back: recomputing it is cheaper, so it is not a hit.
     hits, num_hit = kv.get_computed_blocks(a)
-    assert [b.block_id for b in hits] == [1] and num_hit == B
+    assert [b.block_id for b in hits[0]] == [1] and num_hit == B
     assert schedule(kv, a) == ([1], [2, 3])
     assert transfers(kv) == ([3], [1], [], [])  # d's block 3 is saved; nothing is loaded
-    assert a.ledger.preemptions[-1][7:] == ["recompute", B]
+    assert a.ledger.preemptions[-1][7:9] == ["recompute", B]
     stats = kv.make_stats()
     assert stats.resumed_loaded_tokens == 0 and stats.resumed_recomputed_tokens == B
     assert stats.offload_loaded_tokens == 0
@@ -222,12 +222,12 @@ def test_free_registers_a_block_completed_by_a_token_that_was_in_flight():
     a = req("a", list(range(31)))
     assert schedule(kv, a) == ([], [1, 2])
     a.append_output_token_ids(31)  # synchronous: position 31 is known when it is scheduled
-    assert kv.allocate_slots(a, 1) == []
+    assert kv.allocate_slots(a, 1) == ()
     a.num_computed_tokens = 32
     assert kv.num_cached_block["a"] == 2  # block 2 registered at once
     b = req("b", list(range(31)))
     assert schedule(kv, b) == ([1], [3])
-    assert kv.allocate_slots(b, 1) == []  # position 31 in flight (placeholder)
+    assert kv.allocate_slots(b, 1) == ()  # position 31 in flight (placeholder)
     b.num_computed_tokens = 32
     assert kv.num_cached_block["b"] == 1
     b.append_output_token_ids(77)  # it lands; b then finishes

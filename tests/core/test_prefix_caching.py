@@ -37,7 +37,8 @@ def schedule(kv, r, num_new=None):
     new = kv.allocate_slots(r, n, num_hit, hits, new_request=True)
     assert new is not None
     r.num_computed_tokens = num_hit + n
-    return [b.block_id for b in hits], [b.block_id for b in new]
+    device_hits = [b.block_id for b in hits[0] if not isinstance(b, bytes)]  # not host hits
+    return device_hits, [b.block_id for b in new[0]] if new else []
 
 
 def decode(kv, r, token):
@@ -46,7 +47,7 @@ def decode(kv, r, token):
     new = kv.allocate_slots(r, r.num_tokens - r.num_computed_tokens)
     assert new is not None
     r.num_computed_tokens = r.num_tokens
-    return [b.block_id for b in new]
+    return [b.block_id for b in new[0]] if new else []
 
 
 def test_allocate_grow_and_free_order():
@@ -54,16 +55,16 @@ def test_allocate_grow_and_free_order():
     r = req("a", list(range(40)))  # 2 full blocks + 8 tokens
     hits, new = schedule(kv, r)
     assert hits == [] and new == [1, 2, 3]
-    assert kv.get_block_ids("a") == [1, 2, 3]
+    assert kv.get_block_ids("a") == ([1, 2, 3],)
     assert free_ids(kv) == [4, 5, 6, 7, 8, 9, 10]
     assert kv.usage == pytest.approx(0.3)
     for t in range(8):  # positions 40..47 fit in block 3
         assert decode(kv, r, 1000 + t) == []
     assert decode(kv, r, 2000) == [4]  # position 48 opens block 4
-    assert kv.get_block_ids("a") == [1, 2, 3, 4]
+    assert kv.get_block_ids("a") == ([1, 2, 3, 4],)
     kv.free(r)
     assert free_ids(kv) == [5, 6, 7, 8, 9, 10, 4, 3, 2, 1]  # last block first: prefix evicted last
-    assert kv.usage == 0.0 and kv.get_block_ids("a") == []
+    assert kv.usage == 0.0 and kv.get_block_ids("a") == ([],)
     kv.free(r)  # idempotent
     assert kv.num_free_blocks == 10
 
@@ -114,7 +115,7 @@ def test_full_prompt_hit_recomputes_last_token():
     kv.free(a)
     b = req("b", prompt)
     blocks, num_hit = kv.get_computed_blocks(b)
-    assert num_hit == 32 and [x.block_id for x in blocks] == [1, 2]  # never the whole prompt
+    assert num_hit == 32 and [x.block_id for x in blocks[0]] == [1, 2]  # never the whole prompt
     assert schedule(kv, b) == ([1, 2], [4])
     assert b.num_computed_tokens == 48
 
@@ -192,7 +193,7 @@ def test_allocation_failure_changes_nothing():
     before = ([x.ref_cnt for x in kv.block_pool.blocks], free_ids(kv))
     assert kv.allocate_slots(b, 20, num_hit, hits) is None
     assert ([x.ref_cnt for x in kv.block_pool.blocks], free_ids(kv)) == before
-    assert kv.get_block_ids("b") == []
+    assert kv.get_block_ids("b") == ([],)
     assert kv.allocate_slots(b, 16, num_hit, hits) is not None  # one block fits
 
 
@@ -254,9 +255,9 @@ def test_caching_disabled():
     schedule(kv, a)
     kv.free(a)
     b = req("b", list(range(40)))
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b)[1] == 0
     assert b.block_hashes == [] and a.block_hashes == []  # nothing hashed at all
-    assert not kv.block_pool.cached_block_hash_to_block
+    assert not any(kv.block_pool.cached_blocks)
 
 
 def test_prompt_logprobs_requests_skip_the_cache():

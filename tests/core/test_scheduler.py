@@ -33,7 +33,7 @@ def test_prefill_and_decode_share_a_step():
         "a"
     ]
     assert (
-        out.scheduled_new_reqs[0].block_ids == [1]
+        out.scheduled_new_reqs[0].block_ids == ([1],)
         and out.scheduled_new_reqs[0].num_computed_tokens == 0
     )
     assert [o.new_token_ids for o in res] == [expected_tokens("a", 10, 1)]
@@ -42,7 +42,7 @@ def test_prefill_and_decode_share_a_step():
     assert out.num_scheduled_tokens == {"a": 1, "b": 40}  # one step, no phases
     cached = out.scheduled_cached_reqs
     assert cached.req_ids == ["a"] and cached.num_computed_tokens == [10]
-    assert cached.new_token_ids == [expected_tokens("a", 10, 1)] and cached.new_block_ids == [[]]
+    assert cached.new_token_ids == [expected_tokens("a", 10, 1)] and cached.new_block_ids == [None]
     assert out.total_num_scheduled_tokens == 41
 
 
@@ -120,7 +120,7 @@ def test_resumed_request_is_sent_again_with_its_outputs():
                 s.requests["b"].status == RequestStatus.PREEMPTED
                 and s.requests["b"].num_computed_tokens == 0
             )
-            assert s.kv_cache_manager.get_block_ids("b") == []
+            assert s.kv_cache_manager.get_block_ids("b") == ([],)
         for new in out.scheduled_new_reqs:
             if new.req_id == "b" and s.requests["b"].num_preemptions:
                 resumed = new

@@ -54,9 +54,11 @@ def scheduler_pair(**kwargs):
     return make_scheduler(**kwargs), force_general_paths(make_scheduler(**kwargs))
 
 
-def trace_schedulers(policy, prefix_caching, num_blocks, budget, threshold):
-    """scheduler_pair sized for random_trace's requests (8-token blocks, 12 seqs, 160 tokens)."""
+def trace_schedulers(policy, prefix_caching, num_blocks, budget, threshold, groups=()):
+    """scheduler_pair sized for random_trace's requests (8-token blocks, 12 seqs, 160 tokens);
+    ``groups``: the KV-cache groups' sliding windows (default: one full-attention group)."""
     return scheduler_pair(
+        kv_cache_groups=groups,
         num_blocks=num_blocks,
         block_size=8,
         budget=budget,
@@ -132,7 +134,7 @@ def check_noop_end(s):
     noop_ends = kv.get_noop_ends()
     bs = s.block_size
     for r in s.running:
-        blocks = kv.req_to_blocks[r.request_id]
+        blocks = kv.req_to_blocks[r.request_id][0]
         expected = len(blocks) * bs
         if kv.enable_caching:
             expected = min(expected, (kv.num_cached_block[r.request_id] + 1) * bs - 1)
@@ -174,9 +176,11 @@ def random_trace(seed, num_steps):
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("num_blocks,budget,threshold", [(400, 512, 0), (24, 96, 32)])
-def test_fast_paths_match_general_paths(policy, prefix_caching, num_blocks, budget, threshold):
+def test_fast_paths_match_general_paths(
+    policy, prefix_caching, num_blocks, budget, threshold, groups=()
+):
     arrivals, aborts, eos_at = random_trace(seed=num_blocks + budget, num_steps=150)
-    fast, general = trace_schedulers(policy, prefix_caching, num_blocks, budget, threshold)
+    fast, general = trace_schedulers(policy, prefix_caching, num_blocks, budget, threshold, groups)
     runners = {
         id(fast): FakeRunner(fast, eos_at=dict(eos_at)),
         id(general): FakeRunner(general, eos_at=dict(eos_at)),
@@ -259,12 +263,12 @@ def pipelined_tokens(out, eos_at):
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("num_blocks,budget,threshold", [(400, 512, 0), (24, 96, 32)])
 def test_fast_paths_match_general_paths_under_async_scheduling(
-    policy, num_blocks, budget, threshold
+    policy, num_blocks, budget, threshold, groups=()
 ):
     """As above, with the next step scheduled before the previous one's tokens land (placeholders
     in flight: a block whose last token is in flight is registered a step late)."""
     arrivals, aborts, eos_at = random_trace(seed=num_blocks + budget + 1, num_steps=150)
-    fast, general = trace_schedulers(policy, True, num_blocks, budget, threshold)
+    fast, general = trace_schedulers(policy, True, num_blocks, budget, threshold, groups)
     in_flight = None
     num_steady = num_batched = 0
     added = {}
@@ -293,3 +297,19 @@ def test_fast_paths_match_general_paths_under_async_scheduling(
     assert fast.make_stats() == general.make_stats()
     assert num_steady >= 10 and num_batched >= 10, (num_steady, num_batched)
     assert_same_ledgers(added)
+
+
+@pytest.mark.parametrize(
+    "policy,num_blocks,budget,threshold", [("fcfs", 400, 512, 0), ("priority", 48, 96, 32)]
+)
+def test_fast_paths_match_general_paths_with_a_sliding_window(
+    policy, num_blocks, budget, threshold
+):
+    """The hybrid KV cache (a full-attention group and a 24-token window) under both paths: the
+    window frees blocks only when a table grows, so the general path's extra allocate_slots
+    calls change no block id."""
+    groups = (None, 24)
+    test_fast_paths_match_general_paths(policy, True, num_blocks, budget, threshold, groups)
+    test_fast_paths_match_general_paths_under_async_scheduling(
+        policy, num_blocks, budget, threshold, groups
+    )

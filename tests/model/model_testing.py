@@ -133,9 +133,9 @@ class PagedRunner:
             query_start_loc[i + 1 :] = t
             self.num_computed[name] += n_new
         assert t <= T
-        metadata = PagedAttentionMetadata(
-            slot_mapping=jnp.asarray(slot_mapping),
-            block_tables=jnp.asarray(block_tables),
+        metadata = PagedAttentionMetadata(  # one KV-cache group: [1, T] slots, [1, S, P] tables
+            slot_mapping=jnp.asarray(slot_mapping)[None],
+            block_tables=jnp.asarray(block_tables)[None],
             context_lens=jnp.asarray(context_lens),
             query_start_loc=jnp.asarray(query_start_loc),
             num_seqs=jnp.asarray(len(schedule), jnp.int32),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -56,7 +58,7 @@ def _new(req_id, prompt, blocks, computed=0, output=(), params=None):
         output_token_ids=list(output),
         sampling_params=params or SamplingParams(temperature=0.0),
         eos_token_id=2,
-        block_ids=list(blocks),
+        block_ids=(list(blocks),),
         num_computed_tokens=computed,
     )
 
@@ -74,8 +76,8 @@ def _sched(new=(), cached=None, num_scheduled=None, finished=(), preempted=()):
     )
 
 
-def _builder(max_reqs=4, max_len=32, buckets=(16, 32)):
-    batch = InputBatch(max_reqs, max_len, BS)
+def _builder(max_reqs=4, max_len=32, buckets=(16, 32), num_groups=1):
+    batch = InputBatch(max_reqs, max_len, BS, num_groups)
     return batch, BatchBuilder(batch, buckets, max_reqs)
 
 
@@ -95,16 +97,17 @@ def test_mixed_step_inputs_are_exact():
     assert not inp.input_ids[9:].any()
     np.testing.assert_array_equal(inp.positions[:9], [4, 5, 6, 7, 8, 9, 0, 1, 2])
     # a: positions 4..7 -> block 3 (slots 12..15), 8..9 -> block 9 (slots 36, 37); b: block 5
-    np.testing.assert_array_equal(inp.slot_mapping[:9], [12, 13, 14, 15, 36, 37, 20, 21, 22])
-    assert (inp.slot_mapping[9:] == -1).all()
+    assert inp.slot_mapping.shape == (1, 16)  # one KV-cache group
+    np.testing.assert_array_equal(inp.slot_mapping[0, :9], [12, 13, 14, 15, 36, 37, 20, 21, 22])
+    assert (inp.slot_mapping[0, 9:] == -1).all()
     np.testing.assert_array_equal(inp.query_start_loc, [0, 6, 9, 9, 9])
     np.testing.assert_array_equal(inp.context_lens, [10, 3, 0, 0])
     assert int(inp.num_seqs) == 2
     np.testing.assert_array_equal(inp.logits_indices, [5, 8, 0, 0])
-    assert inp.block_tables.shape == (4, 8)
-    np.testing.assert_array_equal(inp.block_tables[0, :4], [7, 3, 9, 0])
-    np.testing.assert_array_equal(inp.block_tables[1, :3], [5, 6, 0])
-    assert not inp.block_tables[2:].any()
+    assert inp.block_tables.shape == (1, 4, 8)
+    np.testing.assert_array_equal(inp.block_tables[0, 0, :4], [7, 3, 9, 0])
+    np.testing.assert_array_equal(inp.block_tables[0, 1, :3], [5, 6, 0])
+    assert not inp.block_tables[0, 2:].any()
     np.testing.assert_array_equal(step.sample_mask, [True, False])
     assert step.prompt_logprob_targets is None
     for arr in (
@@ -127,28 +130,28 @@ def test_cached_requests_append_blocks_and_tokens_and_rows_are_reused():
     builder.build(sched)
     # decode step: the sampled token 14 arrives as new_token_ids; a block boundary is crossed
     cached = CachedRequestData(
-        req_ids=["a"], new_block_ids=[[8]], num_computed_tokens=[3], new_token_ids=[[14]]
+        req_ids=["a"], new_block_ids=[([8],)], num_computed_tokens=[3], new_token_ids=[[14]]
     )
     sched = _sched(cached=cached, num_scheduled={"a": 1})
     builder.update_states(sched)
     step = builder.build(sched)
     assert step.inputs.input_ids[0] == 14 and step.inputs.positions[0] == 3
-    assert step.inputs.slot_mapping[0] == 4 * BS + 3
-    np.testing.assert_array_equal(batch.block_table[batch.req_id_to_row["a"], :2], [4, 8])
+    assert step.inputs.slot_mapping[0, 0] == 4 * BS + 3
+    np.testing.assert_array_equal(batch.block_table[0, batch.req_id_to_row["a"], :2], [4, 8])
     assert step.sample_mask.tolist() == [True]
     cached = CachedRequestData(
-        req_ids=["a"], new_block_ids=[[]], num_computed_tokens=[4], new_token_ids=[[15]]
+        req_ids=["a"], new_block_ids=[None], num_computed_tokens=[4], new_token_ids=[[15]]
     )
     sched = _sched(cached=cached, num_scheduled={"a": 1})
     builder.update_states(sched)
     step = builder.build(sched)
-    assert step.inputs.slot_mapping[0] == 8 * BS + 0
+    assert step.inputs.slot_mapping[0, 0] == 8 * BS + 0
     row_a = batch.req_id_to_row["a"]
     # finishing frees the row; the next new request takes it over with a clean block table
     sched = _sched(new=[_new("b", [1, 2], [5])], num_scheduled={"b": 2}, finished=["a"])
     builder.update_states(sched)
     assert "a" not in batch and batch.req_id_to_row["b"] == row_a
-    assert batch.block_table[row_a, 1] == 0 and batch.num_tokens[row_a] == 2
+    assert batch.block_table[0, row_a, 1] == 0 and batch.num_tokens[row_a] == 2
 
 
 def test_preempted_request_is_dropped_and_resumes_with_its_outputs():
@@ -163,7 +166,7 @@ def test_preempted_request_is_dropped_and_resumes_with_its_outputs():
     builder.update_states(sched)
     step = builder.build(sched)
     np.testing.assert_array_equal(step.inputs.input_ids[:5], [1, 2, 3, 7, 8])
-    np.testing.assert_array_equal(step.inputs.slot_mapping[:5], [36, 37, 38, 39, 40])
+    np.testing.assert_array_equal(step.inputs.slot_mapping[0, :5], [36, 37, 38, 39, 40])
     assert step.sample_mask.tolist() == [True]
 
 
@@ -190,7 +193,7 @@ def test_prompt_logprob_targets_mark_next_prompt_tokens():
     np.testing.assert_array_equal(step.prompt_logprob_targets[:5], [11, 12, 13, -1, -1])
     assert (step.prompt_logprob_targets[5:] == -1).all()
     cached = CachedRequestData(
-        req_ids=["a"], new_block_ids=[[]], num_computed_tokens=[3], new_token_ids=[[13, 14]]
+        req_ids=["a"], new_block_ids=[None], num_computed_tokens=[3], new_token_ids=[[13, 14]]
     )
     sched = _sched(cached=cached, num_scheduled={"a": 2}, finished=["b"])
     builder.update_states(sched)
@@ -207,27 +210,33 @@ def test_scheduling_past_known_tokens_is_an_error():
         builder.build(sched)
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_steady_build_equals_the_full_build(pipelined):
+@pytest.mark.parametrize("pipelined,num_groups", [(False, 1), (True, 1), (True, 3)])
+def test_steady_build_equals_the_full_build(pipelined, num_groups):
     """build_steady (a steady-decode step made from the previous batch) gives the inputs build
     gives, step after step, across block boundaries and a block-table row that grows; both when
     each step's tokens are recorded before the next step is built (synchronous) and when the
-    next step is built while they are in flight (async scheduling: prev_index)."""
+    next step is built while they are in flight (async scheduling: prev_index); with several
+    KV-cache groups, each with its own block ids (slots and tables per group)."""
     prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8, 9], "c": list(range(10, 21))}
     ids = list(prompts)
     blocks = {r: [] for r in ids}
     next_block = iter(range(1, 100))
 
-    def grow(r, end):  # blocks for positions < end; the new ones
+    def grow(r, end):  # blocks for positions < end; the new ones, per group (None: none)
         new = []
         while (len(blocks[r]) + len(new)) * BS < end:
             new.append(next(next_block))
         blocks[r] += new
-        return new
+        return tuple([b + 100 * g for b in new] for g in range(num_groups)) if new else None
 
-    builders = [_builder(max_reqs=4, max_len=64, buckets=(4, 32)) for _ in range(2)]
+    def new_req(r, p):
+        return dataclasses.replace(_new(r, p, []), block_ids=grow(r, len(p)))
+
+    builders = [
+        _builder(max_reqs=4, max_len=64, buckets=(4, 32), num_groups=num_groups) for _ in range(2)
+    ]
     first = _sched(
-        new=[_new(r, p, grow(r, len(p))) for r, p in prompts.items()],
+        new=[new_req(r, p) for r, p in prompts.items()],
         num_scheduled={r: len(p) for r, p in prompts.items()},
     )
     lasts = []
@@ -293,7 +302,7 @@ def test_steady_build_equals_the_full_build(pipelined):
     # a step that is not the previous one's (a request left): no steady build
     (_, steady) = builders[0]
     sched = _sched(
-        cached=CachedRequestData(["a", "b"], [[], []], [computed["a"], computed["b"]], []),
+        cached=CachedRequestData(["a", "b"], [None, None], [computed["a"], computed["b"]], []),
         num_scheduled={"a": 1, "b": 1},
         finished=["c"],
     )

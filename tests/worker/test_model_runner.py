@@ -149,8 +149,8 @@ def test_one_step_samples_only_completed_prompts(runner):
     runner.reset_requests()
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
     new = [
-        NewRequestData("a", [1, 5, 7], [], greedy, 2, [1], 0),
-        NewRequestData("b", list(range(10, 30)), [], greedy, 2, [2, 3], 0),
+        NewRequestData("a", [1, 5, 7], [], greedy, 2, ([1],), 0),
+        NewRequestData("b", list(range(10, 30)), [], greedy, 2, ([2, 3],), 0),
     ]
     sched = SchedulerOutput(new, CachedRequestData(), {"a": 3, "b": 16}, 19, set(), set())
     out = runner.execute_model(sched)
@@ -159,7 +159,7 @@ def test_one_step_samples_only_completed_prompts(runner):
     assert out.logprobs is None and out.prompt_logprobs_dict == {}
     tok = out.sampled_token_ids[0][0]
     # next step: a decodes its token, b finishes its prompt (4 tokens) -> both sample
-    cached = CachedRequestData(["a", "b"], [[], []], [3, 16], [[tok], list(range(26, 30))])
+    cached = CachedRequestData(["a", "b"], [None, None], [3, 16], [[tok], list(range(26, 30))])
     out2 = runner.execute_model(SchedulerOutput([], cached, {"a": 1, "b": 4}, 5, set(), set()))
     assert [len(t) for t in out2.sampled_token_ids] == [1, 1]
     assert all(0 <= t[0] < HF["vocab_size"] for t in out2.sampled_token_ids)

@@ -171,8 +171,9 @@ class LlamaForCausalLM(nnx.Module):
 
         Args:
           input_ids: int32 ``[T]``; positions: int32 ``[T]`` (padding tokens: any valid position).
-          kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, D]``
-            in the model dtype; donate them into the jitted step.
+          kv_caches: the pool's ``(k_cache, v_cache)`` pairs, each ``[num_blocks, block_size,
+            Hkv, D]`` in the model dtype (one per layer, or per layer of a KV-cache group when
+            groups share them: ``metadata.for_layer``); donate them into the jitted step.
           metadata: ``PagedAttentionMetadata`` of the step.
 
         Returns:
@@ -180,11 +181,11 @@ class LlamaForCausalLM(nnx.Module):
           K/V written).
         """
         x = self.embed_tokens(input_ids)  # [T, e]
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, positions, kv_cache, metadata)
-            new_caches.append(kv_cache)
-        return self.norm(x), new_caches
+        caches = list(kv_caches)
+        for i, layer in enumerate(self.layers):
+            pair, layer_md = metadata.for_layer(i)
+            x, caches[pair] = layer(x, positions, caches[pair], layer_md)
+        return self.norm(x), caches
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """``hidden [..., e]`` (output of ``__call__``) -> float32 logits ``[..., v]``."""
