@@ -51,6 +51,9 @@ def model():
 
 def test_generate_command(model, monkeypatch, capsys):
     monkeypatch.setattr(jaxserve.tokenizer, "get_tokenizer", lambda path: _ByteTokenizer())
+    monkeypatch.setattr(
+        jaxserve.tokenizer.loading, "get_tokenizer", lambda path: _ByteTokenizer()
+    )  # what the engine calls (load_served_tokenizer)
     # The fixture has no tokenizer files (the byte tokenizer above stands in for one): the
     # start-up check must not ask for them.
     check = preflight.check_model_path
