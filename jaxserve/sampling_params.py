@@ -18,6 +18,7 @@ probable token (greedy among ties broken by token id).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any
 
@@ -90,6 +91,23 @@ MAX_STOP_STRING_CHARS = 256
 """Longest stop string, characters. With the count cap this bounds the engine thread's stop work
 per sample and step (``jaxserve.tokenizer.stop_strings``): it reads only the last
 ``new + MAX_STOP_STRING_CHARS`` characters, never the whole output."""
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a request holds (vLLM's ``RequestOutputKind``).
+
+    CUMULATIVE: an output per step that progressed, with the whole text, token ids and
+      logprobs so far (copied every step) and the step's ``delta_*``.
+    DELTA: an output per step that progressed, from the first token on, holding only what is
+      new since the previous output (``text``, ``token_ids`` and ``logprobs`` are the
+      ``delta_*`` fields; the prompt logprobs, whole, are one list shared by every output):
+      a stream's per-step cost does not grow with its length.
+    FINAL_ONLY: one output, when the request finished, cumulative.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def check_stop_caps(stop: Any) -> None:
@@ -169,6 +187,8 @@ class SamplingParams:
       bad_words: words that must not be generated (vLLM): each is tokenized with and without
         a leading space, and the last token of a word is banned whenever the output ends with
         the rest of it.
+      output_kind: what each RequestOutput holds (:class:`RequestOutputKind`); the server asks
+        for DELTA when streaming and FINAL_ONLY otherwise.
 
     Raises:
       ValueError: a field is out of range or of the wrong type; the message starts with its
@@ -197,6 +217,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = dataclasses.field(default_factory=list)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1, 128)
@@ -276,6 +297,13 @@ class SamplingParams:
         ):
             raise ValueError("bad_words must be a list of non-empty strings")
         self.bad_words = list(self.bad_words)
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(
+                f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
+                f"got {self.output_kind!r}"
+            ) from None
 
     @property
     def needs_token_mask(self) -> bool:
