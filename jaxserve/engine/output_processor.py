@@ -415,43 +415,10 @@ class OutputProcessor:
         sample.delta_text = sample.text
 
     def _make_output(self, parent: _ParentState, finished: bool, now: float) -> RequestOutput:
-        if parent.delta:  # the deltas themselves, not copied (cleared by a new list after)
-            completions = [
-                CompletionOutput(
-                    index=s.index,
-                    text=s.delta_text,
-                    token_ids=s.delta_token_ids,
-                    cumulative_logprob=s.cumulative_logprob,
-                    logprobs=(s.delta_logprobs or []) if s.logprobs is not None else None,
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                    delta_text=s.delta_text,
-                    delta_token_ids=s.delta_token_ids,
-                    delta_logprobs=s.delta_logprobs,
-                )
-                for s in parent.samples
-            ]
-            # whole from the first output on (it has a token), the same list, not copied
-            prompt_logprobs = parent.prompt_logprobs
-        else:
-            completions = [
-                CompletionOutput(
-                    index=s.index,
-                    text=s.text,
-                    token_ids=list(s.token_ids),
-                    cumulative_logprob=s.cumulative_logprob,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                    delta_text=s.delta_text,
-                    delta_token_ids=s.delta_token_ids,
-                    delta_logprobs=s.delta_logprobs,
-                )
-                for s in parent.samples
-            ]
-            prompt_logprobs = (
-                list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None
-            )
+        completions = [_completion(s, parent.delta) for s in parent.samples]
+        prompt_logprobs = parent.prompt_logprobs
+        if prompt_logprobs is not None and not parent.delta:  # DELTA: whole from the first
+            prompt_logprobs = list(prompt_logprobs)  # output on (it has a token), not copied
         for s in parent.samples:
             s.finish_sent = s.finish_reason is not None
         parent.sent_tokens = parent.sent_tokens or any(s.delta_token_ids for s in parent.samples)
@@ -489,6 +456,29 @@ class OutputProcessor:
             else first_scheduled - parent.arrival_time,
             num_generation_tokens=sum(len(s.token_ids) for s in parent.samples),
         )
+
+
+def _completion(s: _SampleState, delta: bool) -> CompletionOutput:
+    """A sample's CompletionOutput: with ``delta`` its deltas themselves (not copied: they are
+    replaced by new objects after the output), else copies of its whole lists."""
+    if delta:
+        text, token_ids = s.delta_text, s.delta_token_ids
+        logprobs = (s.delta_logprobs or []) if s.logprobs is not None else None
+    else:
+        text, token_ids = s.text, list(s.token_ids)
+        logprobs = list(s.logprobs) if s.logprobs is not None else None
+    return CompletionOutput(
+        index=s.index,
+        text=text,
+        token_ids=token_ids,
+        cumulative_logprob=s.cumulative_logprob,
+        logprobs=logprobs,
+        finish_reason=s.finish_reason,
+        stop_reason=s.stop_reason,
+        delta_text=s.delta_text,
+        delta_token_ids=s.delta_token_ids,
+        delta_logprobs=s.delta_logprobs,
+    )
 
 
 def _clear_deltas(parent: _ParentState) -> None:
