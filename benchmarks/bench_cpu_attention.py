@@ -36,6 +36,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention_referen
 BS, HQ, HKV, D, NUM_BLOCKS = 32, 4, 2, 32, 2048
 _RNG = np.random.default_rng(1)
 CASES = {  # name: (T, S, P, query lens, context lens)
+    "decode 1 @128": (16, 16, 128, [1], [128]),
     "decode 1 @2k": (16, 16, 512, [1], [2000]),
     "decode 1 @6k": (16, 16, 512, [1], [6000]),
     "decode 1 @12k": (16, 16, 512, [1], [12000]),

@@ -16,7 +16,9 @@ The parts are timed in process CPU time: on a shared box wall time swings with o
 CPU time much less. With XLA's intra-op threads off (the ``XLA_FLAGS`` below) it is the work
 itself; with them on it also counts both cores' share and the pool's spinning. A profiler trace
 is not used for the split: its per-thunk cost (tens of us) would swamp a key-chunk loop of
-small thunks.
+small thunks. ``--ops`` does trace the re-timed forward once more and prints its XLA time by
+category from the trace (attention, KV write, matmuls, the rest): trustworthy for the few large
+thunks of the projections and MLP, inflated for the attention loop's many small ones.
 
   XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \\
   JAX_PLATFORMS=cpu .venv/bin/python benchmarks/profile_cpu_step.py --model MODEL_DIR \\
@@ -27,9 +29,13 @@ small thunks.
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import os
+import re
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -58,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1, help="requests per context")
     parser.add_argument("--decode-steps", type=int, default=8, help="decode steps measured")
     parser.add_argument("--repeats", type=int, default=5, help="calls per re-timed part")
+    parser.add_argument(
+        "--ops", action="store_true", help="also split the forward's XLA time by op category"
+    )
     args = parser.parse_args(argv)
     args.async_scheduling = False
     return args
@@ -77,7 +86,40 @@ def _median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def retime_parts(engine, repeats: int) -> dict[str, float]:
+def op_categories(forward, exe, repeats: int) -> dict[str, float]:
+    """Thread ms per call of the forward's XLA thunks by category, from a profiler trace:
+    attention (the ``ragged_attention`` scope), kv_write, matmul (other dot_generals), other."""
+    import jax
+    from jax.profiler import ProfileData
+
+    names = dict(re.findall(r"%([\w.\-]+) = [^\n]*?op_name=\"([^\"]*)\"", exe.as_text()))
+    trace_dir = tempfile.mkdtemp(prefix="jaxserve_prof_")
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0
+    with jax.profiler.trace(trace_dir, profiler_options=opts):
+        for _ in range(repeats):
+            jax.block_until_ready(forward())
+    total: collections.Counter = collections.Counter()
+    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    for plane in ProfileData.from_file(path).planes:
+        for line in plane.lines:
+            for ev in line.events:
+                op = dict(ev.stats).get("hlo_op")
+                if op is None or str(op).split(".")[0] in ("while", "conditional", "call"):
+                    continue  # containers: their bodies' thunks count themselves
+                name = names.get(str(op), "")
+                cat = "other"
+                if "ragged_attention" in name:
+                    cat = "attention"
+                elif "write_kv_cache" in name:
+                    cat = "kv_write"
+                elif "dot_general" in name:
+                    cat = "matmul"
+                total[cat] += ev.duration_ns
+    return {k: total[k] / 1e6 / repeats for k in ("attention", "kv_write", "matmul", "other")}
+
+
+def retime_parts(engine, repeats: int, ops: bool = False) -> dict[str, float]:
     """The last step's forward, attention (x layers) and sampler, each re-timed alone (ms)."""
     import jax
     import jax.numpy as jnp
@@ -119,15 +161,22 @@ def retime_parts(engine, repeats: int) -> dict[str, float]:
         [SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())], pad_to=batch.seq_bucket
     )
     sampler_ms = _median_ms(lambda: sample_step(runner.graph, logits, md), repeats)
-    return {
+    parts = {
         "forward": forward_ms,
         "attention": attention_ms,
         "matmul+rest": forward_ms - attention_ms,
         "sampler": sampler_ms,
     }
+    if ops:
+        cats = op_categories(forward, fwd, repeats)
+        print(
+            "    forward by op category (profiler thread ms): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in cats.items())
+        )
+    return parts
 
 
-def measure_steps(engine, n: int, repeats: int) -> dict[str, float]:
+def measure_steps(engine, n: int, repeats: int, ops: bool = False) -> dict[str, float]:
     """Runs ``n`` engine steps; ms per step by host phase and device, then the parts of the
     last one re-timed alone."""
     s0 = engine.get_stats()
@@ -144,7 +193,7 @@ def measure_steps(engine, n: int, repeats: int) -> dict[str, float]:
         ("output", "output_s"),
     ):
         row[col] = 1e3 * (getattr(s1, name) - getattr(s0, name)) / n
-    return {**row, **retime_parts(engine, repeats)}
+    return {**row, **retime_parts(engine, repeats, ops)}
 
 
 def main(argv=None) -> None:
@@ -170,10 +219,10 @@ def main(argv=None) -> None:
             engine.add_request(f"{k}-{b}", prompt, params, final_only=True)
         for _ in range(-(-ctx * args.batch // budget) - 1):
             engine.step()
-        rows = {f"prefill chunk ending @{ctx}": measure_steps(engine, 1, args.repeats)}
+        rows = {f"prefill chunk ending @{ctx}": measure_steps(engine, 1, args.repeats, args.ops)}
         engine.step()
         rows[f"decode {args.batch} x @{ctx}"] = measure_steps(
-            engine, args.decode_steps, args.repeats
+            engine, args.decode_steps, args.repeats, args.ops
         )
         while engine.has_unfinished_requests():
             engine.step()

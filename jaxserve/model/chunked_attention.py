@@ -170,51 +170,65 @@ def _decode_pass(
     key_offsets = jnp.arange(chunk_keys, dtype=jnp.int32)
     page_offsets = jnp.arange(chunk_pages, dtype=jnp.int32)
 
-    def body(carry):
-        it, m, l, acc = carry
-        item = it * items + jnp.arange(items, dtype=jnp.int32)  # [W]
-        seq = jnp.searchsorted(ends, item, side="right", method="compare_all")
-        seq = jnp.minimum(seq, num_seq_slots - 1)
-        valid = item < total
-        chunk = jnp.where(valid, first_chunk[seq] + item - (ends[seq] - num_items[seq]), 0)
-        pages = block_tables[seq[:, None], chunk[:, None] * chunk_pages + page_offsets]
-        pages = jnp.where(valid[:, None], pages, 0)  # [W, pages]
-        key_pos = chunk[:, None] * chunk_keys + key_offsets  # [W, L]
-        row_pos = jnp.where(valid, last_pos[seq], -1)  # [W]
-        token = jnp.minimum(query_start_loc[seq], num_tokens - 1)
-        pages, key_pos, row_pos, token = lax.optimization_barrier((pages, key_pos, row_pos, token))
-        k = _blocks(k_cache, pages).reshape(items, chunk_keys, hkv, head_dim)
-        v = _blocks(v_cache, pages).reshape(items, chunk_keys, hkv, head_dim)
-        s = jnp.einsum("wkgd,wlkd->wkgl", q[token], k, precision=_HI)  # [W, Hkv, G, L]
-        s, scale = _logits(s, sm_scale, soft_cap)
-        mask = key_pos <= row_pos[:, None]  # [W, L]
-        if sliding_window is not None:
-            mask &= key_pos > (row_pos - sliding_window)[:, None]
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m_item = s.max(-1)  # [W, Hkv, G]
-        m_item_safe = jnp.where(jnp.isfinite(m_item), m_item, 0.0)
-        p = jnp.exp((s - m_item_safe[..., None]) * scale)
-        l_item = p.sum(-1)
-        acc_item = jnp.einsum("wkgl,wlkd->wkgd", p, v, precision=_HI)  # [W, Hkv, G, D]
-        # split-K merge into the sequences' running state (invalid items go nowhere)
-        target = jnp.where(valid, seq, num_seq_slots)
-        m_new = m.at[target].max(m_item, mode="drop")  # [S, Hkv, G]
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        alpha = jnp.where(jnp.isfinite(m), jnp.exp((m - m_safe) * scale), 0.0)
-        beta = jnp.where(jnp.isfinite(m_item), jnp.exp((m_item - m_safe[seq]) * scale), 0.0)
-        l = (l * alpha).at[target].add(l_item * beta, mode="drop")
-        acc = (acc * alpha[..., None]).at[target].add(acc_item * beta[..., None], mode="drop")
-        return it + 1, m_new, l, acc
+    def run(items: int) -> tuple[jax.Array, jax.Array]:
+        """The work list, ``items`` items per iteration -> ``(l, acc)`` per sequence."""
 
-    shape = (num_seq_slots, hkv, group)
-    init = (
-        jnp.int32(0),
-        jnp.full(shape, -jnp.inf, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros((*shape, head_dim), jnp.float32),
-    )
-    trips = (total + items - 1) // items
-    _, _, l, acc = lax.while_loop(lambda c: c[0] < trips, body, init)
+        def body(carry):
+            it, m, l, acc = carry
+            item = it * items + jnp.arange(items, dtype=jnp.int32)  # [W]
+            seq = jnp.searchsorted(ends, item, side="right", method="compare_all")
+            seq = jnp.minimum(seq, num_seq_slots - 1)
+            valid = item < total
+            chunk = jnp.where(valid, first_chunk[seq] + item - (ends[seq] - num_items[seq]), 0)
+            pages = block_tables[seq[:, None], chunk[:, None] * chunk_pages + page_offsets]
+            pages = jnp.where(valid[:, None], pages, 0)  # [W, pages]
+            key_pos = chunk[:, None] * chunk_keys + key_offsets  # [W, L]
+            row_pos = jnp.where(valid, last_pos[seq], -1)  # [W]
+            token = jnp.minimum(query_start_loc[seq], num_tokens - 1)
+            pages, key_pos, row_pos, token = lax.optimization_barrier(
+                (pages, key_pos, row_pos, token)
+            )
+            k = _blocks(k_cache, pages).reshape(items, chunk_keys, hkv, head_dim)
+            v = _blocks(v_cache, pages).reshape(items, chunk_keys, hkv, head_dim)
+            s = jnp.einsum("wkgd,wlkd->wkgl", q[token], k, precision=_HI)  # [W, Hkv, G, L]
+            s, scale = _logits(s, sm_scale, soft_cap)
+            mask = key_pos <= row_pos[:, None]  # [W, L]
+            if sliding_window is not None:
+                mask &= key_pos > (row_pos - sliding_window)[:, None]
+            s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+            m_item = s.max(-1)  # [W, Hkv, G]
+            m_item_safe = jnp.where(jnp.isfinite(m_item), m_item, 0.0)
+            p = jnp.exp((s - m_item_safe[..., None]) * scale)
+            l_item = p.sum(-1)
+            acc_item = jnp.einsum("wkgl,wlkd->wkgd", p, v, precision=_HI)  # [W, Hkv, G, D]
+            # split-K merge into the sequences' running state (invalid items go nowhere)
+            target = jnp.where(valid, seq, num_seq_slots)
+            m_new = m.at[target].max(m_item, mode="drop")  # [S, Hkv, G]
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            alpha = jnp.where(jnp.isfinite(m), jnp.exp((m - m_safe) * scale), 0.0)
+            beta = jnp.where(jnp.isfinite(m_item), jnp.exp((m_item - m_safe[seq]) * scale), 0.0)
+            l = (l * alpha).at[target].add(l_item * beta, mode="drop")
+            acc = (acc * alpha[..., None]).at[target].add(acc_item * beta[..., None], mode="drop")
+            return it + 1, m_new, l, acc
+
+        shape = (num_seq_slots, hkv, group)
+        init = (
+            jnp.int32(0),
+            jnp.full(shape, -jnp.inf, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32),
+        )
+        trips = (total + items - 1) // items
+        _, _, l, acc = lax.while_loop(lambda c: c[0] < trips, body, init)
+        return l, acc
+
+    # A small step (one short row) would otherwise gather and score a whole iteration of
+    # mostly empty items: bucket the iteration width by the step's real work.
+    small = max(1, items // 8)
+    if small < items:
+        l, acc = lax.cond(total <= small, lambda: run(small), lambda: run(items))
+    else:
+        l, acc = run(items)
     rows = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # [S, Hkv, G, D]
     target = jnp.where(is_decode, query_start_loc[:-1], out.shape[0])
     return out.at[target].set(rows, mode="drop")
