@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from jaxserve.model.chunked_attention import chunked_paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference  # noqa: E402
 
-BS, HQ, HKV, D, NUM_BLOCKS = 32, 4, 2, 32, 2048
+BS, HQ, HKV, D, NUM_BLOCKS = 32, 4, 2, 32, 4096
 _RNG = np.random.default_rng(1)
 CASES = {  # name: (T, S, P, query lens, context lens)
     "decode 1 @128": (16, 16, 128, [1], [128]),
@@ -42,6 +42,7 @@ CASES = {  # name: (T, S, P, query lens, context lens)
     "decode 1 @12k": (16, 16, 512, [1], [12000]),
     "decode 16 @520-670": (16, 16, 128, [1] * 16, list(range(520, 680, 10))),
     "decode 100 @129-191": (128, 128, 32, [1] * 100, list(_RNG.integers(129, 192, 100))),
+    "decode 16 @3000-3200": (16, 16, 128, [1] * 16, list(range(3000, 3200, 12))[:16]),
     "prefill 512 fresh": (512, 128, 32, [512], [512]),
     "prefill 4 x 128 fresh": (512, 128, 32, [128] * 4, [128] * 4),
     "prefill 512 @2k": (512, 16, 512, [512], [2000]),
