@@ -1,4 +1,4 @@
-"""CPU attention: the path the "reference" backend runs (``jaxserve.model.chunked_attention``)
+"""CPU attention: the path the "xla" backend runs (``jaxserve.model.chunked_attention``)
 at realistic step shapes, against the whole-row oracle (``ragged_paged_attention_reference``)
 where the oracle fits, one jitted call per case, at the shapes of the tiny peer checkpoint (Hq 4,
 Hkv 2, D 32, block 32).

@@ -35,11 +35,12 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from jaxserve.benchmarks.client import completion_payload, send_completion  # noqa: E402
-from jaxserve.benchmarks.metrics_scrape import fetch_snapshot  # noqa: E402
-from jaxserve.benchmarks.workloads import TokenSource, WorkloadSpec, make_requests  # noqa: E402
+from jaxserve.bench.client import completion_payload, send_completion  # noqa: E402
+from jaxserve.bench.metrics_scrape import fetch_snapshot  # noqa: E402
+from jaxserve.bench.workloads import TokenSource, WorkloadSpec, make_requests  # noqa: E402
 from jaxserve.config import EngineArgs  # noqa: E402
-from jaxserve.entrypoints.ray_serve import make_ingress, start_replicas  # noqa: E402
+from jaxserve.entrypoints.http.ray_ingress import make_ingress  # noqa: E402
+from jaxserve.entrypoints.ray_serve import start_replicas  # noqa: E402
 from jaxserve.entrypoints.router import POLICIES, Router  # noqa: E402
 
 
@@ -144,7 +145,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         token_buckets=args.token_buckets,
-        attention_backend="reference",
+        attention_backend="xla",
     )
     t0 = time.perf_counter()
     actors, described = start_replicas(engine_args, args.replicas)

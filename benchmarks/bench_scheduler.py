@@ -41,8 +41,8 @@ import time
 from bench_kv_cache import calibration_ns  # benchmarks/ is on sys.path when run as a script
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.core.outputs import ModelRunnerOutput
 from jaxserve.core.request import Request
+from jaxserve.core.runner_output import ModelRunnerOutput
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
 

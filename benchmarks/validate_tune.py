@@ -20,10 +20,10 @@ import json
 import os
 import time
 
-from jaxserve.benchmarks.live_server import BackgroundServer
+from jaxserve.bench.live_server import BackgroundServer
 from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.tune.cli import token_source
+from jaxserve.tune.grid import token_source
 from jaxserve.tune.simulate import Setting, simulate
 from jaxserve.tune.step_model import calibrate_served, calibration_prompts
 from jaxserve.tune.trace import preset_trace
@@ -31,7 +31,7 @@ from jaxserve.tune.validate import bench_serve_preset, compare
 
 ENGINE = dict(
     dtype="float32",
-    attention_backend="reference",
+    attention_backend="xla",
     max_model_len=512,
     num_gpu_blocks_override=128,
     block_size=16,

@@ -14,8 +14,8 @@ _LAZY = {
     "LLMEngine": "jaxserve.engine.llm_engine",
     "EngineArgs": "jaxserve.config",
     "SamplingParams": "jaxserve.sampling_params",
-    "RequestOutput": "jaxserve.outputs",
-    "CompletionOutput": "jaxserve.outputs",
+    "RequestOutput": "jaxserve.request_output",
+    "CompletionOutput": "jaxserve.request_output",
 }
 
 __all__ = list(_LAZY)

@@ -13,10 +13,11 @@ import dataclasses
 import os
 from typing import Any, Literal
 
-AttentionBackend = Literal["auto", "pallas", "pallas-gpu", "pallas-tpu", "reference"]
-ATTENTION_BACKEND_CHOICES = ("auto", "pallas", "pallas-gpu", "pallas-tpu", "reference")
-"""What ``--attention-backend`` accepts (resolved per platform by
-``jaxserve.model.attention.resolve_attention_backend``); "pallas" is the platform's kernel."""
+from jaxserve.model.attention_backends import (
+    ATTENTION_BACKEND_CHOICES,
+    canonical_attention_backend,
+)
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
@@ -26,7 +27,7 @@ def _default_compilation_cache_dir() -> str:
 
 
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
-"""Names of ``--tool-call-parser`` (vLLM's), see ``jaxserve.entrypoints.openai.tool_calls``."""
+"""Names of ``--tool-call-parser`` (vLLM's), see ``jaxserve.serving.tool_calls``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +210,9 @@ class RunnerConfig:
 
     Attributes:
       attention_backend: one of ``ATTENTION_BACKEND_CHOICES``: "auto" (pallas-tpu on TPU,
-        pallas-gpu on GPU, reference on CPU), "pallas" (the platform's kernel), "pallas-gpu",
-        "pallas-tpu" or "reference".
+        pallas-gpu on GPU, xla on CPU), "pallas" (the platform's kernel), "pallas-gpu",
+        "pallas-tpu" or "xla" (jnp attention compiled by XLA, any platform); the deprecated
+        "reference" is stored as "xla".
       pallas_interpret: run the chosen Pallas kernel in Pallas interpret mode (any platform;
         on CPU the TPU kernel goes through Pallas' TPU interpreter). Slow; for tests.
       token_buckets: padded step sizes in tokens (ascending); empty = derived from the budget.
@@ -234,6 +236,9 @@ class RunnerConfig:
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
                 f"got {self.attention_backend!r}"
             )
+        object.__setattr__(
+            self, "attention_backend", canonical_attention_backend(self.attention_backend)
+        )
         if list(self.token_buckets) != sorted(set(self.token_buckets)) or any(
             b < 1 for b in self.token_buckets
         ):
@@ -250,8 +255,10 @@ class ObservabilityConfig:
       metrics_namespace: "jaxserve" or "vllm", the prefix of every ``/metrics`` name
         (jaxserve/metrics.py).
       kv_events_endpoint: ZMQ address the engine publishes KV-cache events to
-        (jaxserve/kv_events.py); "" publishes nothing. ``tcp://*:PORT`` binds, ``tcp://HOST:PORT``
-        connects (vLLM's rule).
+        (jaxserve/kv_events.py); "" publishes nothing. ``tcp://*:PORT`` binds 127.0.0.1,
+        ``tcp://0.0.0.0:PORT`` every interface (with a warning), ``tcp://HOST:PORT`` connects.
+      kv_events_include_token_ids: a request with a ``cache_salt`` publishes its blocks' token
+        ids too (by default its ``BlockStored`` events carry hashes only).
       data_parallel_rank: this engine's replica index (labels its KV events; a bound endpoint's
         port is offset by it).
 
@@ -262,6 +269,7 @@ class ObservabilityConfig:
 
     metrics_namespace: str = "jaxserve"
     kv_events_endpoint: str = ""
+    kv_events_include_token_ids: bool = False
     data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
@@ -411,7 +419,12 @@ class EngineArgs:
         metadata=_meta("GiB of host memory for KV blocks evicted from the device (0: off)"),
     )
     kv_offloading_backend: str = dataclasses.field(
-        default="native", metadata=_meta("KV offloading implementation", choices=["native"])
+        default="native",
+        metadata=_meta(
+            "KV offloading implementation: native (our host block pool); vLLM's flag, kept so "
+            "vLLM command lines run (its other value, lmcache, is not implemented)",
+            choices=["native"],
+        ),
     )
     max_num_batched_tokens: int = dataclasses.field(
         default=8192, metadata=_meta("token budget per step")
@@ -443,8 +456,9 @@ class EngineArgs:
     attention_backend: str = dataclasses.field(
         default="auto",
         metadata=_meta(
-            "attention implementation; auto: pallas-tpu on TPU, pallas-gpu on GPU, reference on "
-            "CPU; pallas: the platform's kernel",
+            "attention implementation; auto: pallas-tpu on TPU, pallas-gpu on GPU, xla on CPU; "
+            "pallas: the platform's kernel; xla: jnp attention compiled by XLA (any platform); "
+            "reference: deprecated name of xla",
             choices=list(ATTENTION_BACKEND_CHOICES),
         ),
     )
@@ -478,8 +492,16 @@ class EngineArgs:
     kv_events_endpoint: str = dataclasses.field(
         default="",
         metadata=_meta(
-            "publish KV-cache events (vLLM's format, ZMQ PUB + msgpack) here: tcp://*:PORT binds, "
-            "tcp://HOST:PORT connects; '' publishes nothing"
+            "publish KV-cache events (vLLM's format, ZMQ PUB + msgpack) here: tcp://*:PORT binds "
+            "127.0.0.1, tcp://0.0.0.0:PORT every interface (warned), tcp://HOST:PORT connects; "
+            "'' publishes nothing"
+        ),
+    )
+    kv_events_include_token_ids: bool = dataclasses.field(
+        default=False,
+        metadata=_meta(
+            "KV events of requests with a cache_salt carry their token ids too (default: block "
+            "hashes only, since token ids are the prompt)"
         ),
     )
     data_parallel_rank: int = dataclasses.field(
@@ -658,6 +680,7 @@ class EngineArgs:
             observability=ObservabilityConfig(
                 metrics_namespace=self.metrics_namespace,
                 kv_events_endpoint=self.kv_events_endpoint,
+                kv_events_include_token_ids=self.kv_events_include_token_ids,
                 data_parallel_rank=self.data_parallel_rank,
             ),
             ledger_history=self.ledger_history,

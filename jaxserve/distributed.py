@@ -107,14 +107,6 @@ def _client():
     return client
 
 
-def min_over_processes(value: int) -> int:
-    """The smallest ``value`` any process passes (a collective: every process must call it)."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int64))))
-
-
 class StepPublisher:
     """Process 0's side: publishes each step's SchedulerOutput for the other processes.
 

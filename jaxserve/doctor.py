@@ -17,6 +17,12 @@ FAIL with its evidence and the knob to turn:
    against the TTFT SLO and the short requests' TPOT against the TPOT SLO (what
    ``long_prefill_token_threshold`` trades).
 
+It talks while it runs (stderr, unless ``--no-progress``): two probe requests first (a short
+and a long prompt, one after the other) measure TTFT and TPOT, from which it prints the plan and
+an estimate of each phase's time; then each phase's start, a progress bar of finished
+requests, and its time. The traffic flags' defaults suit a GPU server; ``--quick``
+swaps in small ones sized for a CPU (13 s against the bundled model; benchmarks/RESULTS.md).
+
 Exit code 0 when no check FAILs, 1 otherwise, 2 on bad flags or an unreachable server.
 """
 
@@ -36,11 +42,12 @@ from typing import Any
 import aiohttp
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
-from jaxserve.benchmarks.client import completion_payload, send_completion
-from jaxserve.benchmarks.metrics_scrape import MetricsPoller, fetch_snapshot, run_figures
-from jaxserve.benchmarks.stats import RequestResult, compute_metrics
-from jaxserve.benchmarks.workloads import BenchRequest, TokenSource
+from jaxserve.bench.client import completion_payload, send_completion
+from jaxserve.bench.metrics_scrape import MetricsPoller, fetch_snapshot, run_figures
+from jaxserve.bench.stats import RequestResult, compute_metrics
+from jaxserve.bench.workloads import BenchRequest, TokenSource
 from jaxserve.tune.trace import Trace, TraceRequest, load_jsonl_trace, preset_trace
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
@@ -140,10 +147,17 @@ def histogram_quantile(
 
 
 async def run_trace(
-    server: Server, trace: Trace, *, poll_s: float = 0.5
+    server: Server, trace: Trace, *, poll_s: float = 0.5, progress: str | None = None
 ) -> tuple[list[RequestResult], dict[str, Any], str | None, str | None, float]:
     """Sends a trace (arrival times, concurrency cap, follow-up turns after their predecessor
     plus think time) with the ``bench serve`` client.
+
+    Args:
+      server: the server.
+      trace: the requests.
+      poll_s: seconds between ``/metrics`` polls.
+      progress: the label of a progress bar of finished requests on stderr (with the server's
+        running and waiting requests from ``/metrics``); None: no bar.
 
     Returns:
       (results in trace order, ``run_figures`` of the run, /metrics text before, after,
@@ -161,6 +175,9 @@ async def run_trace(
         poller = MetricsPoller(session, server.base_url + "/metrics", poll_s)
         t0 = time.perf_counter()
         poller.start()
+        bar = tqdm(
+            total=len(reqs), desc=progress, unit="req", file=sys.stderr, disable=progress is None
+        )
 
         async def one(i: int, r: TraceRequest) -> RequestResult:
             if r.after is not None:
@@ -186,10 +203,22 @@ async def run_trace(
             finally:
                 finished_at[i] = time.perf_counter() - t0
                 done[i].set()
+                bar.update(1)
 
+        async def server_state() -> None:  # the bar shows the server at work between finishes
+            while True:
+                await asyncio.sleep(1.0)
+                if poller.samples:
+                    snap = poller.samples[-1][1]
+                    bar.set_postfix(running=snap.get("running"), waiting=snap.get("waiting"))
+
+        state = asyncio.create_task(server_state()) if progress is not None else None
         try:
             results = await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
         finally:
+            if state is not None:
+                state.cancel()
+            bar.close()
             await poller.stop()
         duration = time.perf_counter() - t0
         after = await fetch_snapshot(session, server.base_url + "/metrics")
@@ -434,10 +463,140 @@ def _cache_info(text: str | None) -> tuple[int, str | None]:
     return 16, None
 
 
-async def diagnose(args: argparse.Namespace, source: TokenSource) -> list[Check]:
-    """Runs the five checks (load test first; then multi-turn; then the long prompt)."""
-    server = await _server(args.base_url, args.api_key)
+# ---- the plan and its time ---------------------------------------------------------------------
+
+# Traffic flag -> (default, --quick value, help). The defaults size a GPU server's check-up; the
+# --quick values a CPU's (13 s against the bundled model on a shared 2-core box).
+TRAFFIC: dict[str, tuple[Any, Any, str]] = {
+    "num_prompts": (60, 8, "load-test requests besides the conversations"),
+    "input_len": (128, 32, "prompt tokens of a short request and of each turn"),
+    "output_len": (64, 16, "output tokens of a short request and of each turn"),
+    "long_input_len": (2048, 256, "prompt tokens of a long request (cut to max_model_len)"),
+    "long_output_len": (64, 16, "output tokens of a long request"),
+    "long_fraction": (0.1, 0.25, "share of long requests in the load test"),
+    "request_rate": (4.0, 8.0, "requests/s (Poisson arrivals) and conversation starts/s"),
+    "num_conversations": (8, 3, "multi-turn conversations (load test, and check 4's own)"),
+    "turns": (3, 2, "turns per conversation (fewer when they would pass max_model_len)"),
+    "system_len": (256, 64, "shared system prompt tokens of the conversations"),
+}
+
+
+def resolve_traffic(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of the parsed ``doctor`` flags with each traffic flag left out set to its
+    default, or to its ``--quick`` value with ``--quick``."""
+    out = argparse.Namespace(**vars(args))
+    quick = bool(getattr(args, "quick", False))
+    for name, (default, quick_value, _) in TRAFFIC.items():
+        if getattr(out, name, None) is None:
+            setattr(out, name, quick_value if quick else default)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Speed:
+    """The server's speed, from probe requests: a request's TTFT is about ``ttft_s +
+    prefill_s_per_token x prompt tokens``, and each later token takes ``tpot_s`` (seconds)."""
+
+    ttft_s: float
+    prefill_s_per_token: float
+    tpot_s: float
+
+    def latency(self, prompt_len: int, output_len: int) -> float:
+        """Seconds one request of these sizes takes alone."""
+        ttft = self.ttft_s + self.prefill_s_per_token * prompt_len
+        return ttft + max(output_len - 1, 0) * self.tpot_s
+
+
+def speed_from_probes(short: RequestResult, long: RequestResult) -> Speed:
+    """The line through the two probes' TTFTs (by prompt length) and the short one's TPOT.
+
+    Raises:
+      ValueError: a probe failed (its error).
+    """
+    for r in (short, long):
+        if not r.success:
+            raise ValueError(r.error)
+    per_token = 0.0
+    if long.prompt_len > short.prompt_len:
+        per_token = max(0.0, (long.ttft - short.ttft) / (long.prompt_len - short.prompt_len))
+    fixed = max(0.0, short.ttft - per_token * short.prompt_len)
+    tpot = float(np.mean(short.itl)) if short.itl else 0.0
+    return Speed(fixed, per_token, tpot)
+
+
+def estimate_trace_s(trace: Trace, speed: Speed) -> float:
+    """Seconds a trace should take on a server of ``speed``.
+
+    Each request is sent at its arrival (a follow-up turn after its predecessor's answer plus
+    its think time) and takes its probed latency, as if alone; the estimate is the last finish,
+    or, when more than that, the work itself: every prompt token's prefill (compute that
+    batching does not hide) plus every output token's TPOT shared among the requests in flight
+    on average (measured TPOT x planned tokens / concurrency). A concurrency cap stretches it
+    to at least the sum of latencies over the cap. Prefix-cache hits and a TPOT that grows with
+    the batch are not modelled.
+    """
+    reqs = trace.requests
+    if not reqs:
+        return 0.0
+    finish: list[float] = []
+    latencies: list[float] = []
+    for r in reqs:  # a follow-up turn comes after its predecessor in the list
+        start = r.arrival_s
+        if r.after is not None:
+            start = max(start, finish[r.after] + r.think_s)
+        latencies.append(speed.latency(len(r.prompt), r.output_len))
+        finish.append(start + latencies[-1])
+    makespan = max(finish)
+    if trace.max_concurrency:
+        makespan = max(makespan, sum(latencies) / trace.max_concurrency)
+    in_flight = max(1.0, sum(latencies) / makespan)
+    work = sum(len(r.prompt) for r in reqs) * speed.prefill_s_per_token
+    work += sum(r.output_len for r in reqs) * speed.tpot_s / in_flight
+    return max(makespan, work)
+
+
+async def probe_speed(server: Server, source: TokenSource, args: argparse.Namespace) -> Speed:
+    """Two requests, one after the other: ``input_len`` prompt tokens with up to 16 output
+    tokens (TTFT, TPOT), then a ``long_input_len`` prompt (cut to max_model_len) with 1.
+
+    Raises:
+      ValueError: a probe request failed.
+    """
+    rng = np.random.default_rng([args.seed, 9])
     limit = server.max_model_len or 10**9
+    short_len = min(args.input_len, limit - 17)
+    long_len = min(max(args.long_input_len, short_len), limit - 2)
+    probes = [
+        TraceRequest(0.0, source.sample_ids(rng, short_len), min(max(args.output_len, 2), 16)),
+        TraceRequest(0.0, source.sample_ids(rng, long_len), 1),
+    ]
+    results = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        for r in probes:
+            bench = BenchRequest(r.prompt, len(r.prompt), r.output_len, "probe")
+            results.append(
+                await send_completion(
+                    session,
+                    server.base_url + "/v1/completions",
+                    completion_payload(server.model, bench),
+                    bench,
+                    headers=server.headers,
+                )
+            )
+    return speed_from_probes(*results)
+
+
+def _say(text: str) -> None:
+    print(f"doctor: {text}", file=sys.stderr, flush=True)
+
+
+def _quiet(text: str) -> None:
+    pass
+
+
+def plan(args: argparse.Namespace, source: TokenSource, limit: int) -> list[tuple[str, Trace]]:
+    """The three phases' (label, trace): the load test (checks 1-3), the multi-turn workload
+    (check 4) and the long prompt among short requests (check 5). ``args``: resolved flags."""
     long_in = min(args.long_input_len, limit - args.long_output_len - 1)
     if args.trace:
         load = load_jsonl_trace(args.trace, source, args.seed)
@@ -456,19 +615,70 @@ async def diagnose(args: argparse.Namespace, source: TokenSource) -> list[Check]
         )
         conv = _conversations(args, source, limit, args.seed + 1)
         load = combine([mixed, conv], "mixed + multi-turn")
-    results, figures, before_text, after_text, duration = await run_trace(server, load)
+    conv = _conversations(args, source, limit, args.seed + 2)
+    long_len = min(args.long_prompt_len or long_in, limit - 5)
+    probe = long_prompt_trace(source, long_len, args.input_len, args.output_len, 4, args.seed + 3)
+    return [
+        ("load test (checks 1-3)", load),
+        ("multi-turn prefix caching (check 4)", conv),
+        ("long prompt (check 5)", probe),
+    ]
+
+
+async def diagnose(args: argparse.Namespace, source: TokenSource) -> list[Check]:
+    """Runs the five checks (load test first; then multi-turn; then the long prompt), saying
+    on stderr what it does and how long it should take unless ``args.progress`` is False."""
+    args = resolve_traffic(args)
+    progress = getattr(args, "progress", True)
+    say = _say if progress else _quiet
+    t_start = time.perf_counter()
+    server = await _server(args.base_url, args.api_key)
+    limit = server.max_model_len or 10**9
+    say(f"{server.model} at {server.base_url} (max_model_len {server.max_model_len})")
+    phases = plan(args, source, limit)
+    estimates: list[float | None] = [None] * len(phases)
+    if progress:
+        say("probing the server's speed (a short and a long prompt)")
+        try:
+            speed = await probe_speed(server, source, args)
+        except ValueError as exc:
+            say(f"a probe request failed ({exc}); no time estimate")
+        else:
+            estimates = [estimate_trace_s(trace, speed) for _, trace in phases]
+            total = sum(estimates)
+            say(
+                f"probe: TTFT {speed.ttft_s:.3f} s + {speed.prefill_s_per_token * 1e3:.3f} ms per "
+                f"prompt token, TPOT {speed.tpot_s:.4f} s; estimated run time about "
+                f"{_duration(total)}"
+                + (
+                    " (--quick: a smaller run sized for CPUs)"
+                    if total > 60 and not args.quick
+                    else ""
+                )
+            )
+    runs = []
+    for i, (label, trace) in enumerate(phases, 1):
+        est = estimates[i - 1]
+        about = f", about {_duration(est)}" if est is not None else ""
+        say(f"[{i}/{len(phases)}] {label}: {len(trace.requests)} requests{about}")
+        t = time.perf_counter()
+        runs.append(await run_trace(server, trace, progress=label if progress else None))
+        say(f"[{i}/{len(phases)}] {label}: done in {time.perf_counter() - t:.1f} s")
+    (results, figures, before_text, after_text, duration), conv_run, long_run = runs
     c1, m = check_load(results, duration, args.slo_ttft_p99, args.slo_tpot_p99)
     c2 = check_dashboard(before_text, after_text, m["p99_ttft_ms"] / 1e3, figures)
     c3 = check_preemptions(figures, len(results))
     block_size, enabled = _cache_info(after_text)
-    conv = _conversations(args, source, limit, args.seed + 2)
-    _, conv_figures, *_ = await run_trace(server, conv)
-    c4 = check_prefix_caching(conv_figures, conv, block_size, enabled)
-    long_len = min(args.long_prompt_len or long_in, limit - 5)
-    probe = long_prompt_trace(source, long_len, args.input_len, args.output_len, 4, args.seed + 3)
-    probe_results, *_ = await run_trace(server, probe)
-    c5 = check_long_prompt(probe_results, args.slo_ttft_p99, args.slo_tpot_p99)
+    c4 = check_prefix_caching(conv_run[1], phases[1][1], block_size, enabled)
+    c5 = check_long_prompt(long_run[0], args.slo_ttft_p99, args.slo_tpot_p99)
+    total_est = f" (estimated {_duration(sum(estimates))})" if None not in estimates else ""
+    say(f"finished in {_duration(time.perf_counter() - t_start)}{total_est}")
     return [c1, c2, c3, c4, c5]
+
+
+def _duration(seconds: float) -> str:
+    """``42 s`` or ``7.3 min``."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def _conversations(args, source, limit: int, seed: int) -> Trace:
@@ -489,37 +699,72 @@ def _conversations(args, source, limit: int, seed: int) -> Trace:
 
 
 def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Adds ``doctor`` with its traffic, SLO and output flags."""
+    """Adds ``doctor`` with its traffic, SLO and output flags (``--help`` shows each default,
+    and each traffic flag's ``--quick`` value)."""
     p = subparsers.add_parser(
         "doctor",
         help="run the five pre-production checks against a live server",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--trace", default=None, help="JSONL trace of the real traffic (check 1)")
-    p.add_argument("--slo-ttft-p99", type=float, default=None, help="seconds")
-    p.add_argument("--slo-tpot-p99", type=float, default=None, help="seconds")
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="server root URL (default: %(default)s)",
+    )
+    p.add_argument(
+        "--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)"
+    )
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="JSONL trace of the real traffic for check 1 (default: the traffic flags below)",
+    )
+    p.add_argument(
+        "--slo-ttft-p99",
+        type=float,
+        default=None,
+        help="TTFT SLO, seconds (default: none, and checks 1 and 5 WARN)",
+    )
+    p.add_argument(
+        "--slo-tpot-p99",
+        type=float,
+        default=None,
+        help="TPOT SLO, seconds (default: none, and check 1 WARNs)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    g = p.add_argument_group("default traffic (when no --trace)")
-    g.add_argument("--num-prompts", type=int, default=60)
-    g.add_argument("--input-len", type=int, default=128)
-    g.add_argument("--output-len", type=int, default=64)
-    g.add_argument("--long-input-len", type=int, default=2048)
-    g.add_argument("--long-output-len", type=int, default=64)
-    g.add_argument("--long-fraction", type=float, default=0.1)
-    g.add_argument("--request-rate", type=float, default=4.0, help="requests/s (Poisson)")
-    g.add_argument("--num-conversations", type=int, default=8)
-    g.add_argument("--turns", type=int, default=3)
-    g.add_argument("--system-len", type=int, default=256, help="shared system prompt tokens")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the time estimate (two probe requests first), phases and a progress bar of "
+        "finished requests on stderr (default: on)",
+    )
+    g = p.add_argument_group(
+        "traffic (when no --trace)", "--quick: small traffic sized for a CPU server"
+    )
+    g.add_argument(
+        "--quick",
+        action="store_true",
+        help="each traffic flag left out takes its --quick value (shown below) instead of its "
+        "default (default: off)",
+    )
+    for name, (default, quick, text) in TRAFFIC.items():
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=None,
+            help=f"{text} (default: {default}; --quick: {quick})",
+        )
     g.add_argument(
         "--long-prompt-len",
         type=int,
         default=None,
         help="check 5's prompt, tokens (default: --long-input-len)",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of the prompts and arrival times (default: 0)"
+    )
     p.set_defaults(func=run_doctor)
     return p
 
@@ -527,7 +772,7 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_checks(args: argparse.Namespace) -> list[Check]:
     """``diagnose`` from synchronous code (in a running event loop, e.g. a notebook, on a fresh
     loop in a worker thread). ``args``: the parsed ``doctor`` flags."""
-    from jaxserve.tune.cli import token_source
+    from jaxserve.tune.grid import token_source
 
     coro = diagnose(args, token_source())
     try:

@@ -34,6 +34,16 @@ by the hashes we send (and, to match a new prompt, computes ours with
 re-hashes the ``token_ids`` each ``BlockStored`` carries with its own function (llm-d does this).
 Without ``PYTHONHASHSEED`` each engine's chain starts from random bytes and hashes are only
 comparable within one replica.
+
+Privacy (the events carry no authentication; docs/ARCHITECTURE.md, "KV-cache events"):
+
+* where it listens: ``tcp://*:PORT`` binds 127.0.0.1 only (vLLM binds every interface for the
+  same string), like ``--host``'s default; ``tcp://0.0.0.0:PORT`` (or ``tcp://[::]:PORT``) binds
+  every interface and logs a warning at start-up, as ``*`` does (saying what it binds);
+* what it says: the ``BlockStored`` of a request with a ``cache_salt`` carries its block hashes
+  and an empty ``token_ids`` (token ids are the prompt's text, and a salt marks a tenant that
+  does not share its prefixes), unless ``kv_events_include_token_ids`` is set. Unsalted
+  requests' token ids are published as in vLLM.
 """
 
 from __future__ import annotations
@@ -120,22 +130,72 @@ def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
     return f"{endpoint}_dp{data_parallel_rank}"
 
 
+LOOPBACK = "127.0.0.1"
+"""Where ``tcp://*:PORT`` binds (``--host``'s default)."""
+
+EVERY_INTERFACE = ("0.0.0.0", "[::]", "::")
+"""tcp hosts that bind every interface (each start-up logs a warning)."""
+
+
+def _tcp_host(endpoint: str) -> str | None:
+    """The host part of a ``tcp://HOST:PORT`` endpoint; None for ipc and inproc."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, sep, _ = endpoint[len("tcp://") :].rpartition(":")
+    return host if sep else endpoint[len("tcp://") :]
+
+
 def binds(endpoint: str) -> bool:
-    """Whether the publisher binds (``*``, ``::``, ipc, inproc) or connects (a host name/IP)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    """Whether the publisher binds (``*``, ``0.0.0.0``, an IPv6 address, ipc, inproc) or
+    connects (a host name or IPv4 address: a subscriber that binds, vLLM's rule)."""
+    host = _tcp_host(endpoint)
+    return host is None or host == "*" or "::" in host or host in EVERY_INTERFACE
+
+
+def bind_address(endpoint: str) -> str:
+    """The address a binding publisher passes to ZMQ: ``tcp://*:PORT`` becomes
+    ``tcp://127.0.0.1:PORT``; every other endpoint is taken as written."""
+    if _tcp_host(endpoint) == "*":
+        return f"tcp://{LOOPBACK}:{endpoint.rpartition(':')[2]}"
+    return endpoint
+
+
+def exposure_warning(endpoint: str) -> str | None:
+    """The start-up warning for an endpoint written with ``*`` or an every-interface address,
+    else None."""
+    host = _tcp_host(endpoint)
+    port = endpoint.rpartition(":")[2]
+    if host == "*":
+        return (
+            f"kv_events_endpoint {endpoint}: '*' binds {LOOPBACK}:{port} only (loopback; vLLM "
+            f"binds every interface for it); to publish to other hosts write "
+            f"tcp://0.0.0.0:{port}, or have the engine connect to the subscriber "
+            f"(tcp://SUBSCRIBER_HOST:PORT)"
+        )
+    if host in EVERY_INTERFACE:
+        return (
+            f"kv_events_endpoint {endpoint} binds every interface: anyone who can reach port "
+            f"{port} reads the prefix cache's block hashes and the token ids (prompt text) of "
+            f"unsalted requests, without authentication; keep the port on a private network"
+        )
+    return None
 
 
 class KVEventPublisher:
     """Sends the engine's KV events from a daemon thread over a ZMQ PUB socket.
 
     Args:
-      endpoint: ``tcp://*:PORT`` (bind) or ``tcp://HOST:PORT`` (connect), already offset for
-        the rank (:func:`offset_endpoint`).
+      endpoint: ``tcp://*:PORT`` (binds 127.0.0.1), ``tcp://0.0.0.0:PORT`` (binds every
+        interface, with a warning), ``tcp://HOST:PORT`` (connects), ipc or inproc (binds);
+        already offset for the rank (:func:`offset_endpoint`).
       block_size: tokens per block.
       data_parallel_rank: the replica's index (in each payload).
       topic: first frame of every message.
       max_queue: batches kept while the socket is slow; beyond it new batches are dropped
         (counted in ``num_dropped``; the subscriber sees a ``seq`` gap only for sent ones).
+
+    Attributes:
+      address: where the socket listens (bound; the port resolved) or what it connected to.
 
     Raises:
       ValueError: pyzmq or msgpack missing (``pip install 'jaxserve[events]'``).
@@ -168,10 +228,16 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._socket = self._ctx.socket(zmq.PUB)
         self._socket.set_hwm(hwm)
+        warning = exposure_warning(endpoint)
+        if warning:
+            logger.warning(warning)
         if binds(endpoint):
-            self._socket.bind(endpoint)
+            self._socket.ipv6 = "[" in endpoint or "::" in endpoint
+            self._socket.bind(bind_address(endpoint))
+            self.address = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         else:
             self._socket.connect(endpoint)
+            self.address = endpoint
         self._thread = threading.Thread(target=self._run, name="jaxserve-kv-events", daemon=True)
         self._thread.start()
 

@@ -9,7 +9,9 @@ Source: vLLM V1's ``v1/metrics/loggers.py`` (PrometheusStatLogger): the same met
 under vLLM's own prefix (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
 ``vllm:cache_config_info{block_size,num_gpu_blocks,...}``), so an endpoint picker (the Gateway
 API Inference Extension, llm-d) or vLLM's Grafana dashboard reads them unchanged. The names
-are written once, in :data:`METRIC_NAMES`; only the prefix changes.
+are written once: the step families (gauges and counters from the engine's stats) in
+``jaxserve/stats_schema.py``, the per-request families here; :data:`METRIC_NAMES` lists them
+all; only the prefix changes.
 
 Each :class:`EngineMetrics` owns its ``CollectorRegistry``, so several servers (or tests) in one
 process do not collide. Updates come from the engine thread after each step
@@ -43,9 +45,12 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from jaxserve.stats_schema import EXPORTED, GAUGE
+
 if TYPE_CHECKING:
     from jaxserve.config import CacheConfig
-    from jaxserve.outputs import RequestOutput
+    from jaxserve.request_output import RequestOutput
+    from jaxserve.stats_schema import EngineStats
 
 PREFIX = "jaxserve:"
 """Prefix of the default namespace."""
@@ -53,21 +58,7 @@ PREFIX = "jaxserve:"
 NAMESPACES = ("jaxserve", "vllm")
 """Values of ``--metrics-namespace``: the prefix before ``:`` in every metric name."""
 
-METRIC_NAMES = (
-    "num_requests_running",
-    "num_requests_waiting",
-    "kv_cache_usage_perc",
-    "num_preemptions",
-    "prefix_cache_queries",
-    "prefix_cache_hits",
-    "host_prefix_cache_hits",
-    "kv_offload_stored_tokens",
-    "kv_offload_loaded_tokens",
-    "kv_offload_resumed_loaded_tokens",
-    "kv_offload_resumed_recomputed_tokens",
-    "host_kv_cache_usage_perc",
-    "prompt_tokens",
-    "generation_tokens",
+REQUEST_FAMILIES = (
     "request_success",
     "time_to_first_token_seconds",
     "inter_token_latency_seconds",
@@ -80,6 +71,12 @@ METRIC_NAMES = (
     "request_prompt_tokens",
     "request_generation_tokens",
     "request_max_num_generation_tokens",
+)
+"""The families fed from the RequestOutputs (finish reasons, latencies, lengths)."""
+
+METRIC_NAMES = (
+    *(stat.metric for stat in EXPORTED),
+    *REQUEST_FAMILIES,
     "cache_config_info",
 )
 """Every metric family, without its namespace (counters get ``_total`` in the exposition)."""
@@ -222,87 +219,17 @@ class EngineMetrics:
         self.prefix = prefix = namespace + ":"
         labels = ["model_name"]
         reg = self.registry
-        self.num_requests_running = Gauge(
-            prefix + "num_requests_running",
-            "Requests holding KV blocks (in the running batch).",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.num_requests_waiting = Gauge(
-            prefix + "num_requests_waiting",
-            "Requests waiting to be scheduled (preempted included).",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.kv_cache_usage_perc = Gauge(
-            prefix + "kv_cache_usage_perc",
-            "KV-cache usage, fraction of blocks in use (1 = full).",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.num_preemptions = Counter(
-            prefix + "num_preemptions",
-            "Preemptions (recompute) of running requests.",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.prefix_cache_queries = Counter(
-            prefix + "prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.prefix_cache_hits = Counter(
-            prefix + "prefix_cache_hits",
-            "Prompt tokens found in the prefix cache.",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.host_prefix_cache_hits = Counter(
-            prefix + "host_prefix_cache_hits",
-            "Of the prefix-cache hits, prompt tokens found in the host KV tier (offloading).",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.kv_offload_stored_tokens = Counter(
-            prefix + "kv_offload_stored_tokens",
-            "Tokens of KV copied from the device to the host tier.",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.kv_offload_loaded_tokens = Counter(
-            prefix + "kv_offload_loaded_tokens",
-            "Tokens of KV copied from the host tier back to the device.",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.kv_offload_resumed_loaded_tokens = Counter(
-            prefix + "kv_offload_resumed_loaded_tokens",
-            "Host-tier tokens of resumed preempted requests loaded back (cheaper than recompute).",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.kv_offload_resumed_recomputed_tokens = Counter(
-            prefix + "kv_offload_resumed_recomputed_tokens",
-            "Host-tier tokens of resumed preempted requests recomputed (cheaper than a load).",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.host_kv_cache_usage_perc = Gauge(
-            prefix + "host_kv_cache_usage_perc",
-            "Host KV tier usage, fraction of host blocks holding a block (0 when off).",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.prompt_tokens = Counter(
-            prefix + "prompt_tokens",
-            "Prompt tokens of requests that started generating.",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            prefix + "generation_tokens", "Generated tokens.", labels, registry=reg
-        ).labels(model_name)
+        # The step families, one per exported row of the stats schema, in its order: a gauge
+        # set from its field, a counter grown from its ``_total`` field.
+        self._gauges: list[tuple[str, Any]] = []
+        self._counters: list[tuple[str, Any]] = []
+        for stat in EXPORTED:
+            if stat.kind == GAUGE:
+                family = Gauge(prefix + stat.metric, stat.doc, labels, registry=reg)
+                self._gauges.append((stat.name, family.labels(model_name)))
+            else:
+                family = Counter(prefix + stat.metric, stat.doc, labels, registry=reg)
+                self._counters.append((stat.name + "_total", family.labels(model_name)))
         success = Counter(
             prefix + "request_success",
             "Finished samples, by finish reason.",
@@ -392,7 +319,7 @@ class EngineMetrics:
         self._totals: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def record_step(self, stats: Any | None, outputs: Iterable[RequestOutput]) -> None:
+    def record_step(self, stats: EngineStats | None, outputs: Iterable[RequestOutput]) -> None:
         """Folds one engine step into the metrics (called from the engine thread).
 
         Args:
@@ -418,26 +345,10 @@ class EngineMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def _record_stats(self, stats: Any) -> None:
-        self.num_requests_running.set(stats.num_running_reqs)
-        self.num_requests_waiting.set(stats.num_waiting_reqs)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        self.host_kv_cache_usage_perc.set(getattr(stats, "host_kv_cache_usage", 0.0))
-        for name, counter in (
-            ("host_cache_hits_total", self.host_prefix_cache_hits),
-            ("kv_offload_stored_tokens_total", self.kv_offload_stored_tokens),
-            ("kv_offload_loaded_tokens_total", self.kv_offload_loaded_tokens),
-            ("kv_offload_resumed_loaded_tokens_total", self.kv_offload_resumed_loaded_tokens),
-            (
-                "kv_offload_resumed_recomputed_tokens_total",
-                self.kv_offload_resumed_recomputed_tokens,
-            ),
-            ("num_preemptions_total", self.num_preemptions),
-            ("prefix_cache_queries_total", self.prefix_cache_queries),
-            ("prefix_cache_hits_total", self.prefix_cache_hits),
-            ("num_prompt_tokens_total", self.prompt_tokens),
-            ("num_generation_tokens_total", self.generation_tokens),
-        ):
+    def _record_stats(self, stats: EngineStats) -> None:
+        for name, gauge in self._gauges:
+            gauge.set(getattr(stats, name, 0.0))
+        for name, counter in self._counters:
             total = getattr(stats, name, 0)
             grown = total - self._totals.get(name, 0)
             self._totals[name] = total

@@ -1,10 +1,15 @@
-"""jaxserve doctor's checks on given evidence (the live run is in demos/05_tune_and_doctor)."""
+"""jaxserve doctor: its checks on given evidence, its plan's time estimate, its --help, and a
+--quick run against the bundled model that says what it does (also in demos/05_tune_and_doctor)."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
+
 import pytest
 
-from jaxserve.benchmarks.stats import RequestResult
+from jaxserve.bench.stats import RequestResult
 from jaxserve.doctor import (
     FAIL,
     PASS,
@@ -107,3 +112,110 @@ def test_combine_shifts_follow_up_indices():
     a = Trace([TraceRequest(0, [1], 1), TraceRequest(0, [1, 2], 1, after=0)])
     both = combine([a, a], "x")
     assert [r.after for r in both.requests] == [None, 0, None, 2]
+
+
+# Each traffic flag's default and --quick value, as --help must show them.
+TRAFFIC_HELP = {
+    "--num-prompts": "(default: 60; --quick: 8)",
+    "--input-len": "(default: 128; --quick: 32)",
+    "--output-len": "(default: 64; --quick: 16)",
+    "--long-input-len": "(default: 2048; --quick: 256)",
+    "--long-output-len": "(default: 64; --quick: 16)",
+    "--long-fraction": "(default: 0.1; --quick: 0.25)",
+    "--request-rate": "(default: 4.0; --quick: 8.0)",
+    "--num-conversations": "(default: 8; --quick: 3)",
+    "--turns": "(default: 3; --quick: 2)",
+    "--system-len": "(default: 256; --quick: 64)",
+}
+
+
+def test_help_shows_every_flags_default_and_quick_value(capsys):
+    from jaxserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["doctor", "--help"])
+    helps = {}
+    for block in re.split(r"\n  (?=--)", capsys.readouterr().out):  # one block per flag
+        helps[block.split()[0].rstrip(",")] = " ".join(block.split())
+    for flag, shown in TRAFFIC_HELP.items():
+        assert shown in helps[flag], helps[flag]
+    for flag in ("--base-url", "--api-key", "--slo-ttft-p99", "--long-prompt-len", "--seed"):
+        assert "default" in helps[flag], helps[flag]
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    from jaxserve.doctor import add_doctor_parser, resolve_traffic
+
+    return resolve_traffic(
+        add_doctor_parser(argparse.ArgumentParser().add_subparsers()).parse_args(argv)
+    )
+
+
+def test_quick_fills_only_the_flags_left_out():
+    from jaxserve.doctor import TRAFFIC
+
+    args = _parse("--quick", "--num-prompts", "5")
+    assert args.num_prompts == 5 and args.input_len == 32
+    full = _parse()
+    assert {n: getattr(full, n) for n in TRAFFIC} == {n: v[0] for n, v in TRAFFIC.items()}
+    assert [f"(default: {d}; --quick: {q})" for d, q, _ in TRAFFIC.values()] == list(
+        TRAFFIC_HELP.values()
+    )
+
+
+def test_speed_and_estimate_from_probes():
+    from jaxserve.doctor import Speed, estimate_trace_s, speed_from_probes
+
+    short = RequestResult(True, 100, 5, 0.2, 0.6, [0.1] * 4)
+    long = RequestResult(True, 1100, 1, 1.2, 1.2)
+    speed = speed_from_probes(short, long)
+    assert speed.ttft_s == pytest.approx(0.1) and speed.prefill_s_per_token == pytest.approx(1e-3)
+    assert speed.tpot_s == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="HTTP 400"):
+        speed_from_probes(short, _result(0, 0, 0, ok=False))
+    flat = Speed(ttft_s=1.0, prefill_s_per_token=0.0, tpot_s=0.5)
+    # Two requests at once (3 s each alone) and a follow-up 1 s after the first: 3 + 1 + 3.
+    trace = Trace(
+        [
+            TraceRequest(0.0, [1] * 10, 5),
+            TraceRequest(0.0, [1] * 10, 5),
+            TraceRequest(0.0, [1] * 10, 5, after=0, think_s=1.0),
+        ]
+    )
+    assert estimate_trace_s(trace, flat) == pytest.approx(7.0)
+    capped = Trace(trace.requests[:2] * 3, max_concurrency=1)  # 6 x 3 s, one at a time
+    assert estimate_trace_s(capped, flat) == pytest.approx(18.0)
+    # Prefill that batching cannot hide: 3 x 1000 prompt tokens at 1 ms each beat the 1 s
+    # each request takes alone.
+    heavy = Trace([TraceRequest(0.0, [1] * 1000, 1) for _ in range(3)])
+    assert estimate_trace_s(heavy, Speed(0.0, 1e-3, 0.0)) == pytest.approx(3.0)
+    assert estimate_trace_s(Trace([]), flat) == 0.0
+
+
+MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tiny-llama")
+
+
+@pytest.mark.slow
+def test_quick_run_against_the_bundled_model_talks_and_finishes(capsys):
+    if not os.path.isfile(os.path.join(MODEL_DIR, "config.json")):
+        pytest.skip("the bundled model is missing")
+    from jaxserve.bench import DEMO_ENGINE_ARGS, BackgroundServer
+    from jaxserve.cli import build_parser
+    from jaxserve.doctor import run_doctor
+    from jaxserve.engine.llm import LLM
+
+    with BackgroundServer(LLM(**DEMO_ENGINE_ARGS)) as server:
+        argv = ["doctor", "--base-url", server.url, "--quick", "--slo-ttft-p99", "30"]
+        code = run_doctor(build_parser(argv).parse_args(argv))
+    out, err = capsys.readouterr()
+    assert code in (0, 1)
+    said = [line for line in err.splitlines() if line.startswith("doctor: ")]
+    assert re.search(r"probe: TTFT .* estimated run time about \d+ s", said[2]), said
+    for i, what in enumerate(("load test", "multi-turn", "long prompt"), 1):
+        assert any(line.startswith(f"doctor: [{i}/3] {what}") and "about" in line for line in said)
+        assert any(
+            line.startswith(f"doctor: [{i}/3] {what}") and "done in" in line for line in said
+        )
+    assert re.match(r"doctor: finished in \d+ s \(estimated \d+ s\)", said[-1]), said
+    assert "requests: 100%" not in err and "load test (checks 1-3): 100%" in err  # the bars
+    assert len(re.findall(r"^\[(PASS|WARN|FAIL)\] \d ", out, re.M)) == 5, out

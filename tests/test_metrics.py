@@ -18,7 +18,7 @@ from jaxserve.metrics import (
     merge_expositions,
     token_count_buckets,
 )
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.request_output import CompletionOutput, RequestMetrics, RequestOutput
 
 
 def _samples(metrics: EngineMetrics) -> dict[tuple[str, tuple], float]:

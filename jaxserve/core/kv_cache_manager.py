@@ -105,6 +105,23 @@ class KVCacheManager:
         # req_id -> (loads?, host-hit tokens) of a resumed request's latest lookup
         self._resume_choice: dict[str, tuple[bool, int]] = {}
         self._resumed_loaded = self._resumed_recomputed = 0  # tokens, interval counters
+        # KV events: whether a salted request's BlockStored carries its token ids (record_kv_events)
+        self._salted_event_token_ids = False
+
+    def record_kv_events(self, include_salted_token_ids: bool = False) -> BlockPool:
+        """Makes the block pool record KV events (its ``take_kv_events`` hands them out).
+
+        Args:
+          include_salted_token_ids: a request with a ``cache_salt`` publishes its blocks'
+            token ids too; by default its ``BlockStored`` events carry hashes and no token ids
+            (the token ids are the prompt; jaxserve/kv_events.py, "Privacy").
+
+        Returns:
+          The block pool.
+        """
+        self.block_pool.kv_events = []
+        self._salted_event_token_ids = include_salted_token_ids
+        return self.block_pool
 
     @property
     def max_num_tokens(self) -> int:
@@ -379,8 +396,11 @@ class KVCacheManager:
         if num_full <= num_cached:
             return num_cached
         hashes = update_block_hashes(request, block_size, self.none_hash)
+        token_ids = request.all_token_ids  # read only while recording KV events
+        if request.cache_salt and not self._salted_event_token_ids:
+            token_ids = None  # a salted request's BlockStored: hashes, no token ids
         self.block_pool.cache_full_blocks(
-            blocks, hashes, num_cached, num_full, request.all_token_ids, block_size
+            blocks, hashes, num_cached, num_full, token_ids, block_size
         )
         self.num_cached_block[request.request_id] = num_full
         return num_full
@@ -438,7 +458,6 @@ class KVCacheManager:
         """Usage now plus prefix-cache and eviction counters since the previous call (resets them)."""
         stats = KVCacheStats(
             usage=self.usage,
-            num_free_blocks=self.num_free_blocks,
             prefix_cache=self.prefix_cache_stats,
             num_evictions=self.block_pool.num_evictions,
             host_usage=self.host_pool.get_usage() if self.host_pool is not None else 0.0,

@@ -394,7 +394,6 @@ class KVCacheStats:
 
     Attributes:
       usage: used blocks / (total - 1) (gauge; evictable cached blocks count as free).
-      num_free_blocks: blocks in the free queue (gauge).
       prefix_cache: queries and hits since the last ``make_stats`` (interval).
       num_evictions: cached blocks evicted since the last ``make_stats`` (interval).
       host_usage: host-tier slots in use / all slots (gauge; 0.0 without offloading).
@@ -405,7 +404,6 @@ class KVCacheStats:
     """
 
     usage: float
-    num_free_blocks: int
     prefix_cache: PrefixCacheStats
     num_evictions: int
     host_usage: float = 0.0

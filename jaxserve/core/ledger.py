@@ -8,8 +8,8 @@ where something happens to a request:
 * ``scheduled``: a prompt chunk, a recompute chunk or a decode token computed in a step
   (the decode fast path appends the step index to ``decode_steps`` itself: one list append);
 * ``preempted``: evicted by recompute, with the tokens whose K/V it threw away;
-* ``finished``: freed, for any reason (copies the request's times and counts, so the ledger
-  outlives the request and its token lists).
+* ``finished``: freed, for any reason (keeps the request's times and counts, so the ledger
+  outlives the request and its token lists; the request hands them over in ``close_ledger``).
 
 Cost per request per step is O(1): a list append (decode) or a small tuple (chunk). Memory is
 one list slot per decode step and one tuple per chunk or preemption.
@@ -29,10 +29,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from jaxserve.core.request import Request
+from typing import Any
 
 PREFILL, DECODE, RECOMPUTE = "prefill", "decode", "recompute"
 
@@ -143,19 +140,33 @@ class RequestLedger:
             record = self.preemptions[-1]
             record[7], record[8] = ("load" if loads else "recompute"), num_tokens
 
-    def finished(self, request: Request) -> None:
-        """Copies the request's times, counts and finish reason (call when it is freed)."""
-        self.request_id = request.request_id
-        self.arrival_time = request.arrival_time
-        self.first_scheduled_time = request.first_scheduled_time
-        self.first_token_time = request.first_token_time
-        self.finished_time = request.finished_time
-        reason = request.get_finish_reason()
-        self.finish_reason = None if reason is None else reason.value
-        self.stop_reason = request.stop_reason
-        self.num_prompt_tokens = request.num_prompt_tokens
-        self.num_output_tokens = request.num_output_tokens
-        self.num_cached_tokens = max(request.num_cached_tokens, 0)
+    def finished(
+        self,
+        *,
+        request_id: str,
+        arrival_time: float,
+        first_scheduled_time: float | None,
+        first_token_time: float | None,
+        finished_time: float | None,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        num_cached_tokens: int,
+    ) -> None:
+        """Keeps the request's times (monotonic seconds), token counts and finish reason, so
+        the ledger outlives it (``Request.close_ledger`` calls this when the request is freed;
+        ``num_cached_tokens`` -1, never scheduled, is kept as 0)."""
+        self.request_id = request_id
+        self.arrival_time = arrival_time
+        self.first_scheduled_time = first_scheduled_time
+        self.first_token_time = first_token_time
+        self.finished_time = finished_time
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = num_output_tokens
+        self.num_cached_tokens = max(num_cached_tokens, 0)
 
     # ------------------------------------------------------------------ reading
 

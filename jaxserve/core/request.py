@@ -231,6 +231,23 @@ class Request:
         """The OpenAI-style finish reason of this request's status; None while unfinished."""
         return _FINISH_REASONS.get(self.status)
 
+    def close_ledger(self) -> None:
+        """Hands this request's times, counts and finish reason to its ledger, which outlives
+        it (the scheduler calls this when it frees the request)."""
+        reason = self.get_finish_reason()
+        self.ledger.finished(
+            request_id=self.request_id,
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time,
+            finished_time=self.finished_time,
+            finish_reason=None if reason is None else reason.value,
+            stop_reason=self.stop_reason,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_output_tokens=len(self.output_token_ids),
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "

@@ -56,11 +56,13 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from jaxserve.core.engine_core_output import DecodeTokens, EngineCoreOutput
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.outputs import DecodeTokens, EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import make_request_queue
+from jaxserve.core.runner_output import ModelRunnerOutput
 from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.stats_schema import SchedulerStats
 
 if TYPE_CHECKING:
     from jaxserve.config import CacheConfig, SchedulerConfig
@@ -263,7 +265,7 @@ class Scheduler:
             if st.by_id.get(request.request_id) is request:  # its ledger: complete it now
                 request.ledger.decode_steps.extend(st.step_indices)
                 st.flushed.add(request.request_id)
-        request.ledger.finished(request)
+        request.close_ledger()
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
@@ -961,17 +963,16 @@ class Scheduler:
         )
 
     def make_stats(self) -> SchedulerStats:
-        """Gauges now and counters since the previous call (which it resets)."""
+        """Gauges now and counters since the previous call (which it resets); the fields are the
+        scheduler's rows of ``jaxserve.stats_schema``."""
         kv_stats = self.kv_cache_manager.make_stats()
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=kv_stats.usage,
-            num_free_blocks=kv_stats.num_free_blocks,
             prefix_cache_queries=kv_stats.prefix_cache.queries,
             prefix_cache_hits=kv_stats.prefix_cache.hits,
             prefix_cache_requests=kv_stats.prefix_cache.requests,
-            num_evictions=kv_stats.num_evictions,
             host_cache_hits=kv_stats.prefix_cache.host_hits,
             host_kv_cache_usage=kv_stats.host_usage,
             kv_offload_stored_tokens=kv_stats.offload_stored_tokens,

@@ -9,7 +9,7 @@ import importlib
 
 _LAZY = {
     "LLMEngine": "jaxserve.engine.llm_engine",
-    "EngineStats": "jaxserve.engine.llm_engine",
+    "EngineStats": "jaxserve.stats_schema",
     "LLM": "jaxserve.engine.llm",
     "AsyncLLM": "jaxserve.engine.async_llm",
 }

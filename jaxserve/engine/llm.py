@@ -17,7 +17,7 @@ from typing import Any
 
 from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.outputs import RequestOutput
+from jaxserve.request_output import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 

@@ -51,106 +51,17 @@ from jaxserve.core.ledger import LedgerHistory
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.outputs import RequestOutput
+from jaxserve.request_output import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.stats_schema import COUNTER_TOTALS, SCHEDULER_TO_ENGINE, EngineStats
 from jaxserve.structured import TokenMaskManager
 
 if TYPE_CHECKING:
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """What the metrics layer reads after each step (``LLMEngine.get_stats``).
-
-    Field names follow ``jaxserve.core.outputs.SchedulerStats`` where they overlap.
-
-    Gauges (now): num_running_reqs, num_waiting_reqs (preempted included), kv_cache_usage (used
-    blocks / usable blocks, in [0, 1]), num_unfinished_reqs (parent requests not yet finished),
-    host_kv_cache_usage (KV offloading's host slots in use / all; 0.0 when off).
-
-    Latest step (a caller reading once per step sums them): num_preemptions,
-    prefix_cache_queries / prefix_cache_hits (prompt tokens looked up / found in the prefix
-    cache; first admissions only), prefix_cache_requests, num_evictions, num_prompt_tokens
-    (prompts of requests that produced their first token or finished prompt-only),
-    num_generation_tokens, num_scheduled_tokens, num_finished_reqs; KV offloading:
-    host_cache_hits (of prefix_cache_hits, tokens found in the host tier),
-    kv_offload_stored_tokens / kv_offload_loaded_tokens (tokens copied device -> host / back),
-    kv_offload_resumed_loaded_tokens / kv_offload_resumed_recomputed_tokens (host-hit tokens of
-    resumed preempted requests that the start-up cost probe chose to load / to recompute).
-
-    Totals since start: the same with ``_total`` appended, plus num_steps_total.
-
-    Time totals, seconds: schedule_s (scheduler), runner_host_s (row updates, batch build,
-    sampling metadata, launch), runner_launch_s (the launch part of runner_host_s: argument
-    transfer and dispatch of the jitted calls), host_cpu_s (thread CPU seconds of the host work:
-    schedule, runner host without its launches, output; load on other cores does not inflate
-    it), runner_device_s (dispatch until the tokens are on the host), output_s
-    (runner output, scheduler update, detokenization, RequestOutputs).
-    """
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_unfinished_reqs: int = 0
-    host_kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_requests: int = 0
-    num_evictions: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_scheduled_tokens: int = 0
-    num_finished_reqs: int = 0
-    host_cache_hits: int = 0
-    kv_offload_stored_tokens: int = 0
-    kv_offload_loaded_tokens: int = 0
-    kv_offload_resumed_loaded_tokens: int = 0
-    kv_offload_resumed_recomputed_tokens: int = 0
-    num_preemptions_total: int = 0
-    prefix_cache_queries_total: int = 0
-    prefix_cache_hits_total: int = 0
-    prefix_cache_requests_total: int = 0
-    num_evictions_total: int = 0
-    num_prompt_tokens_total: int = 0
-    num_generation_tokens_total: int = 0
-    num_scheduled_tokens_total: int = 0
-    num_finished_reqs_total: int = 0
-    host_cache_hits_total: int = 0
-    kv_offload_stored_tokens_total: int = 0
-    kv_offload_loaded_tokens_total: int = 0
-    kv_offload_resumed_loaded_tokens_total: int = 0
-    kv_offload_resumed_recomputed_tokens_total: int = 0
-    num_steps_total: int = 0
-    schedule_s: float = 0.0
-    runner_host_s: float = 0.0
-    runner_launch_s: float = 0.0
-    host_cpu_s: float = 0.0
-    runner_device_s: float = 0.0
-    output_s: float = 0.0
-
-    _COUNTERS = (
-        "num_preemptions",
-        "prefix_cache_queries",
-        "prefix_cache_hits",
-        "prefix_cache_requests",
-        "num_evictions",
-        "num_prompt_tokens",
-        "num_generation_tokens",
-        "num_scheduled_tokens",
-        "num_finished_reqs",
-        "host_cache_hits",
-        "kv_offload_stored_tokens",
-        "kv_offload_loaded_tokens",
-        "kv_offload_resumed_loaded_tokens",
-        "kv_offload_resumed_recomputed_tokens",
-    )
-    _TOTALS = tuple((name, name + "_total") for name in _COUNTERS)  # (counter, its total)
 
 
 class LLMEngine:
@@ -202,11 +113,12 @@ class LLMEngine:
             return None
         from jaxserve.kv_events import KVEventPublisher, offset_endpoint
 
-        self._block_pool = self.scheduler.kv_cache_manager.block_pool
-        self._block_pool.kv_events = []
+        manager = self.scheduler.kv_cache_manager
+        self._block_pool = manager.record_kv_events(obs.kv_events_include_token_ids)
         endpoint = offset_endpoint(obs.kv_events_endpoint, obs.data_parallel_rank)
-        logger.info("publishing KV-cache events on %s", endpoint)
-        return KVEventPublisher(endpoint, config.cache.block_size, obs.data_parallel_rank)
+        publisher = KVEventPublisher(endpoint, config.cache.block_size, obs.data_parallel_rank)
+        logger.info("publishing KV-cache events on %s", publisher.address)
+        return publisher
 
     def close(self) -> None:
         """Stops the KV-event publisher (if any) after it sent what is queued."""
@@ -233,9 +145,9 @@ class LLMEngine:
         import jax
 
         from jaxserve import distributed
-        from jaxserve.model.attention import resolve_attention_backend
-        from jaxserve.model.gguf_loader import is_gguf_path
+        from jaxserve.model.attention_backends import resolve_attention_backend
         from jaxserve.model.loader import load_model
+        from jaxserve.model.readers.gguf_reader import is_gguf_path
         from jaxserve.worker.model_runner import ModelRunner
 
         t0 = time.perf_counter()
@@ -438,6 +350,11 @@ class LLMEngine:
                     self.ledger_history.add(rid, ledgers)
                 self.token_masks.drop(children)
 
+    def get_ledger(self, request_id: str) -> dict[str, Any] | None:
+        """A finished request's ledger as JSON-ready data (``LedgerHistory.get``), or None; any
+        thread may call it."""
+        return self.ledger_history.get(request_id)
+
     def has_unfinished_requests(self) -> bool:
         """True while any parent request (n > 1 counts once) has not produced its final output."""
         return len(self.output_processor) > 0
@@ -500,7 +417,7 @@ class LLMEngine:
             events = self._block_pool.take_kv_events()
             if events:
                 self.kv_event_publisher.publish(events)
-        self._update_stats(sched_out.total_num_scheduled_tokens, outputs)
+        self._update_stats(outputs)
         st = self._stats
         st.schedule_s += t1 - t0
         st.runner_host_s += timing.host_s - host0
@@ -510,27 +427,18 @@ class LLMEngine:
         st.output_s += (t2 - t1) - (timing.host_s - host0) - (timing.device_s - dev0) + (t3 - t2)
         return outputs
 
-    def _update_stats(self, num_scheduled: int, outputs: list[RequestOutput]) -> None:
+    def _update_stats(self, outputs: list[RequestOutput]) -> None:
+        """The step's figures into ``self._stats`` (rows of ``jaxserve.stats_schema``): the
+        scheduler's, then the engine's own counters, then every counter's running total."""
         s = self.scheduler.make_stats()
         st = self._stats
-        st.num_running_reqs, st.num_waiting_reqs = s.num_running_reqs, s.num_waiting_reqs
-        st.kv_cache_usage = s.kv_cache_usage
-        st.num_unfinished_reqs = len(self.output_processor)
-        st.num_preemptions = s.num_preemptions
-        st.prefix_cache_queries, st.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
-        st.prefix_cache_requests, st.num_evictions = s.prefix_cache_requests, s.num_evictions
-        st.host_cache_hits, st.host_kv_cache_usage = s.host_cache_hits, s.host_kv_cache_usage
-        st.kv_offload_stored_tokens = s.kv_offload_stored_tokens
-        st.kv_offload_loaded_tokens = s.kv_offload_loaded_tokens
-        st.kv_offload_resumed_loaded_tokens = s.kv_offload_resumed_loaded_tokens
-        st.kv_offload_resumed_recomputed_tokens = s.kv_offload_resumed_recomputed_tokens
+        for name in SCHEDULER_TO_ENGINE:
+            setattr(st, name, getattr(s, name))
         st.num_prompt_tokens = self.output_processor.num_prompt_tokens_step
         st.num_generation_tokens = self.output_processor.num_generation_tokens_step
-        st.num_scheduled_tokens = num_scheduled
         st.num_finished_reqs = sum(1 for o in outputs if o.finished)
-        for name, total in EngineStats._TOTALS:
+        for name, total in COUNTER_TOTALS:
             setattr(st, total, getattr(st, total) + getattr(st, name))
-        st.num_steps_total += 1
 
     def get_stats(self) -> EngineStats:
         """A copy of the engine's figures after the latest step (see EngineStats), with the
@@ -538,7 +446,6 @@ class LLMEngine:
         stats = dataclasses.replace(self._stats)
         stats.num_running_reqs, stats.num_waiting_reqs = self.scheduler.get_request_counts()
         stats.kv_cache_usage = self.scheduler.kv_cache_manager.usage
-        stats.num_unfinished_reqs = len(self.output_processor)
         return stats
 
 

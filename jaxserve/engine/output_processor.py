@@ -23,9 +23,9 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
-from jaxserve.core.outputs import DecodeTokens, EngineCoreOutput
+from jaxserve.core.engine_core_output import DecodeTokens, EngineCoreOutput
 from jaxserve.core.request import FinishReason
-from jaxserve.outputs import (
+from jaxserve.request_output import (
     CompletionOutput,
     Logprob,
     RequestMetrics,
@@ -36,8 +36,8 @@ from jaxserve.sampling_params import RequestOutputKind
 from jaxserve.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from jaxserve.core.outputs import TokenLogprobs
     from jaxserve.core.request import Request
+    from jaxserve.core.runner_output import TokenLogprobs
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.tokenizer import Tokenizer
 

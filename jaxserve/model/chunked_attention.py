@@ -1,4 +1,4 @@
-"""Ragged paged attention in pure jnp whose cost follows the work: what backend "reference" runs.
+"""Ragged paged attention in pure jnp whose cost follows the work: what backend "xla" runs.
 
 The test oracle, ``pallas_kernels.ragged_paged_attention.ragged_paged_attention_reference``,
 gathers every token's whole padded block-table row (``[T, P * block_size, Hkv, D]`` per layer)

@@ -5,5 +5,6 @@ model, over a grid of scheduler settings, and recommend one under latency SLOs.
 * ``step_model``: step seconds from padded shapes, batch size and context, fitted to a
   calibration run of the real engine;
 * ``simulate``: the replay through ``Scheduler`` + ``KVCacheManager`` on a virtual clock;
-* ``cli``: the grid, the table, the recommendation, JSON and plot.
+* ``grid``: the grid of settings replayed, the table, the recommendation, JSON and plot;
+  the ``jaxserve tune`` parser.
 """

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.core.outputs import ModelRunnerOutput
 from jaxserve.core.request import Request
+from jaxserve.core.runner_output import ModelRunnerOutput
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tune.step_model import Shapes, StepTimeModel

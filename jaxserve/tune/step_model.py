@@ -338,8 +338,8 @@ def calibrate_served(
     ``engine`` (in this process), a group once the previous one finished, records the steps
     (see StepRecorder) and fits the model, with ``request_latency_s`` from the client's and
     the engine's TTFTs. ``samples_out``, if given, receives the raw StepSamples."""
-    from jaxserve.benchmarks.serve import ServeBenchConfig, run_serve_benchmark
-    from jaxserve.benchmarks.workloads import BenchRequest
+    from jaxserve.bench.serve import ServeBenchConfig, run_serve_benchmark
+    from jaxserve.bench.workloads import BenchRequest
 
     config = ServeBenchConfig(base_url=base_url, num_warmup=0, scrape_metrics=False)
     client_ttfts: list[float] = []

@@ -2,7 +2,7 @@
 
 A trace comes from a preset or a JSONL file:
 
-* presets ``qa``, ``long-doc``, ``mixed`` are ``jaxserve.benchmarks.workloads.PRESETS`` (the
+* presets ``qa``, ``long-doc``, ``mixed`` are ``jaxserve.bench.workloads.PRESETS`` (the
   same prompts ``jaxserve bench serve`` sends for the same seed and flags); ``multi-turn`` is
   conversations that share one system prompt, each turn's prompt the previous turn's prompt +
   its answer + a new user message (so prefix caching has something to find);
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.benchmarks.workloads import (
+from jaxserve.bench.workloads import (
     PRESETS,
     TokenSource,
     WorkloadSpec,

@@ -34,6 +34,7 @@ from jaxserve.worker.kv_cache_alloc import (
     device_memory,
     kv_cache_shapes,
     log_kv_cache_spec,
+    min_over_processes,
 )
 from jaxserve.worker.sampler import prompt_logprobs, sample
 from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
@@ -41,7 +42,7 @@ from jaxserve.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.worker.batch_builder import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -145,8 +146,10 @@ def prompt_logprobs_step(graph: StepGraph, params: list, hidden: jax.Array, targ
     return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), out)
 
 
-class ModelRunner(Protocol):
-    """What these functions read and set on the runner (``jaxserve.worker.model_runner``)."""
+class RunnerFields(Protocol):
+    """The fields of the model runner (``jaxserve.worker.model_runner.ModelRunner``) that these
+    functions read and set: they take the runner itself, typed by what they touch (the runner
+    module imports this one, not the other way round)."""
 
     config: EngineConfig
     arch: ModelArchConfig
@@ -181,7 +184,7 @@ def configure_compilation_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def padding_inputs(runner: ModelRunner, token_bucket: int) -> StepInputs:
+def padding_inputs(runner: RunnerFields, token_bucket: int) -> StepInputs:
     """All-padding inputs of a token bucket and its sequence bucket (they write nothing)."""
     return StepInputs.padding(
         token_bucket,
@@ -191,7 +194,7 @@ def padding_inputs(runner: ModelRunner, token_bucket: int) -> StepInputs:
     )
 
 
-def _probe_spec(runner: ModelRunner, num_blocks: int) -> KVCacheSpec:
+def _probe_spec(runner: RunnerFields, num_blocks: int) -> KVCacheSpec:
     arch, dtype = runner.arch, runner.dtype
     return KVCacheSpec(
         num_blocks=num_blocks,
@@ -210,7 +213,7 @@ def _probe_spec(runner: ModelRunner, num_blocks: int) -> KVCacheSpec:
     )
 
 
-def profile_peak_activation_bytes(runner: ModelRunner) -> int:
+def profile_peak_activation_bytes(runner: RunnerFields) -> int:
     """Peak activation memory of the largest token bucket's step, bytes, from
     ``memory_analysis()`` of its compiled parts.
 
@@ -256,7 +259,7 @@ def profile_peak_activation_bytes(runner: ModelRunner) -> int:
     return peak
 
 
-def initialize_kv_cache(runner: ModelRunner) -> KVCacheSpec:
+def initialize_kv_cache(runner: RunnerFields) -> KVCacheSpec:
     """Sizes the runner's KV pool (``kv_cache_alloc``), allocates it into ``runner.kv_caches``
     and logs it. On a device with memory stats and without ``num_gpu_blocks_override``, first
     profiles the largest bucket's activation memory (one extra compile).
@@ -287,8 +290,6 @@ def initialize_kv_cache(runner: ModelRunner) -> KVCacheSpec:
         num_shards=runner.mesh.size,
     )
     if jax.process_count() > 1:  # every process must allocate the same pool
-        from jaxserve.distributed import min_over_processes
-
         spec = dataclasses.replace(spec, num_blocks=min_over_processes(spec.num_blocks))
     log_kv_cache_spec(spec)
     runner.kv_spec = spec
@@ -296,7 +297,7 @@ def initialize_kv_cache(runner: ModelRunner) -> KVCacheSpec:
     return spec
 
 
-def warmup(runner: ModelRunner, *, progress: bool = True) -> float:
+def warmup(runner: RunnerFields, *, progress: bool = True) -> float:
     """Compiles ahead of time (loads from the persistent cache when warm) the forward and the
     prompt-logprobs head for every token bucket, largest first, into ``runner.aot_forward`` /
     ``runner.aot_prompt_logprobs``, and compiles and runs the runner's warm-up sampler variants

@@ -14,7 +14,8 @@ capped at ``CPU_KV_CACHE_CAP_BYTES`` (1 GiB per device). ``num_gpu_blocks_overri
 
 Tensor parallel (``num_shards`` > 1): every device holds ``1 / num_shards`` of each token's KV
 (its KV heads), so the pool is sized from each device's own budget and its share of a token's
-bytes, and the device with the least room decides (the pool has the same blocks on all of them).
+bytes, and the device with the least room decides (the pool has the same blocks on all of them);
+over several processes, the process with the least room (``min_over_processes``).
 
 Layout (docs/ARCHITECTURE.md): one ``(k_cache, v_cache)`` pair per layer, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype; block 0 is the null block.
@@ -180,6 +181,15 @@ def determine_kv_cache_spec(
     )
     blocks = compute_num_gpu_blocks(available, per_device, block_size)
     return KVCacheSpec(num_blocks=blocks, source="memory", **common)
+
+
+def min_over_processes(value: int) -> int:
+    """The smallest ``value`` any process passes (a collective: every process must call it).
+    Several processes on one mesh (``jaxserve.distributed``) allocate the same pool: each takes
+    the smallest block count any of them can hold."""
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int64))))
 
 
 def allocate_kv_caches(

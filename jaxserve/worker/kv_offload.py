@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.bucketing import next_power_of_2
+
 if TYPE_CHECKING:
     from jaxserve.core.kv_cache_utils import KVTransfers
 
@@ -74,8 +76,8 @@ def _scatter(kv_caches, ids, data):
 
 
 def _padded(ids: list[int]) -> np.ndarray:
-    n = 1 << (len(ids) - 1).bit_length()
-    out = np.zeros(n, np.int32)
+    """``ids`` as int32, zero-padded (the null block) to the next power of two."""
+    out = np.zeros(next_power_of_2(len(ids)), np.int32)
     out[: len(ids)] = ids
     return out
 

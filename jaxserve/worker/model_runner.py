@@ -46,17 +46,14 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.core.kv_cache_utils import load_beats_recompute
-from jaxserve.core.outputs import (
+from jaxserve.core.runner_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     ModelRunnerOutput,
     OneTokenEach,
     TokenLogprobs,
 )
-from jaxserve.model.attention import (
-    cache_head_dim,
-    resolve_attention_backend,
-    token_bucket_multiple,
-)
+from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
+from jaxserve.model.attention_backends import resolve_attention_backend
 from jaxserve.model.sharding import kv_cache_sharding, make_mesh, place_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import compilation
@@ -80,7 +77,7 @@ from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
     from jaxserve.core.sched_output import SchedulerOutput
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.structured import StepTokenMask
     from jaxserve.worker.kv_cache_alloc import KVCacheSpec
 

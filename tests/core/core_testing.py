@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.core.outputs import ModelRunnerOutput
 from jaxserve.core.request import Request
+from jaxserve.core.runner_output import ModelRunnerOutput
 from jaxserve.core.sched_output import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams

@@ -83,3 +83,16 @@ def test_not_recording_by_default():
     kv = KVCacheManager(CacheConfig(block_size=B), 7)
     admit(kv, "a", list(range(3 * B)))
     assert kv.block_pool.kv_events is None and kv.block_pool.take_kv_events() == []
+
+
+def test_salted_requests_publish_hashes_without_token_ids():
+    prompt = list(range(2 * B + 1))
+    for include in (False, True):
+        kv = KVCacheManager(CacheConfig(block_size=B), 7)
+        kv.record_kv_events(include_salted_token_ids=include)
+        admit(kv, "plain", prompt)
+        admit(kv, "salted", prompt, salt="tenantA")
+        plain, salted = kv.block_pool.take_kv_events()
+        assert plain.token_ids == prompt[: 2 * B]  # unsalted: as vLLM publishes them
+        assert salted.block_hashes == hash_token_blocks(prompt, B, cache_salt="tenantA")
+        assert salted.token_ids == (prompt[: 2 * B] if include else [])

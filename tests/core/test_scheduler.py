@@ -14,8 +14,8 @@ from core_testing import (
     step,
 )
 
-from jaxserve.core.outputs import ModelRunnerOutput, TokenLogprobs
 from jaxserve.core.request import RequestStatus
+from jaxserve.core.runner_output import ModelRunnerOutput, TokenLogprobs
 
 
 def assert_no_blocks_left(s):

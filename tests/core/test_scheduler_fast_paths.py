@@ -29,8 +29,9 @@ from core_testing import (
     make_scheduler,
 )
 
-from jaxserve.core.outputs import DecodeTokens, EngineCoreOutput, ModelRunnerOutput
+from jaxserve.core.engine_core_output import DecodeTokens, EngineCoreOutput
 from jaxserve.core.request import RequestStatus
+from jaxserve.core.runner_output import ModelRunnerOutput
 
 
 def force_general_paths(s):

@@ -18,8 +18,9 @@ from test_scheduler_fast_paths import (
 )
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.core.outputs import DecodeTokens, ModelRunnerOutput
+from jaxserve.core.engine_core_output import DecodeTokens
 from jaxserve.core.request import RequestStatus
+from jaxserve.core.runner_output import ModelRunnerOutput
 from jaxserve.core.scheduler import Scheduler
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import pytest
@@ -77,6 +78,18 @@ def test_subscriber_decodes_a_requests_events(base, run):
         hashes = [h for e in stored(msgs) for h in e["block_hashes"]]
         tokens = [t for e in stored(msgs) for t in e["token_ids"]]
         assert hashes[:3] == expected and tokens[: 3 * bs] == prompt[: 3 * bs]
+        # A salted request (a tenant): its blocks are published as hashes, without token ids.
+        engine.add_request(
+            "t", prompt, SamplingParams(max_tokens=2, temperature=0), cache_salt="tenantA"
+        )
+        run(engine, [])
+        salted = hash_token_blocks(
+            prompt, bs, cache_salt="tenantA", none_hash=engine.scheduler.kv_cache_manager.none_hash
+        )
+        msgs = _receive(sub, lambda m: sum(len(e["block_hashes"]) for e in stored(m)) >= 3)
+        events = [e for e in stored(msgs) if set(e["block_hashes"]) & set(salted)]
+        assert [h for e in events for h in e["block_hashes"]][:3] == salted
+        assert all(e["token_ids"] == [] for e in events)
         # A reset of the (now idle) cache is an AllBlocksCleared.
         assert engine.scheduler.kv_cache_manager.reset_prefix_cache()
         run(engine, [("s", prompt[:3], SamplingParams(max_tokens=1))])
@@ -99,3 +112,20 @@ def test_endpoint_offsets_only_where_bound():
     assert offset_endpoint("tcp://10.0.0.1:5557", 2) == "tcp://10.0.0.1:5557"  # connects: shared
     with pytest.raises(ValueError, match="kv_events_endpoint"):
         offset_endpoint("tcp://*:x", 1)
+
+
+def test_star_binds_loopback_and_every_interface_warns(caplog):
+    from jaxserve.kv_events import KVEventPublisher
+
+    caplog.set_level(logging.WARNING, logger="jaxserve.kv_events")
+    default = KVEventPublisher("tcp://*:*", 16)  # vLLM's bind form: loopback here
+    public = KVEventPublisher("tcp://0.0.0.0:*", 16)
+    try:
+        assert default.address.startswith("tcp://127.0.0.1:")
+        assert public.address.startswith("tcp://0.0.0.0:")
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 2
+        assert "binds 127.0.0.1" in warned[0] and "every interface" in warned[1]
+    finally:
+        default.close()
+        public.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.engine.async_llm import merge_outputs
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.request_output import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 PARAMS = dict(temperature=0.0, max_tokens=10, ignore_eos=True, n=2, logprobs=2, prompt_logprobs=1)

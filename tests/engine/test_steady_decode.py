@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.core.outputs import DecodeTokens
+from jaxserve.core.engine_core_output import DecodeTokens
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
 

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from jaxserve.benchmarks import DEMO_ENGINE_ARGS
+from jaxserve.bench import DEMO_ENGINE_ARGS
 from jaxserve.model import demo_model_path
 
 pytestmark = pytest.mark.slow

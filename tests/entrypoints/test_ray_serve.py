@@ -3,7 +3,9 @@ the openai client, routing on a shared-prefix workload, metrics, and a killed re
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import time
 
@@ -17,8 +19,16 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from server_harness import MODEL_DIR, LiveServer, small_engine_args  # noqa: E402
 
 from jaxserve.core.kv_cache_utils import none_hash_from_seed  # noqa: E402
-from jaxserve.entrypoints.ray_serve import make_ingress, start_replicas  # noqa: E402
+from jaxserve.entrypoints.http.ray_ingress import make_ingress  # noqa: E402
+from jaxserve.entrypoints.ray_cluster import (  # noqa: E402
+    NONE,
+    connected_gcs_address,
+    is_loopback,
+    warn_if_unauthenticated,
+)
+from jaxserve.entrypoints.ray_serve import start_replicas  # noqa: E402
 from jaxserve.entrypoints.router import Router  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 COMPL = "/v1/completions"
@@ -30,7 +40,17 @@ def cluster():
         pytest.skip("the bundled model config is missing")
     # The same engine as test_openai_server_real's, so replicas find its compiled buckets.
     args = small_engine_args(long_prefill_token_threshold=0, metrics_namespace="vllm")
-    actors, described = start_replicas(args, 2)
+    # Without token authentication (loopback only), so the --ray-address check has a cluster
+    # to warn about.
+    auth_mode = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    try:
+        actors, described = start_replicas(args, 2)
+    finally:
+        if auth_mode is None:
+            os.environ.pop("RAY_AUTH_MODE")
+        else:
+            os.environ["RAY_AUTH_MODE"] = auth_mode
     ingress = make_ingress(actors, described, "round-robin")
     server = LiveServer(ingress.frontend, app=ingress.build_app())
     client = httpx.Client(base_url=server.url, timeout=60)
@@ -115,6 +135,26 @@ def test_prefix_aware_routing_keeps_each_prefix_on_one_replica(cluster):
     assert cached > results["round-robin"][1] > 0  # 3 cold misses instead of 6
 
 
+def test_replica_set_is_an_engine_client(cluster):
+    """The set's own add_request (an engine request, routed by its prompt) streams the replica's
+    outputs back; ledgers come from the replica that ran it; a refusal is the engine's."""
+    ingress, _, _, _ = cluster
+    replicas = ingress.frontend
+    ids = replicas.tokenizer.encode("Hello there")
+
+    async def run(request_id, prompt):
+        stream = await replicas.add_request(request_id, prompt, SamplingParams(max_tokens=3))
+        return [output async for output in stream]
+
+    outputs = asyncio.run(run("direct-0", ids))
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+    assert outputs[-1].prompt_token_ids == ids
+    assert asyncio.run(replicas.get_ledger("direct-0"))["request_id"] == "direct-0"
+    with pytest.raises(ValueError, match="vocab"):
+        asyncio.run(run("direct-1", [replicas.vocab_size + 5]))
+    assert replicas.num_pending_requests == 0
+
+
 def _sse_events(lines):
     events = []
     for line in lines:
@@ -152,3 +192,32 @@ def test_killed_replica_fails_in_flight_reroutes_the_rest_and_restarts(cluster):
         assert time.monotonic() < deadline, "the killed replica did not come back"
         time.sleep(1)
     assert victim in {_complete(client, f"back {k}")[0] for k in range(4)}
+
+
+def test_local_cluster_listens_on_loopback_only(cluster):
+    psutil = pytest.importorskip("psutil")
+    gcs = ray.get_runtime_context().gcs_address
+    assert is_loopback(gcs.rpartition(":")[0]), gcs
+    # Every socket the cluster's processes (GCS, raylet, replica workers, agents, the autoscaler
+    # monitor; all started under this one) listen on.
+    listening = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            name, cmdline = proc.name(), " ".join(proc.cmdline())
+            if not (name.startswith(("ray", "gcs_server")) or "/ray/" in cmdline):
+                continue  # another test's process
+            conns = proc.net_connections(kind="inet")
+        except psutil.Error:  # exited meanwhile
+            continue
+        listening += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == "LISTEN"]
+    names = {name for name, _, _ in listening}
+    assert {"gcs_server", "raylet"} <= names, listening
+    assert all(is_loopback(ip) for _, ip, _ in listening), listening
+
+
+def test_ray_address_without_authentication_is_warned_about(cluster, caplog):
+    caplog.set_level(logging.INFO, logger="jaxserve.entrypoints.ray_cluster")
+    gcs = connected_gcs_address("unused")  # the fixture's cluster, started without tokens
+    assert warn_if_unauthenticated(gcs) == NONE
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "without authentication" in record.getMessage()

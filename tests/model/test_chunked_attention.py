@@ -1,4 +1,4 @@
-"""The reference backend's tiled attention against the whole-row oracle
+"""The xla backend's tiled attention against the whole-row oracle
 (``ragged_paged_attention_reference``): ragged mixes of prefill chunks and decodes, decode rows
 of very different contexts, prefill chunks over several query tiles and key chunks, chunks of
 2..rows tokens, padding tokens and sequences, soft cap and sliding window, bfloat16."""

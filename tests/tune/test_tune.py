@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from jaxserve.benchmarks.workloads import TokenSource
+from jaxserve.bench.workloads import TokenSource
 from jaxserve.cli import main
-from jaxserve.tune.cli import recommend
+from jaxserve.tune.grid import recommend
 from jaxserve.tune.simulate import Setting, simulate
 from jaxserve.tune.step_model import FEATURES, StepSample, StepTimeModel
 from jaxserve.tune.trace import Trace, TraceRequest, load_jsonl_trace, preset_trace
@@ -220,8 +220,8 @@ def test_cli_grid_json_plot_and_recommendation(tmp_path, capsys):
 
 def test_preset_trace_is_what_bench_serve_sends():
     """validate.bench_serve_preset relies on it: same preset, sizes and seed -> same requests."""
-    from jaxserve.benchmarks.cli import resolve, workload_spec
-    from jaxserve.benchmarks.workloads import make_requests, poisson_arrivals
+    from jaxserve.bench.commands import resolve, workload_spec
+    from jaxserve.bench.workloads import make_requests, poisson_arrivals
     from jaxserve.cli import build_parser
 
     sizes = dict(num_prompts=6, input_len=8, output_len=4, long_input_len=20, long_output_len=3)
