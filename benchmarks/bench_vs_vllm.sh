@@ -24,13 +24,15 @@
 #   MODELS_ROOT (/work/peer-models), MODEL (llama), MODEL2 (qwen2; empty: no second architecture), REPS (3),
 #   SHAPES ("128:64:100:16 512:128:64:8 1024:256:32:6 3000:200:24:4" = prompt:output:prompts:prompts at concurrency 1),
 #   MODES ("inf c16 c1"), SINGLES ("2000 6000 12000"; empty: none), SINGLE_OUT (128), SINGLE_PROMPTS (2),
-#   JS_BIN (.venv/bin), PORT_VLLM (18731), PORT_JS (18732), EXTRA_JS_FLAGS (none).
+#   JS_BIN (.venv/bin), PORT_VLLM (18731), PORT_JS (18732), EXTRA_JS_FLAGS (none), VLLM_CPU_KVCACHE_SPACE (1),
+#   JS_REV (the commit printed when REPO is not a git checkout).
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PEER_DIR=${PEER_DIR:-$REPO/../shared/peer}
 [ -d "$PEER_DIR" ] || PEER_DIR=/work/shared/peer
 PEER_DIR=$(cd "$PEER_DIR" && pwd) || { echo "PEER_DIR not found"; exit 2; }
 VLLM_VENV=${VLLM_VENV:-/work/vllm-venv}
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}  # GiB of KV cache for vLLM (its default takes far more)
 MODELS_ROOT=${MODELS_ROOT:-/work/peer-models}
 MODEL=${MODEL:-llama}; MODEL2=${MODEL2-qwen2}
 REPS=${REPS:-3}; JS_BIN=${JS_BIN:-$REPO/.venv/bin}
@@ -59,7 +61,7 @@ json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$src/config.json" "$dst/config.
   fi
   echo "$dst"
 }
-echo "## conditions: $(date -u +%FT%TZ), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), reps $REPS, jaxserve $(git -C "$REPO" rev-parse --short HEAD)"
+echo "## conditions: $(date -u +%FT%TZ), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), reps $REPS, jaxserve $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo "${JS_REV:-unknown}")"
 echo "$(date -u +%FT%TZ) $(cut -d' ' -f1-3 /proc/loadavg)" >"$OUT/load_start"
 session_cpu() {  # CPU clock ticks (user + system) of the processes of session $1
   local p

@@ -5,6 +5,8 @@ Reads ``OUT_DIR/{vllm,js}__CELL_rN.json`` (``vllm bench serve`` results) beside 
 CPU seconds during the run) and ``.rss`` (the server's peak RSS during the run, KiB) files. A
 cell ending in ``_c1``, ``_c16`` or ``_single`` also gets the TTFT p99 target; every cell gets
 the output tok/s (>= 1.0) and mean e2e (<= 1.0) targets, single requests TTFT and TPOT (<= 1.0).
+A ratio over a vLLM figure of 0 (its TPOT when a request's tokens all arrive in the first chunk)
+is n/a.
 
   python3 benchmarks/bench_vs_vllm_table.py OUT_DIR
 """
@@ -84,11 +86,16 @@ def main(out: str) -> int:
                 cols.append("-")
                 continue
             ma, mb = statistics.median(a), statistics.median(b)
-            ratio = mb / ma if ma else float("nan")
+            if ma < 0.05:  # vLLM's TPOT is 0 when a request's tokens all came in its first chunk
+                cols.append(f"{ma:,.1f} / {mb:,.1f}: n/a")
+                continue
+            ratio = mb / ma
             cols.append(f"{ma:,.1f} / {mb:,.1f}: **{ratio:.2f}**")
             if name in want and (ratio < 1.0 if higher else ratio > 1.0):
                 missed.append(name)
         verdict = "met" if not missed else "missed: " + ", ".join(missed)
+        if not reps:
+            verdict = "no data (a server's run is missing)"
         print(f"| {cell} | {len(reps)} | " + " | ".join(cols) + f" | {verdict} |")
     return 0
 

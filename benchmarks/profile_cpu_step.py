@@ -127,13 +127,18 @@ def retime_parts(engine, repeats: int, ops: bool = False) -> dict[str, float]:
 
     from jaxserve.model.chunked_attention import chunked_paged_attention
     from jaxserve.sampling_params import SamplingParams
-    from jaxserve.worker.compilation import sample_step
+    from jaxserve.worker.compilation import forward_step, sample_step
     from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
     runner = engine.runner
     batch = runner._last_batch  # noqa: SLF001 (a benchmark reads the runner's last step)
     inputs = batch.inputs
-    fwd = runner.aot_forward[batch.token_bucket]
+    aot = runner.aot_forward.get(batch.token_bucket)  # None under --no-warmup
+
+    def fwd(params, kv_caches, inputs):
+        if aot is not None:
+            return aot(params, kv_caches, inputs)
+        return forward_step(runner.graph, params, kv_caches, inputs)
 
     def forward():
         logits, hidden, runner.kv_caches = fwd(runner.params, runner.kv_caches, inputs)
@@ -167,8 +172,10 @@ def retime_parts(engine, repeats: int, ops: bool = False) -> dict[str, float]:
         "matmul+rest": forward_ms - attention_ms,
         "sampler": sampler_ms,
     }
-    if ops:
-        cats = op_categories(forward, fwd, repeats)
+    if ops and aot is None:
+        print("    --ops needs the compiled step (leave warm-up on)")
+    elif ops:
+        cats = op_categories(forward, aot, repeats)
         print(
             "    forward by op category (profiler thread ms): "
             + ", ".join(f"{k} {v:.2f}" for k, v in cats.items())
