@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# appended, not prepended: a PYTHONPATH pointing at another tree wins
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jaxserve.model.chunked_attention import chunked_paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference  # noqa: E402

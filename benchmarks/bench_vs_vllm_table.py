@@ -5,7 +5,7 @@ Reads ``OUT_DIR/{vllm,js}__CELL_rN.json`` (``vllm bench serve`` results) beside 
 CPU seconds during the run) and ``.rss`` (the server's peak RSS during the run, KiB) files. A
 cell ending in ``_c1``, ``_c16`` or ``_single`` also gets the TTFT p99 target; every cell gets
 the output tok/s (>= 1.0) and mean e2e (<= 1.0) targets, single requests TTFT and TPOT (<= 1.0).
-A ratio over a vLLM figure of 0 (its TPOT when a request's tokens all arrive in the first chunk)
+A run whose requests all failed counts as missing. A ratio over a vLLM figure of 0 (its TPOT when a request's tokens all arrive in the first chunk)
 is n/a.
 
   python3 benchmarks/bench_vs_vllm_table.py OUT_DIR
@@ -41,6 +41,8 @@ def load(out: str) -> dict[str, dict[str, dict[int, dict]]]:
         server, cell, rep = m.group(1), m.group(2), int(m.group(3))
         with open(path) as f:
             row = json.load(f)
+        if not row.get("completed"):
+            continue  # every request failed (e.g. the server died): no figures
         stem = path[: -len(".json")]
         for suffix, scale in ((".cpu", 1.0), (".rss", 1 / 1024)):
             if os.path.exists(stem + suffix):
