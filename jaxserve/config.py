@@ -186,9 +186,11 @@ class SchedulerConfig:
       max_waiting_requests: the server answers 503 above this many waiting requests (0 = no cap).
       async_scheduling: plan and dispatch step N+1 while step N runs on the device (the
         engine's outputs come one step behind; see ``LLMEngine.step``).
+      stream_interval: output tokens a streamed request buffers per output (one SSE chunk);
+        its first token and its final output are never held back (vLLM's ``stream_interval``).
 
     Raises:
-      ValueError: max_num_batched_tokens, max_num_seqs or max_model_len < 1,
+      ValueError: max_num_batched_tokens, max_num_seqs, max_model_len or stream_interval < 1,
         long_prefill_token_threshold or max_waiting_requests < 0, or an unknown policy
         (reported as ``scheduling_policy``, the CLI flag's name).
     """
@@ -201,6 +203,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_waiting_requests: int = 0
     async_scheduling: bool = True
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -219,6 +222,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
 
     @property
     def chunk_limit(self) -> int:
@@ -667,6 +672,13 @@ class EngineArgs:
         default=True,
         metadata=_meta("plan and dispatch step N+1 while step N runs (outputs one step behind)"),
     )
+    stream_interval: int = dataclasses.field(
+        default=1,
+        metadata=_meta(
+            "output tokens buffered per streamed chunk; the first token and the final chunk are "
+            "never held back"
+        ),
+    )
     attention_backend: str = dataclasses.field(
         default="auto",
         metadata=_meta(
@@ -912,6 +924,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 max_waiting_requests=self.max_waiting_requests,
                 async_scheduling=self.async_scheduling,
+                stream_interval=self.stream_interval,
             ),
             runner=RunnerConfig(
                 attention_backend=self.attention_backend,

@@ -100,13 +100,14 @@ def test_latencies_tokens_and_finish_reasons():
     metrics.record_step(None, [_output("a", 0)])  # prefill chunk, no token yet
     metrics.record_step(None, [_output("a", 1, t=[11.0])])  # TTFT 1.0, queue 0.5
     metrics.record_step(None, [_output("a", 1, t=[11.0, 11.2])])  # ITL 0.2
+    # two steps' tokens in one output (--stream-interval): two gaps of 0.15
     metrics.record_step(None, [_output("a", 2, t=[11.0, 11.5], finished=True, reason="stop", n=2)])
     metrics.record_abort("b", 2)
     s = _samples(metrics)
     assert s[("jaxserve:time_to_first_token_seconds_count", ())] == 1
     assert s[("jaxserve:time_to_first_token_seconds_sum", ())] == 1.0
     assert s[("jaxserve:request_queue_time_seconds_sum", ())] == 0.5
-    assert s[("jaxserve:inter_token_latency_seconds_count", ())] == 2
+    assert s[("jaxserve:inter_token_latency_seconds_count", ())] == 3
     assert abs(s[("jaxserve:inter_token_latency_seconds_sum", ())] - 0.5) < 1e-9
     assert s[("jaxserve:e2e_request_latency_seconds_sum", ())] == 1.5
     assert s[("jaxserve:request_success_total", (("finished_reason", "stop"),))] == 2

@@ -103,7 +103,7 @@ class LLMEngine:
         self.vocab_size = arch.vocab_size
         self.max_model_len = config.scheduler.max_model_len
         self.scheduler = Scheduler(config.scheduler, config.cache, config.cache.num_gpu_blocks)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, config.scheduler.stream_interval)
         self.ledger_history = LedgerHistory(config.ledger_history)
         self.token_masks = TokenMaskManager(
             tokenizer,
@@ -249,7 +249,9 @@ class LLMEngine:
           cache_salt: mixed into the prefix-cache hash of the first block (tenant isolation).
           arrival_time: ``time.monotonic()`` seconds; defaults to now.
           final_only: only return this request's RequestOutput once, when it finished (the
-            offline API uses this; it skips building per-step outputs).
+            offline API uses this; it skips building per-step outputs), as
+            ``params.output_kind`` FINAL_ONLY does; otherwise the outputs are of
+            ``params.output_kind`` (CUMULATIVE or DELTA, see ``RequestOutputKind``).
 
         Raises:
           ValueError: request_id in use or not a string; prompt empty, of the wrong type, not
