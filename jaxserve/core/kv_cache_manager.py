@@ -218,6 +218,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         new_request: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Grows the request's block table to hold ``num_new_tokens`` more tokens.
 
@@ -237,6 +238,9 @@ class KVCacheManager:
           num_new_computed_tokens: tokens of a prefix-cache hit (on admission), block-aligned.
           new_computed_blocks: the hit blocks from :meth:`get_computed_blocks`.
           new_request: apply the watermark (admission of a waiting request).
+          num_lookahead_tokens: slots to hold beyond those tokens (speculative decoding: the
+            draft model's own K/V writes after the step's last token); they are never
+            registered in the prefix cache (vLLM's ``num_lookahead_tokens``).
 
         Returns:
           The newly allocated blocks (not the hit blocks), possibly empty; None if the pool
@@ -250,13 +254,13 @@ class KVCacheManager:
         end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         req_id = request.request_id
         # Fast path (decode): the table has room and no block fills up (get_noop_ends).
-        if not new_computed_blocks and end <= self._noop_end.get(req_id, 0):
+        if not new_computed_blocks and end + num_lookahead_tokens <= self._noop_end.get(req_id, 0):
             return []
         block_size = self.block_size
         blocks = self.req_to_blocks.get(req_id)
         if blocks is not None and not new_computed_blocks:
             # A running request grows (a decode step crossing a block boundary, a prompt chunk).
-            num_new_blocks = -(-end // block_size) - len(blocks)
+            num_new_blocks = -(-(end + num_lookahead_tokens) // block_size) - len(blocks)
             if num_new_blocks > 0:
                 pool = self.block_pool
                 available = pool.free_block_queue.num_free_blocks
@@ -270,7 +274,12 @@ class KVCacheManager:
                 new_blocks = []  # room in the table, but a block fills up
         else:
             new_blocks = self._allocate_admission(
-                request, blocks, end, num_new_computed_tokens, new_computed_blocks, new_request
+                request,
+                blocks,
+                end + num_lookahead_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                new_request,
             )
             if new_blocks is None:
                 return None
@@ -298,7 +307,8 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None,
         new_request: bool,
     ) -> list[KVCacheBlock] | None:
-        """allocate_slots for a request that holds no blocks yet (admission) or brings prefix-cache hits."""
+        """allocate_slots for a request that holds no blocks yet (admission) or brings prefix-cache
+        hits; ``end``: the ledger end its table must hold, lookahead slots included."""
         req_id = request.request_id
         first_allocation = blocks is None
         if first_allocation:

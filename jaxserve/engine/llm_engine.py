@@ -53,7 +53,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.request_output import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.stats_schema import COUNTER_TOTALS, SCHEDULER_TO_ENGINE, EngineStats
+from jaxserve.stats_schema import COUNTER_TOTALS, SCHEDULER_TO_ENGINE, EngineStats, add_counts
 from jaxserve.structured import TokenMaskManager
 
 if TYPE_CHECKING:
@@ -94,7 +94,12 @@ class LLMEngine:
         self.generation_config = generation_config
         self.vocab_size = arch.vocab_size
         self.max_model_len = config.scheduler.max_model_len
-        self.scheduler = Scheduler(config.scheduler, config.cache, config.cache.num_gpu_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            config.cache.num_gpu_blocks,
+            speculative_config=config.speculative,
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.ledger_history = LedgerHistory(config.ledger_history)
         self.token_masks = TokenMaskManager(tokenizer)
@@ -431,7 +436,7 @@ class LLMEngine:
         st.num_generation_tokens = self.output_processor.num_generation_tokens_step
         st.num_finished_reqs = sum(1 for o in outputs if o.finished)
         for name, total in COUNTER_TOTALS:
-            setattr(st, total, getattr(st, total) + getattr(st, name))
+            setattr(st, total, add_counts(getattr(st, total), getattr(st, name)))
 
     def get_stats(self) -> EngineStats:
         """A copy of the engine's figures after the latest step (see EngineStats), with the

@@ -123,6 +123,24 @@ def sample_step(graph: StepGraph, logits: jax.Array, md: SamplingMetadata):
 
 
 @functools.partial(jax.jit, static_argnames="graph")
+def spec_logits_step(graph: StepGraph, params: list, hidden: jax.Array, indices: jax.Array):
+    """Speculative decoding: the target's logits at the verified positions, ``hidden [T, E]``
+    (the forward's) and ``indices [R * W]`` int32 (``spec_decode.VerifyPlan``) -> f32
+    ``[R * W, V]``."""
+    graph.traces["spec_logits"] += 1
+    model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.state_def, params))
+    return gather_logits(model.compute_logits(hidden[indices]), graph.mesh)
+
+
+@functools.partial(jax.jit, static_argnames="graph")
+def spec_sample_step(graph: StepGraph, logits: jax.Array, md: SamplingMetadata):
+    """Speculative decoding: :func:`jaxserve.worker.sampler.sample` over the verified
+    positions (``logits [R * W, V]``, ``md`` from ``SamplingMetadata.expand``)."""
+    graph.traces["spec_sampler"] += 1
+    return sample(logits, md)
+
+
+@functools.partial(jax.jit, static_argnames="graph")
 def prompt_logprobs_step(graph: StepGraph, params: list, hidden: jax.Array, targets: jax.Array):
     """Raw-model logprob, rank and top-``MAX_LOGPROBS`` of each target token.
 

@@ -73,12 +73,16 @@ from jaxserve.worker.compilation import (
     forward_step,
     prompt_logprobs_step,
     sample_step,
+    spec_logits_step,
+    spec_sample_step,
 )
 from jaxserve.worker.kv_offload import HostKVCache, num_host_blocks, staging_memory_kind
+from jaxserve.worker.ngram_proposer import NgramProposer
 from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
+from jaxserve.worker.spec_decode import VerifyPlan, accept, plan_verification
 
 if TYPE_CHECKING:
-    from jaxserve.config import EngineConfig
+    from jaxserve.config import EngineConfig, SpeculativeConfig
     from jaxserve.core.sched_output import SchedulerOutput
     from jaxserve.model.config import ModelArchConfig
     from jaxserve.structured import StepTokenMask
@@ -109,6 +113,9 @@ class PendingStep:
       index: req_id -> sequence index, when every sequence samples (else None); shared with
         the next steps while the batch stays the same (read-only).
       row_changes: ``InputBatch.row_changes`` at dispatch.
+      verify: speculative decoding: the step's VerifyPlan (None: no drafts in it).
+      spec_sampled: the verified positions' sampler output (device arrays), or None.
+      speculate: ``SchedulerOutput.speculate``: propose drafts after the step.
     """
 
     batch: StepBatch
@@ -118,6 +125,9 @@ class PendingStep:
     row_epochs: np.ndarray
     index: dict[str, int] | None = None
     row_changes: int = -1
+    verify: VerifyPlan | None = None
+    spec_sampled: object = None
+    speculate: bool = False
 
 
 @dataclasses.dataclass
@@ -237,6 +247,9 @@ class ModelRunner:
         # built from them (BatchBuilder.build_steady).
         self._last_batch: StepBatch | None = None
         self._last_params: list[SamplingParams] = []
+        self.num_spec_tokens = 0
+        self.ngram: NgramProposer | None = None
+        self.set_speculative_config(config.speculative)
         logger.info(
             "model runner: attention backend %s%s, KV head dim %d, token buckets %s, "
             "sequence buckets %s",
@@ -353,6 +366,18 @@ class ModelRunner:
         (:func:`jaxserve.worker.compilation.warmup`). Requires ``initialize_kv_cache`` first."""
         return compilation.warmup(self, progress=progress)
 
+    def set_speculative_config(self, spec: SpeculativeConfig | None) -> None:
+        """Speculative decoding's K (0 = off) and, for the n-gram method, its proposer (the
+        engine tests share one runner between engines with and without it)."""
+        self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
+        self.ngram = (
+            NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+            if spec is not None and spec.method == "ngram"
+            else None
+        )
+
     def reset_requests(self) -> None:
         """Forgets every request's row (e.g. before serving a new scheduler after the previous
         one was dropped); the KV pool's contents are left as they are."""
@@ -451,6 +476,13 @@ class ModelRunner:
                 md.needs_full_sort,
                 md.any_token_mask,
             )
+        verify = plan_verification(batch, self.num_spec_tokens)
+        spec_sampled = None
+        if verify is not None:  # the drafts' positions, sampled as the sampler above would
+            spec_logits = spec_logits_step(graph, self.params, hidden, verify.indices)
+            spec_sampled = spec_sample_step(
+                graph, spec_logits, md.expand(verify.rows, verify.width)
+            )
         plp = None
         if batch.prompt_logprob_targets is not None:
             aot = self.aot_prompt_logprobs.get(batch.token_bucket)
@@ -460,7 +492,7 @@ class ModelRunner:
                 if aot is not None
                 else prompt_logprobs_step(graph, self.params, hidden, targets)
             )
-        for x in jax.tree.leaves((sampled, plp)):
+        for x in jax.tree.leaves((sampled, plp, spec_sampled)):
             x.copy_to_host_async()
         self.timing.launch_s += time.perf_counter() - t1
         self.timing.aside_cpu_s += time.thread_time() - c1
@@ -480,7 +512,16 @@ class ModelRunner:
         t2 = time.perf_counter()
         self.timing.host_s += t2 - t0
         return PendingStep(
-            batch, sampled, plp, params, ib.row_epoch[batch.rows], index, ib.row_changes
+            batch,
+            sampled,
+            plp,
+            params,
+            ib.row_epoch[batch.rows],
+            index,
+            ib.row_changes,
+            verify,
+            spec_sampled,
+            sched.speculate,
         )
 
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
@@ -490,17 +531,21 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = pending.batch
         t1, c1 = time.perf_counter(), time.thread_time()
-        sampled, plp = jax.device_get((pending.sampled, pending.plp))
+        sampled, plp, spec_sampled = jax.device_get(
+            (pending.sampled, pending.plp, pending.spec_sampled)
+        )
         if self.host_kv is not None:
             # This step's saves ran before it; under async scheduling the pending ones may be
             # the next step's: not waited for here (the next start() finishes them).
             self.host_kv.finish(wait=False)
         t2 = time.perf_counter()
         self.timing.aside_cpu_s += time.thread_time() - c1
-        output = self._make_output(pending, sampled, plp)
+        output = self._make_output(pending, sampled, plp, spec_sampled)
         # The sampled tokens join their rows, unless the row changed hands or moved on.
         ib = self.input_batch
         rows, ends = batch.rows, batch.start_positions + batch.num_scheduled
+        if batch.num_spec is not None:
+            ends = ends - batch.num_spec  # drafts are not known tokens: they follow them
         if pending.row_changes == ib.row_changes and output.sampled_flat is not None:
             # no row changed hands since dispatch, every sequence sampled: two checks, not four
             keep = (ib.num_tokens[rows] == ends) & (ends < ib.max_model_len)
@@ -515,15 +560,37 @@ class ModelRunner:
             ib.token_ids[rows, ends] = sampled.token_ids[: batch.num_reqs]
             ib.num_tokens[rows] = ends + 1
         elif keep.any():
-            rows, ends = rows[keep], ends[keep]
-            ib.token_ids[rows, ends] = sampled.token_ids[: batch.num_reqs][keep]
-            ib.num_tokens[rows] = ends + 1
+            ib.token_ids[rows[keep], ends[keep]] = sampled.token_ids[: batch.num_reqs][keep]
+            ib.num_tokens[rows[keep]] = ends[keep] + 1
+        if pending.verify is not None:  # a drafted row's tokens: its accepted drafts, then one
+            for i in pending.verify.seqs.tolist():
+                if keep[i]:
+                    tokens = output.sampled_token_ids[i]
+                    row, end = rows[i], ends[i]
+                    assert end + len(tokens) <= ib.max_model_len, "a row overflows max_model_len"
+                    ib.token_ids[row, end : end + len(tokens)] = tokens
+                    ib.num_tokens[row] = end + len(tokens)
+        if pending.speculate and self.ngram is not None:
+            output.draft_token_ids = self._propose_ngram(pending, keep)
         t3 = time.perf_counter()
         timing = self.timing
         timing.num_steps += 1
         timing.device_s += t2 - t1
         timing.output_s += t3 - t2
         return output
+
+    def _propose_ngram(self, pending: PendingStep, keep: np.ndarray) -> dict[str, list[int]]:
+        """N-gram drafts for the next step of each request that sampled in ``pending`` (its row
+        just took the tokens) and whose sampling allows speculation."""
+        batch, ib = pending.batch, self.input_batch
+        drafts: dict[str, list[int]] = {}
+        propose = self.ngram.propose
+        for i in np.flatnonzero(keep & batch.sample_mask).tolist():
+            if pending.params[i].needs_output_history:
+                continue
+            row = batch.rows[i]
+            drafts[batch.req_ids[i]] = propose(ib.token_ids[row, : ib.num_tokens[row]])
+        return drafts
 
     def _seed(self, req_id: str, params: SamplingParams) -> int:
         if params.seed is not None:
@@ -581,9 +648,10 @@ class ModelRunner:
         step_index = np.zeros(batch.seq_bucket, np.int32)
         # the output index of the token each row samples (counts a token still in flight; a
         # partial prompt chunk samples nothing: 0)
-        step_index[:n] = np.maximum(
-            batch.start_positions + batch.num_scheduled - ib.num_prompt_tokens[batch.rows], 0
-        )
+        ends = batch.start_positions + batch.num_scheduled
+        if batch.num_spec is not None:
+            ends = ends - batch.num_spec  # a drafted row samples after its known tokens first
+        step_index[:n] = np.maximum(ends - ib.num_prompt_tokens[batch.rows], 0)
         bitmask = self._token_bitmask(batch, token_mask)
         key = (tuple(batch.req_ids), batch.seq_bucket)
         if cache is not None and cache[0] == key:
@@ -623,12 +691,20 @@ class ModelRunner:
         self._md_cache = (key, md, batch) if stable else None
         return md
 
-    def _make_output(self, pending: PendingStep, sampled, plp) -> ModelRunnerOutput:
+    def _make_output(
+        self, pending: PendingStep, sampled, plp, spec_sampled=None
+    ) -> ModelRunnerOutput:
         batch, params = pending.batch, pending.params
         n = batch.num_reqs
         tokens = sampled.token_ids[:n].tolist()
         flat = index = None
-        if batch.sample_mask.all():
+        verify = pending.verify
+        if verify is not None:  # drafted rows: their accepted drafts and one token each
+            mask = batch.sample_mask.tolist()
+            sampled_ids = [[t] if m else [] for t, m in zip(tokens, mask)]
+            for i, ids in zip(verify.seqs.tolist(), accept(verify, spec_sampled.token_ids)):
+                sampled_ids[i] = ids
+        elif batch.sample_mask.all():
             mask = [True] * n
             sampled_ids = OneTokenEach(tokens)
             flat, index = tokens, pending.index
@@ -644,16 +720,17 @@ class ModelRunner:
                 if k is None or not mask[i]:
                     logprobs.append([])
                     continue
-                logprobs.append(
-                    [
-                        TokenLogprobs(
-                            token_ids=[tokens[i]] + lp.top_ids[i, :k].tolist(),
-                            logprobs=[float(lp.token_logprobs[i])]
-                            + lp.top_logprobs[i, :k].tolist(),
-                            rank=int(lp.token_ranks[i]),
-                        )
-                    ]
-                )
+                logprobs.append([_token_logprobs(lp, i, tokens[i], k)])
+            if verify is not None:  # each kept token's logprobs at its own position
+                slp = spec_sampled.logprobs
+                for r, i in enumerate(verify.seqs.tolist()):
+                    k = params[i].logprobs
+                    if k is not None:
+                        base = r * verify.width
+                        logprobs[i] = [
+                            _token_logprobs(slp, base + j, t, k)
+                            for j, t in enumerate(sampled_ids[i])
+                        ]
         prompt_lps: dict[str, list[TokenLogprobs]] = {}
         if plp is not None:
             targets = batch.prompt_logprob_targets
@@ -682,3 +759,12 @@ class ModelRunner:
             prompt_logprobs_dict=prompt_lps,
             sampled_flat=flat,
         )
+
+
+def _token_logprobs(lp, i: int, token: int, k: int) -> TokenLogprobs:
+    """Row ``i`` of a host ``LogprobsTensors``: the chosen ``token`` and the top ``k``."""
+    return TokenLogprobs(
+        token_ids=[token] + lp.top_ids[i, :k].tolist(),
+        logprobs=[float(lp.token_logprobs[i])] + lp.top_logprobs[i, :k].tolist(),
+        rank=int(lp.token_ranks[i]),
+    )
