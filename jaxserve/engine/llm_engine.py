@@ -180,6 +180,22 @@ class LLMEngine:
             except ValueError as e:  # no tokenizer files: token-id prompts only
                 logger.warning("no tokenizer loaded (%s); prompts must be token ids", e)
         runner = ModelRunner(model, arch, config)
+        spec_config = config.speculative
+        if spec_config is not None and spec_config.method == "draft_model":
+            draft, draft_arch, _ = load_model(
+                spec_config.model,
+                engine_args.dtype,
+                engine_args.draft_load_format,
+                seed=engine_args.seed,
+            )
+            if draft_arch.max_position_embeddings < config.scheduler.max_model_len:
+                logger.warning(
+                    "the draft model's max_position_embeddings (%d) is below max_model_len "
+                    "(%d): its drafts past it are guesses (verification keeps outputs exact)",
+                    draft_arch.max_position_embeddings,
+                    config.scheduler.max_model_len,
+                )
+            runner.attach_draft_model(draft, draft_arch)
         spec = runner.initialize_kv_cache()
         num_host = runner.initialize_host_kv_cache(config.cache.kv_offloading_size)
         if config.runner.warmup:

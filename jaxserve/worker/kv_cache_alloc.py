@@ -123,6 +123,7 @@ def determine_kv_cache_spec(
     device: jax.Device | Sequence[jax.Device],
     peak_activation_bytes: int = 0,
     num_shards: int = 1,
+    extra_bytes_per_token: int = 0,
 ) -> KVCacheSpec:
     """Chooses the number of KV blocks (see the module docstring for the rule).
 
@@ -138,6 +139,8 @@ def determine_kv_cache_spec(
       peak_activation_bytes: the largest step's activation memory per device, bytes (from
         ``compiled.memory_analysis()``); ignored on CPU and with an override.
       num_shards: devices the KV heads are split over; each holds ``1 / num_shards`` of a token.
+      extra_bytes_per_token: bytes per token slot of another pool with the same blocks (a
+        speculative draft model's K/V, split the same way); the blocks are sized for both.
 
     Returns:
       The KVCacheSpec.
@@ -158,7 +161,7 @@ def determine_kv_cache_spec(
     )
     if num_gpu_blocks_override is not None:
         return KVCacheSpec(num_blocks=int(num_gpu_blocks_override), source="override", **common)
-    per_device = per_token // num_shards
+    per_device = (per_token + extra_bytes_per_token) // num_shards
     devices = (
         [device] if isinstance(device, jax.Device) or not isinstance(device, Sequence) else device
     )

@@ -71,15 +71,17 @@ from jaxserve.worker.compilation import (
     WARMUP_SAMPLING,
     StepGraph,
     forward_step,
+    gather_rows,
     prompt_logprobs_step,
     sample_step,
     spec_logits_step,
     spec_sample_step,
 )
+from jaxserve.worker.draft_model import DraftModel
 from jaxserve.worker.kv_offload import HostKVCache, num_host_blocks, staging_memory_kind
 from jaxserve.worker.ngram_proposer import NgramProposer
 from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
-from jaxserve.worker.spec_decode import VerifyPlan, accept, plan_verification
+from jaxserve.worker.spec_decode import VerifyPlan, accept, accept_on_device, plan_verification
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig, SpeculativeConfig
@@ -116,6 +118,8 @@ class PendingStep:
       verify: speculative decoding: the step's VerifyPlan (None: no drafts in it).
       spec_sampled: the verified positions' sampler output (device arrays), or None.
       speculate: ``SchedulerOutput.speculate``: propose drafts after the step.
+      draft_seqs: the draft model's proposing sequences (indices into the step's), or None.
+      draft_ids: their drafts, int32 ``[R, K]`` on the device, or None.
     """
 
     batch: StepBatch
@@ -128,6 +132,8 @@ class PendingStep:
     verify: VerifyPlan | None = None
     spec_sampled: object = None
     speculate: bool = False
+    draft_seqs: list[int] | None = None
+    draft_ids: object = None
 
 
 @dataclasses.dataclass
@@ -250,6 +256,8 @@ class ModelRunner:
         self.num_spec_tokens = 0
         self.ngram: NgramProposer | None = None
         self.set_speculative_config(config.speculative)
+        self.draft: DraftModel | None = None  # attach_draft_model
+        self.aot_draft_prefill: dict[int, Any] = {}
         logger.info(
             "model runner: attention backend %s%s, KV head dim %d, token buckets %s, "
             "sequence buckets %s",
@@ -366,6 +374,44 @@ class ModelRunner:
         (:func:`jaxserve.worker.compilation.warmup`). Requires ``initialize_kv_cache`` first."""
         return compilation.warmup(self, progress=progress)
 
+    def attach_draft_model(self, model: nnx.Module, arch: ModelArchConfig) -> None:
+        """Speculative decoding with a draft model (``--speculative-config`` method
+        ``draft_model``): places it beside the target, before ``initialize_kv_cache`` (which
+        sizes the blocks for both pools and allocates the draft's).
+
+        Raises:
+          ValueError: its vocabulary is not the target's, or its heads cannot be split over
+            the mesh (``speculative_config.model`` named).
+        """
+        assert self.kv_caches is None, "attach_draft_model() before initialize_kv_cache()"
+        if arch.vocab_size != self.arch.vocab_size:
+            raise ValueError(
+                f"speculative_config.model: the draft model's vocabulary ({arch.vocab_size} "
+                f"tokens) is not the target's ({self.arch.vocab_size}); it must share the "
+                "tokenizer"
+            )
+        try:
+            self.draft = DraftModel(
+                model,
+                arch,
+                mesh=self.mesh,
+                step_mesh=self.step_mesh,
+                backend=self.backend,
+                interpret=self.interpret,
+                num_speculative_tokens=self.num_spec_tokens,
+                token_multiple=token_bucket_multiple(self.backend),
+            )
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
+        logger.info(
+            "draft model: %d layers, hidden %d, %d KV heads of %d; K = %d",
+            arch.num_layers,
+            arch.hidden_size,
+            self.draft.arch.num_kv_heads,
+            arch.head_dim,
+            self.num_spec_tokens,
+        )
+
     def set_speculative_config(self, spec: SpeculativeConfig | None) -> None:
         """Speculative decoding's K (0 = off) and, for the n-gram method, its proposer (the
         engine tests share one runner between engines with and without it)."""
@@ -392,7 +438,16 @@ class ModelRunner:
         """Executables this runner has traced per step function (a test checks serving adds
         none); profiling's probe compiles are not counted."""
         traces = self.graph.traces
-        return {name: traces[name] for name in ("forward", "sampler", "prompt_logprobs")}
+        names = ("forward", "sampler", "prompt_logprobs")
+        if self.num_spec_tokens:
+            names += ("spec_logits", "spec_sampler")
+        counts = {name: traces[name] for name in names}
+        if self.draft is not None:
+            draft = self.draft.graph.traces
+            counts.update(
+                draft_prefill=draft["draft_prefill"], draft_propose=draft["draft_propose"]
+            )
+        return counts
 
     # ------------------------------------------------------------------ one step
 
@@ -461,6 +516,9 @@ class ModelRunner:
             logits, hidden, self.kv_caches = forward_step(
                 graph, self.params, self.kv_caches, batch.inputs
             )
+        draft = self.draft
+        if draft is not None:  # its cache follows the target's, step by step
+            draft.prefill(batch.inputs, self.aot_draft_prefill.get(batch.token_bucket))
         num_variants = graph.traces["sampler"]
         sampled, self._prev_tokens = sample_step(graph, logits, md)
         if graph.traces["sampler"] != num_variants:
@@ -479,7 +537,8 @@ class ModelRunner:
         verify = plan_verification(batch, self.num_spec_tokens)
         spec_sampled = None
         if verify is not None:  # the drafts' positions, sampled as the sampler above would
-            spec_logits = spec_logits_step(graph, self.params, hidden, verify.indices)
+            spec_hidden = gather_rows(hidden, verify.indices)
+            spec_logits = spec_logits_step(graph, self.params, spec_hidden)
             spec_sampled = spec_sample_step(
                 graph, spec_logits, md.expand(verify.rows, verify.width)
             )
@@ -492,7 +551,10 @@ class ModelRunner:
                 if aot is not None
                 else prompt_logprobs_step(graph, self.params, hidden, targets)
             )
-        for x in jax.tree.leaves((sampled, plp, spec_sampled)):
+        draft_seqs = draft_ids = None
+        if draft is not None and sched.speculate:
+            draft_seqs, draft_ids = self._propose_draft(batch, verify, spec_sampled)
+        for x in jax.tree.leaves((sampled, plp, spec_sampled, draft_ids)):
             x.copy_to_host_async()
         self.timing.launch_s += time.perf_counter() - t1
         self.timing.aside_cpu_s += time.thread_time() - c1
@@ -522,6 +584,8 @@ class ModelRunner:
             verify,
             spec_sampled,
             sched.speculate,
+            draft_seqs,
+            draft_ids,
         )
 
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
@@ -531,8 +595,8 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = pending.batch
         t1, c1 = time.perf_counter(), time.thread_time()
-        sampled, plp, spec_sampled = jax.device_get(
-            (pending.sampled, pending.plp, pending.spec_sampled)
+        sampled, plp, spec_sampled, draft_ids = jax.device_get(
+            (pending.sampled, pending.plp, pending.spec_sampled, pending.draft_ids)
         )
         if self.host_kv is not None:
             # This step's saves ran before it; under async scheduling the pending ones may be
@@ -572,12 +636,52 @@ class ModelRunner:
                     ib.num_tokens[row] = end + len(tokens)
         if pending.speculate and self.ngram is not None:
             output.draft_token_ids = self._propose_ngram(pending, keep)
+        elif pending.draft_seqs is not None:
+            req_ids = batch.req_ids
+            output.draft_token_ids = {
+                req_ids[i]: draft_ids[r].tolist()
+                for r, i in enumerate(pending.draft_seqs)
+                if keep[i]
+            }
         t3 = time.perf_counter()
         timing = self.timing
         timing.num_steps += 1
         timing.device_s += t2 - t1
         timing.output_s += t3 - t2
         return output
+
+    def _propose_draft(
+        self, batch: StepBatch, verify: VerifyPlan | None, spec_sampled
+    ) -> tuple[list[int] | None, jax.Array | None]:
+        """Dispatches the draft model's proposals for the next step of each request that
+        samples in ``batch`` and whose sampling allows speculation; returns (their sequence
+        indices, the drafts on the device), or (None, None) when none proposes."""
+        ib = self.input_batch
+        seqs = [
+            i
+            for i in np.flatnonzero(batch.sample_mask).tolist()
+            if not ib.params[batch.rows[i]].needs_output_history
+        ]
+        if not seqs:
+            return None, None
+        last, num_accepted = self._prev_tokens, None
+        if verify is not None:  # the accepted drafts and the token after them, on the device
+            last, num_accepted = accept_on_device(
+                last, spec_sampled.token_ids, verify.rows, verify.drafts
+            )
+        num_spec = np.zeros(len(seqs), np.int32)
+        if batch.num_spec is not None:
+            num_spec[:] = batch.num_spec[seqs]
+        inputs = batch.inputs
+        drafts = self.draft.propose(
+            inputs.block_tables,
+            inputs.context_lens,
+            last,
+            num_accepted,
+            np.asarray(seqs),
+            num_spec,
+        )
+        return seqs, drafts
 
     def _propose_ngram(self, pending: PendingStep, keep: np.ndarray) -> dict[str, list[int]]:
         """N-gram drafts for the next step of each request that sampled in ``pending`` (its row

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.worker.batch_builder import StepBatch
@@ -43,9 +45,10 @@ class VerifyPlan:
     Attributes:
       seqs: ``[n]`` int, the step's sequences that carry drafts.
       num_spec: ``[n]`` int, their draft counts (1..K).
-      drafts: ``[n, K]`` int32, their draft tokens, -1 padded.
       rows: ``[R]`` int, ``seqs`` padded to R (a power of two) with its first entry: the rows of
         the step's sampling metadata that ``SamplingMetadata.expand`` repeats.
+      drafts: ``[R, K]`` int32, each row's draft tokens, -1 padded (padding rows repeat the
+        first row).
       indices: ``[R * W]`` int32, the step token each verified position reads its logits at:
         row r, position j -> the (j)-th of its last k + 1 tokens (j > k repeats the last).
       width: W = K + 1.
@@ -53,8 +56,8 @@ class VerifyPlan:
 
     seqs: np.ndarray
     num_spec: np.ndarray
-    drafts: np.ndarray
     rows: np.ndarray
+    drafts: np.ndarray
     indices: np.ndarray
     width: int
 
@@ -86,11 +89,12 @@ def plan_verification(batch: StepBatch, k: int) -> VerifyPlan | None:
     pos = np.minimum(np.arange(width)[None, :], counts[:, None])  # [R, W]
     indices = (first[:, None] + pos).astype(np.int32).ravel()
     ids = batch.inputs.input_ids
-    drafts = np.full((n, k), -1, np.int32)
+    drafts = np.full((r, k), -1, np.int32)
     for i in range(n):  # n <= the step's requests, each a slice of at most K ids
         c = int(counts[i])
         drafts[i, :c] = ids[first[i] + 1 : first[i] + 1 + c]
-    return VerifyPlan(seqs, num_spec[seqs], drafts, rows, indices, width)
+    drafts[n:] = drafts[0]
+    return VerifyPlan(seqs, num_spec[seqs], rows, drafts, indices, width)
 
 
 def accept(plan: VerifyPlan, token_ids: np.ndarray) -> list[list[int]]:
@@ -103,8 +107,35 @@ def accept(plan: VerifyPlan, token_ids: np.ndarray) -> list[list[int]]:
     Returns:
       Per entry of ``plan.seqs``, ``[d_1, ..., d_a, t_a]`` (1 to k + 1 tokens).
     """
-    n, k = plan.drafts.shape
+    n, k = plan.seqs.size, plan.width - 1
     t = np.asarray(token_ids).reshape(plan.num_rows, plan.width)[:n]
-    agree = t[:, :k] == plan.drafts  # -1 padding never agrees
+    agree = t[:, :k] == plan.drafts[:n]  # -1 padding never agrees
     num_accepted = np.cumprod(agree, axis=1).sum(axis=1)
     return [t[i, : num_accepted[i] + 1].tolist() for i in range(n)]
+
+
+@jax.jit
+def accept_on_device(
+    last_tokens: jax.Array, token_ids: jax.Array, rows: jax.Array, drafts: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``accept`` on the device, for a proposer that continues from the accepted tokens
+    without a host round trip (the draft model).
+
+    Args:
+      last_tokens: int32 ``[S_max]``, each sequence's sampled token (the ordinary sampler's,
+        padded; a drafted sequence's entry is replaced).
+      token_ids: int32 ``[R * W]``, the sampler's tokens at the verified positions.
+      rows: int32 ``[R]`` (``VerifyPlan.rows``), drafts: int32 ``[R, K]`` (``VerifyPlan.drafts``).
+
+    Returns:
+      ``(last [S_max], num_accepted [S_max])``: each sequence's last kept token and how many of
+      its drafts were accepted (0 for sequences without drafts).
+    """
+    r, k = drafts.shape
+    t = token_ids.reshape(r, k + 1)
+    num_accepted = jnp.sum(jnp.cumprod(t[:, :k] == drafts, axis=1), axis=1).astype(jnp.int32)
+    last = jnp.take_along_axis(t, num_accepted[:, None], axis=1)[:, 0]
+    # padding rows repeat the first row: the same values written twice
+    last_tokens = last_tokens.at[rows].set(last)
+    accepted = jnp.zeros_like(last_tokens).at[rows].set(num_accepted)
+    return last_tokens, accepted
