@@ -39,7 +39,8 @@ from jaxserve.bench.client import completion_payload, send_completion  # noqa: E
 from jaxserve.bench.metrics_scrape import fetch_snapshot  # noqa: E402
 from jaxserve.bench.workloads import TokenSource, WorkloadSpec, make_requests  # noqa: E402
 from jaxserve.config import EngineArgs  # noqa: E402
-from jaxserve.entrypoints.ray_serve import make_ingress, start_replicas  # noqa: E402
+from jaxserve.entrypoints.http.ray_ingress import make_ingress  # noqa: E402
+from jaxserve.entrypoints.ray_serve import start_replicas  # noqa: E402
 from jaxserve.entrypoints.router import POLICIES, Router  # noqa: E402
 
 

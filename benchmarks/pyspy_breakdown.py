@@ -21,11 +21,14 @@ PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("engine thread: metrics", ("_record (jaxserve/engine/async_llm.py",)),
     ("engine thread: hand-over to the loop", ("_dispatch (jaxserve/engine/async_llm.py",)),
     ("engine thread: other", ("_run (jaxserve/engine/async_llm.py",)),
-    ("SSE chunk building (serving_*._chunks)", ("_chunks (jaxserve/entrypoints/openai/serving_",)),
-    ("SSE write (socket writes, aiohttp writer)", ("_write_sse (jaxserve/entrypoints/openai/",)),
+    (
+        "SSE chunk building (serving/{completion,chat}._chunks)",
+        ("_chunks (jaxserve/serving/completion.py", "_chunks (jaxserve/serving/chat.py"),
+    ),
+    ("SSE write (socket writes, aiohttp writer)", ("_write_sse (jaxserve/entrypoints/http/",)),
     (
         "request preparation (parse, tokenize, checks)",
-        ("prepare (jaxserve/entrypoints/openai/", "_read_json (jaxserve/entrypoints/openai/"),
+        ("prepare (jaxserve/serving/", "_read_json (jaxserve/entrypoints/http/"),
     ),
     ("engine hand-in (add_request)", ("add_request (jaxserve/engine/async_llm.py",)),
     (

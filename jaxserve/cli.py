@@ -16,7 +16,7 @@ import sys
 # name -> (module, parser-adding function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": (
-        "jaxserve.entrypoints.openai.api_server",
+        "jaxserve.entrypoints.serve",
         "add_serve_parser",
         "run the OpenAI-compatible HTTP server",
     ),

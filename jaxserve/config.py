@@ -27,7 +27,7 @@ def _default_compilation_cache_dir() -> str:
 
 
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
-"""Names of ``--tool-call-parser`` (vLLM's), see ``jaxserve.entrypoints.openai.tool_calls``."""
+"""Names of ``--tool-call-parser`` (vLLM's), see ``jaxserve.serving.tool_calls``."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Every field is checked in ``__post_init__``; a bad value raises ``ValueError`` whose message
 starts with the field's name, so the server can turn it into an OpenAI-style 400 with ``param``
-set (see :func:`jaxserve.entrypoints.openai.protocol`). Source: the OpenAI API reference for
+set (see :func:`jaxserve.serving.protocol`). Source: the OpenAI API reference for
 completions/chat (ranges of temperature, top_p, penalties, logprobs, logit_bias) and vLLM's
 ``SamplingParams`` for the extensions (top_k, min_p, repetition_penalty, min_tokens,
 stop_token_ids, ignore_eos, include_stop_str_in_output).

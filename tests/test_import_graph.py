@@ -23,7 +23,6 @@ KNOWN_CYCLES: list[set[str]] = [
         "jaxserve.model.loader",
         "jaxserve.model.preflight",
     },
-    {"jaxserve.entrypoints.openai.api_server", "jaxserve.entrypoints.ray_serve"},
 ]
 
 

@@ -1,7 +1,7 @@
 """Serve an engine already in this process over HTTP, from a background thread.
 
 For notebooks and tests: ``BackgroundServer(llm)`` runs the OpenAI-compatible server
-(``jaxserve.entrypoints.openai.api_server.run_server``) on ``127.0.0.1`` and a free port, on its
+(``jaxserve.entrypoints.http.api_server.run_server``) on ``127.0.0.1`` and a free port, on its
 own event loop in a daemon thread, around an engine you already built, so serving it costs no
 second model load or compile. ``close()`` (or leaving a ``with`` block) stops the server and,
 if it wrapped a plain engine, the engine thread; the engine is idle and usable again afterwards.
@@ -48,7 +48,7 @@ class BackgroundServer:
         start_timeout_s: float = 60.0,
     ) -> None:
         from jaxserve.engine.async_llm import AsyncLLM
-        from jaxserve.entrypoints.openai.api_server import run_server
+        from jaxserve.entrypoints.http.api_server import run_server
 
         engine = getattr(engine, "llm_engine", engine)
         self._owns_llm = not isinstance(engine, AsyncLLM)

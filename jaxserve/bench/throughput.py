@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.bench.workloads import BenchRequest
 
+if TYPE_CHECKING:
+    from jaxserve.engine.llm import LLM
+
 
 def run_throughput(
-    llm: Any,
+    llm: LLM,
     requests: Sequence[BenchRequest],
     *,
     ignore_eos: bool = True,

@@ -3,8 +3,9 @@
 The life of a request through this module (the server's view; vLLM V1's ``AsyncLLM`` with the
 engine core in a thread instead of a process, JetStream's orchestrator threads):
 
-1. ``await add_request(...)`` (or ``generate(...)``) runs on the event loop. It puts an "add"
-   item in the inbox, a list guarded by a ``threading.Condition``, notifies the engine thread,
+1. ``await add_request(...)`` (or ``generate(...)``) runs on the event loop. It puts an
+   :class:`AddRequest` in the inbox, a list guarded by a ``threading.Condition``, notifies the
+   engine thread,
    and awaits an acknowledgement: ``LLMEngine.add_request`` may refuse the request
    (``ValueError`` naming the field), which is raised here so the server can answer 400 before
    it starts a response.
@@ -17,8 +18,8 @@ engine core in a thread instead of a process, JetStream's orchestrator threads):
 3. The consumer iterates the :class:`RequestStream`; the last output has ``finished=True``. A
    consumer that lags gets the outputs it missed merged into one (``merge_outputs``).
    If the consumer goes away first (client disconnect: the handler is cancelled or closes the
-   stream), the stream sends an "abort" item; the engine thread aborts the request (all ``n``
-   samples) before its next step, which frees its KV blocks.
+   stream), the stream sends an :class:`AbortRequest`; the engine thread aborts the request
+   (all ``n`` samples) before its next step, which frees its KV blocks.
 4. After each step the thread folds ``LLMEngine.get_stats()`` and the step's outputs into
    :class:`~jaxserve.metrics.EngineMetrics`.
 
@@ -35,12 +36,14 @@ way (:class:`StepTimeoutError`). The engine thread, if it ever comes back, deliv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
+from jaxserve.engine.protocol import EngineCore, EngineDeadError, EngineHealth
 from jaxserve.metrics import EngineMetrics
 
 if TYPE_CHECKING:
@@ -49,10 +52,6 @@ if TYPE_CHECKING:
     from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an exception; no request can be served any more."""
 
 
 class StepTimeoutError(RuntimeError):
@@ -191,6 +190,35 @@ class RequestStream:
         self._llm.abort(self.request_id)
 
 
+@dataclasses.dataclass(slots=True)
+class AddRequest:
+    """Inbox message: hand a request to the engine (:meth:`AsyncLLM.add_request`).
+
+    Attributes:
+      stream: where its outputs go; the engine thread resolves its acceptance.
+      prompt, params, priority, cache_salt: as ``LLMEngine.add_request`` takes them.
+      arrival_time: ``time.monotonic()`` when the request reached ``add_request``.
+    """
+
+    stream: RequestStream
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    arrival_time: float
+
+
+@dataclasses.dataclass(slots=True)
+class AbortRequest:
+    """Inbox message: abort a request (all its samples) before the engine's next step."""
+
+    request_id: str
+
+
+InboxMessage = AddRequest | AbortRequest
+"""What the event loop hands the engine thread; it handles them in order between steps."""
+
+
 class _Handoff:
     """Calls for the consumers' event loops gathered on the engine thread during one turn of its
     loop, then handed over with one ``call_soon_threadsafe`` per loop (one wake-up of the server's
@@ -226,12 +254,12 @@ def _run_batch(batch: list[tuple[Any, ...]]) -> None:
 
 
 class AsyncLLM:
-    """An :class:`~jaxserve.engine.llm_engine.LLMEngine` in a background thread, for asyncio callers.
+    """An :class:`~jaxserve.engine.llm_engine.LLMEngine` in a background thread, for asyncio
+    callers: the in-process :class:`~jaxserve.engine.protocol.EngineClient`.
 
     Args:
-      engine: a built LLMEngine (or any object with its interface: ``add_request``,
-        ``abort_request``, ``step``, ``has_unfinished_requests``, ``get_stats``, ``tokenizer``,
-        ``engine_config``). From now on only the engine thread touches it.
+      engine: a built LLMEngine, or any :class:`~jaxserve.engine.protocol.EngineCore` (the
+        server tests' scripted FakeEngine). From now on only the engine thread touches it.
       metrics: where the engine thread records metrics; default a new
         :class:`~jaxserve.metrics.EngineMetrics` for the served model name.
       step_timeout_s: a step running longer than this, seconds, marks the engine dead (see the
@@ -242,7 +270,7 @@ class AsyncLLM:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineCore,
         *,
         metrics: EngineMetrics | None = None,
         step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
@@ -251,6 +279,8 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.engine_config: EngineConfig = engine.engine_config
         self.model_name: str = self.engine_config.model.served_model_name
+        # Token ids must be known to both the model and the tokenizer (the detokenizer decodes them).
+        self.vocab_size: int = min(v for v in (self.tokenizer.vocab_size, engine.vocab_size) if v)
         self.metrics = metrics or EngineMetrics(
             self.model_name,
             self.engine_config.cache,
@@ -258,7 +288,7 @@ class AsyncLLM:
             max_model_len=self.engine_config.scheduler.max_model_len,
         )
         self._cond = threading.Condition()
-        self._inbox: list[tuple[str, Any]] = []
+        self._inbox: list[InboxMessage] = []
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._pending_ids: set[str] = set()  # ids added and not finished (under _cond)
         self._num_inbox_adds = 0  # adds not yet handed to the engine
@@ -348,7 +378,7 @@ class AsyncLLM:
         """
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, params.n, self, loop)
-        kwargs = {"priority": priority, "cache_salt": cache_salt, "arrival_time": time.monotonic()}
+        message = AddRequest(stream, prompt, params, priority, cache_salt, time.monotonic())
         with self._cond:
             if self.dead_error is not None:
                 raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
@@ -358,7 +388,7 @@ class AsyncLLM:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._pending_ids.add(request_id)
             self._num_inbox_adds += 1
-            self._inbox.append(("add", (stream, prompt, params, kwargs)))
+            self._inbox.append(message)
             self._cond.notify()
         try:
             await stream._accepted
@@ -390,16 +420,20 @@ class AsyncLLM:
         finally:
             stream.abort()
 
-    def get_ledger(self, request_id: str) -> dict[str, Any] | None:
+    async def get_ledger(self, request_id: str) -> dict[str, Any] | None:
         """A finished request's ledger as JSON-ready data (see LedgerHistory.get), or None."""
-        return self.engine.ledger_history.get(request_id)
+        return self.engine.get_ledger(request_id)
+
+    async def render_metrics(self) -> tuple[bytes, str]:
+        """This engine's Prometheus exposition and its content type."""
+        return self.metrics.render(), self.metrics.content_type
 
     def abort(self, request_id: str) -> None:
         """Aborts a request (all its samples) before the engine's next step; thread-safe, idempotent."""
         with self._cond:
             if self.dead_error is not None or request_id not in self._pending_ids:
                 return
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(AbortRequest(request_id))
             self._cond.notify()
 
     @property
@@ -412,6 +446,10 @@ class AsyncLLM:
         """Raises EngineDeadError if the engine thread died."""
         if self.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+
+    def health(self) -> EngineHealth:
+        """Healthy while the engine thread lives; else the error it died of."""
+        return EngineHealth(self.dead_error is None, self.dead_error)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine thread after its current step; pending requests get EngineDeadError."""
@@ -452,9 +490,7 @@ class AsyncLLM:
                 self._dispatch(wanted)
                 has_work = self.engine.has_unfinished_requests()
             self._fail_pending(EngineDeadError("engine was shut down"))
-            close = getattr(self.engine, "close", None)  # the KV-event publisher, if any
-            if close is not None:
-                close()
+            self.engine.close()  # the KV-event publisher, if any
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
             logger.exception("engine loop died")
             self._die(exc)
@@ -474,27 +510,34 @@ class AsyncLLM:
                 self._die(error)
                 return
 
-    def _process_inbox(self, inbox: list[tuple[str, Any]]) -> None:
+    def _process_inbox(self, inbox: list[InboxMessage]) -> None:
         num_adds = 0
-        for kind, payload in inbox:
-            if kind == "add":
-                num_adds += 1
-                stream, prompt, params, kwargs = payload
-                if stream._aborted:  # the client left before the engine saw the request
-                    self._forget(stream.request_id)
-                    continue
-                try:
-                    self.engine.add_request(stream.request_id, prompt, params, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - a refused request is the client's problem
-                    self._forget(stream.request_id)
-                    if not isinstance(exc, ValueError):
-                        logger.exception("engine refused request %s", stream.request_id)
-                    stream._resolve_accept(exc)
-                    continue
-                self._streams[stream.request_id] = stream
-                self._handoff.add(stream, stream._resolve_accept_now, None)
-            else:
-                self._abort_in_engine(payload)
+        for message in inbox:
+            if type(message) is AbortRequest:
+                self._abort_in_engine(message.request_id)
+                continue
+            num_adds += 1
+            stream = message.stream
+            if stream._aborted:  # the client left before the engine saw the request
+                self._forget(stream.request_id)
+                continue
+            try:
+                self.engine.add_request(
+                    stream.request_id,
+                    message.prompt,
+                    message.params,
+                    priority=message.priority,
+                    cache_salt=message.cache_salt,
+                    arrival_time=message.arrival_time,
+                )
+            except Exception as exc:  # noqa: BLE001 - a refused request is the client's problem
+                self._forget(stream.request_id)
+                if not isinstance(exc, ValueError):
+                    logger.exception("engine refused request %s", stream.request_id)
+                stream._resolve_accept(exc)
+                continue
+            self._streams[stream.request_id] = stream
+            self._handoff.add(stream, stream._resolve_accept_now, None)
         for stream in self._handoff.flush():  # before the step: the handlers start meanwhile
             self._abort_in_engine(stream.request_id)
         if num_adds:
@@ -547,9 +590,9 @@ class AsyncLLM:
             inbox, self._inbox = self._inbox, []
             self._pending_ids.clear()
             self._num_inbox_adds = 0
-        for kind, payload in inbox:
-            if kind == "add":
-                payload[0]._resolve_accept(error)
+        for message in inbox:
+            if type(message) is AddRequest:
+                message.stream._resolve_accept(error)
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream._deliver(error)

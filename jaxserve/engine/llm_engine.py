@@ -369,6 +369,11 @@ class LLMEngine:
                     self.ledger_history.add(rid, ledgers)
                 self.token_masks.drop(children)
 
+    def get_ledger(self, request_id: str) -> dict[str, Any] | None:
+        """A finished request's ledger as JSON-ready data (``LedgerHistory.get``), or None; any
+        thread may call it."""
+        return self.ledger_history.get(request_id)
+
     def has_unfinished_requests(self) -> bool:
         """True while any parent request (n > 1 counts once) has not produced its final output."""
         return len(self.output_processor) > 0

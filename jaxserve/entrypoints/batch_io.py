@@ -47,8 +47,8 @@ import uuid
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
-from jaxserve.entrypoints.openai.api_server import dumps, parse_json_body
-from jaxserve.entrypoints.openai.errors import APIError
+from jaxserve.serving.errors import APIError
+from jaxserve.serving.json_io import dumps, parse_json_body
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
     jaxserve run-batch -i requests.jsonl -o results.jsonl [MODEL] [engine flags]
 
 Every input line is validated and served by the HTTP server's own code
-(``api_server.serve_request``: the same validation, engine calls and response bodies), without
-HTTP. All requests are handed to one engine at once, so continuous batching keeps the device
+(``jaxserve.serving.endpoints.OpenAIServing.serve_request``: the same validation, engine calls
+and response bodies), without HTTP. All requests are handed to one engine at once, so continuous batching keeps the device
 full; each record is written and flushed as its request finishes (completion order). The file
 format, the rule for failed lines and how a rerun resumes are in
 :mod:`jaxserve.entrypoints.batch_io` (vLLM's ``run_batch`` and the OpenAI Batch API).
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxserve.engine.async_llm import EngineDeadError
+from jaxserve.engine.protocol import EngineClient, EngineDeadError
 from jaxserve.entrypoints.batch_io import (
     BatchLine,
     LineError,
@@ -39,9 +39,8 @@ from jaxserve.entrypoints.batch_io import (
     parse_input,
     response_record,
 )
-from jaxserve.entrypoints.openai.api_server import serve_request
-from jaxserve.entrypoints.openai.common import ServingInfo
-from jaxserve.entrypoints.openai.errors import error_body
+from jaxserve.serving.endpoints import OpenAIServing
+from jaxserve.serving.errors import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +100,11 @@ class BatchStats:
         return text
 
 
-# ---- the async part: serve every line through the server's code ------------------------------------
+# ---- the async part: serve every line through the serving layer -------------------------------------
 
 
 async def run_batch(
-    llm: Any,
+    llm: EngineClient,
     lines: Sequence[BatchLine],
     write: Callable[[dict[str, Any]], None],
     *,
@@ -134,13 +133,13 @@ async def run_batch(
     from tqdm.auto import tqdm
 
     stats = stats or BatchStats()
-    info = ServingInfo.from_engine(llm)
+    serving = OpenAIServing(llm)
     start = time.perf_counter()
 
     async def serve(item: BatchLine) -> tuple[BatchLine, int, dict[str, Any]]:
         try:
             request_body = {**item.body, "include_ledger": True} if include_ledger else item.body
-            status, body = await serve_request(llm, item.url, request_body, info)
+            status, body = await serving.serve_request(item.url, request_body)
         except Exception:  # noqa: BLE001 - a bug of ours; the server answers it with a 500 too
             logger.exception(
                 "internal error serving line %d (custom_id %r)", item.line, item.custom_id
@@ -283,7 +282,7 @@ def _read_input(path: str) -> bytes:
         return f.read()
 
 
-def run_batch_main(args: argparse.Namespace, llm: Any = None) -> int:
+def run_batch_main(args: argparse.Namespace, llm: EngineClient | None = None) -> int:
     """The ``run-batch`` command.
 
     Args:

@@ -1,4 +1,6 @@
-"""A model-free engine with LLMEngine's interface, for fast server-logic tests.
+"""A model-free engine with LLMEngine's interface (``jaxserve.engine.protocol.EngineCore``; the
+conformance test ``tests/engine/test_engine_protocol.py`` keeps the two in step), for fast
+server-logic tests.
 
 It uses the bundled model's real tokenizer and the real incremental detokenizer (so streamed
 deltas, stop strings and held-back text behave as in the engine), but "generates" a fixed
@@ -15,6 +17,8 @@ import dataclasses
 import math
 import threading
 import time
+from collections.abc import Iterable
+from typing import Any
 
 from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import EngineStats
@@ -51,7 +55,7 @@ class _Req:
 
 
 class FakeEngine:
-    """LLMEngine's interface over a scripted "model" (see the module docstring).
+    """``EngineCore`` over a scripted "model" (see the module docstring); it keeps no ledgers.
 
     Args:
       model_dir: a model directory with a tokenizer (the bundled checkpoint).
@@ -84,6 +88,7 @@ class FakeEngine:
         enable_chunked_prefill: bool = True,
     ) -> None:
         self.tokenizer = get_tokenizer(model_dir)
+        self.vocab_size = self.tokenizer.vocab_size
         config = EngineArgs(
             model=model_dir,
             served_model_name=served_model_name,
@@ -111,7 +116,7 @@ class FakeEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
-    # LLMEngine interface ---------------------------------------------------------------------
+    # EngineCore ----------------------------------------------------------------------------------
 
     def add_request(
         self,
@@ -157,9 +162,9 @@ class FakeEngine:
             start=sum(ids) % len(self.script),
         )
 
-    def abort_request(self, request_ids: list[str]) -> None:
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
         self._check_thread()
-        for rid in request_ids:
+        for rid in (request_ids,) if isinstance(request_ids, str) else request_ids:
             self._reqs.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -189,6 +194,12 @@ class FakeEngine:
             if outputs[-1].finished:
                 del self._reqs[req.request_id]
         return outputs
+
+    def get_ledger(self, request_id: str) -> dict[str, Any] | None:
+        return None  # no ledgers: the scripted steps schedule nothing
+
+    def close(self) -> None:
+        pass
 
     def get_stats(self) -> EngineStats:
         running = [r for r in self._reqs.values() if r.running]

@@ -18,7 +18,8 @@ from fake_engine import FakeEngine  # noqa: E402
 from server_harness import MODEL_DIR  # noqa: E402
 
 from jaxserve.engine.async_llm import AsyncLLM  # noqa: E402
-from jaxserve.entrypoints.openai.api_server import add_serve_parser, serve_until_signal  # noqa: E402
+from jaxserve.entrypoints.http.api_server import serve_until_signal  # noqa: E402
+from jaxserve.entrypoints.serve import add_serve_parser  # noqa: E402
 
 
 def main() -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.entrypoints.openai.api_server import INTERNAL_ERRORS, build_app, run_server
+from jaxserve.entrypoints.http.api_server import INTERNAL_ERRORS, build_app, run_server
 
 MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "tiny-llama")
 

@@ -18,9 +18,9 @@ from fake_engine import FakeEngine
 from server_harness import MODEL_DIR, LiveServer, assert_error, sse
 
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.entrypoints.openai.api_server import build_app
-from jaxserve.entrypoints.openai.common import ServingInfo
+from jaxserve.entrypoints.http.api_server import build_app
 from jaxserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from jaxserve.serving.validation import ServingInfo
 from jaxserve.tokenizer.stop_strings import StopChecker
 
 CHAT = "/v1/chat/completions"
@@ -347,19 +347,19 @@ def test_slow_client_is_cut_off():
 
 def test_serve_flags_in_help_and_startup_report(server):
     from jaxserve.cli import build_parser
-    from jaxserve.entrypoints.openai.api_server import _startup_report
+    from jaxserve.entrypoints.serve import startup_report
 
     defaults = build_parser(["serve"]).parse_args(["serve"])
     assert (defaults.step_timeout_s, defaults.shutdown_timeout_s) == (300.0, 30.0)
     assert (defaults.request_header_timeout_s, defaults.request_body_timeout_s) == (30.0, 60.0)
     argv = ["serve", "--step-timeout-s", "5", "--shutdown-timeout-s", "2"]
-    report = _startup_report(server.llm, 1.0, build_parser(argv).parse_args(argv))
+    report = startup_report(server.llm, 1.0, build_parser(argv).parse_args(argv))
     assert "'step_timeout_s': 5.0" in report and "'shutdown_timeout_s': 2.0" in report
     assert "'request_header_timeout_s': 30.0" in report and "'api_key': None" in report
 
 
 def test_cached_probe_rereads_after_ttl():
-    from jaxserve.entrypoints.openai.common import cached_probe
+    from jaxserve.serving.validation import cached_probe
 
     calls = []
     probe = cached_probe(lambda: calls.append(1) or len(calls), ttl_s=0.05)

@@ -5,21 +5,21 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from jaxserve.entrypoints.openai.api_server import parse_json_body
-from jaxserve.entrypoints.openai.common import (
+from jaxserve.request_output import Logprob
+from jaxserve.serving.errors import APIError, from_validation_error, from_value_error
+from jaxserve.serving.json_io import parse_json_body
+from jaxserve.serving.logprobs import CompletionLogprobs, chat_logprobs
+from jaxserve.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+)
+from jaxserve.serving.validation import (
     ServingInfo,
     check_priority,
     check_prompt_ids,
     resolve_max_tokens,
 )
-from jaxserve.entrypoints.openai.errors import APIError, from_validation_error, from_value_error
-from jaxserve.entrypoints.openai.logprobs import CompletionLogprobs, chat_logprobs
-from jaxserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    TokenizeRequest,
-)
-from jaxserve.request_output import Logprob
 
 
 def _err(model, body) -> APIError:

@@ -647,7 +647,7 @@ def test_engine_death_reports_errors_and_exits_nonzero():
 def test_serve_request_without_http(server):
     import asyncio
 
-    from jaxserve.entrypoints.openai.api_server import serve_request
+    from jaxserve.serving.endpoints import serve_request
 
     llm = server.llm
 
@@ -673,9 +673,9 @@ def test_serve_request_without_http(server):
 def test_startup_report(server):
     from types import SimpleNamespace
 
-    from jaxserve.entrypoints.openai.api_server import _startup_report
+    from jaxserve.entrypoints.serve import startup_report
 
-    report = _startup_report(server.llm, 1.5)
+    report = startup_report(server.llm, 1.5)
     assert "served_model_name': 'fake-model'" in report
     assert "KV pool: 64 blocks x 16 tokens (1008 usable tokens" in report
     assert "1.5 s" in report
@@ -686,7 +686,7 @@ def test_startup_report(server):
     real_like = SimpleNamespace(
         engine_config=server.llm.engine_config, engine=SimpleNamespace(runner=runner)
     )
-    report = _startup_report(real_like, 21.0)
+    report = startup_report(real_like, 21.0)
     assert "compile time: 18.8 s (startup 21.0 s)" in report
     assert "step token buckets: [16, 32, 64] (sequence buckets [16, 32])" in report
 
@@ -694,7 +694,7 @@ def test_startup_report(server):
 def test_serve_cli_flags():
     from jaxserve.cli import build_parser
     from jaxserve.config import EngineArgs
-    from jaxserve.entrypoints.openai.api_server import run_serve
+    from jaxserve.entrypoints.serve import run_serve
 
     argv = [
         "serve",

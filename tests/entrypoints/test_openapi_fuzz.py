@@ -13,7 +13,7 @@ from fuzz import fuzz_server
 from server_harness import MODEL_DIR, LiveServer
 
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 
 @pytest.fixture(scope="module")

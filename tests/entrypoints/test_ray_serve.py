@@ -3,6 +3,7 @@ the openai client, routing on a shared-prefix workload, metrics, and a killed re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -18,14 +19,16 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from server_harness import MODEL_DIR, LiveServer, small_engine_args  # noqa: E402
 
 from jaxserve.core.kv_cache_utils import none_hash_from_seed  # noqa: E402
+from jaxserve.entrypoints.http.ray_ingress import make_ingress  # noqa: E402
 from jaxserve.entrypoints.ray_cluster import (  # noqa: E402
     NONE,
     connected_gcs_address,
     is_loopback,
     warn_if_unauthenticated,
 )
-from jaxserve.entrypoints.ray_serve import make_ingress, start_replicas  # noqa: E402
+from jaxserve.entrypoints.ray_serve import start_replicas  # noqa: E402
 from jaxserve.entrypoints.router import Router  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 COMPL = "/v1/completions"
@@ -130,6 +133,26 @@ def test_prefix_aware_routing_keeps_each_prefix_on_one_replica(cluster):
     assert len(set().union(*homes.values())) == 2  # and the prefixes spread over both
     assert any(len(h) == 2 for h in results["round-robin"][0].values())
     assert cached > results["round-robin"][1] > 0  # 3 cold misses instead of 6
+
+
+def test_replica_set_is_an_engine_client(cluster):
+    """The set's own add_request (an engine request, routed by its prompt) streams the replica's
+    outputs back; ledgers come from the replica that ran it; a refusal is the engine's."""
+    ingress, _, _, _ = cluster
+    replicas = ingress.frontend
+    ids = replicas.tokenizer.encode("Hello there")
+
+    async def run(request_id, prompt):
+        stream = await replicas.add_request(request_id, prompt, SamplingParams(max_tokens=3))
+        return [output async for output in stream]
+
+    outputs = asyncio.run(run("direct-0", ids))
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+    assert outputs[-1].prompt_token_ids == ids
+    assert asyncio.run(replicas.get_ledger("direct-0"))["request_id"] == "direct-0"
+    with pytest.raises(ValueError, match="vocab"):
+        asyncio.run(run("direct-1", [replicas.vocab_size + 5]))
+    assert replicas.num_pending_requests == 0
 
 
 def _sse_events(lines):

@@ -7,7 +7,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.entrypoints.openai.sse import SSEEncoder, dumps
+from jaxserve.entrypoints.http.sse import SSEEncoder
+from jaxserve.serving.json_io import dumps
 
 
 def reference(chunk) -> bytes:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jaxserve.entrypoints.openai.tool_calls import PARSERS, ToolPlan, plan_tools
+from jaxserve.serving.tool_calls import PARSERS, ToolPlan, plan_tools
 
 WEATHER = {
     "type": "function",
@@ -119,9 +119,9 @@ def test_parser_names_match_the_config_flag():
 def test_prepare_chat_hands_tools_and_parsed_arguments_to_the_template():
     from server_harness import MODEL_DIR
 
-    from jaxserve.entrypoints.openai.common import ServingInfo
-    from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
-    from jaxserve.entrypoints.openai.serving_chat import prepare_chat
+    from jaxserve.serving.chat import prepare_chat
+    from jaxserve.serving.protocol import ChatCompletionRequest
+    from jaxserve.serving.validation import ServingInfo
     from jaxserve.tokenizer import get_tokenizer
 
     real = get_tokenizer(MODEL_DIR)

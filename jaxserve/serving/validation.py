@@ -1,4 +1,4 @@
-"""What completions and chat serving share: the served model's facts, prompt checks, ids, usage.
+"""Request checks before the engine: the served model's facts (``ServingInfo``) and the checks that use them.
 
 Prompt checks follow vLLM's ``OpenAIServing._validate_input``: a prompt must be non-empty, its
 token ids inside the vocabulary, and no longer than ``max_model_len``; a ``max_tokens`` beyond
@@ -13,11 +13,11 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxserve.entrypoints.openai.errors import APIError, bad_request, model_not_found
+from jaxserve.engine.protocol import EngineClient
+from jaxserve.serving.errors import APIError, bad_request, model_not_found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +64,9 @@ class ServingInfo:
     system_fingerprint: str = ""
 
     @classmethod
-    def from_engine(cls, llm: Any) -> ServingInfo:
-        """Reads the facts off an AsyncLLM (its ``engine_config`` and ``tokenizer``)."""
+    def from_engine(cls, llm: EngineClient) -> ServingInfo:
+        """Reads the facts off an engine (its ``engine_config``, ``tokenizer`` and ``vocab_size``)."""
         cfg = llm.engine_config
-        # Token ids must be known to both the model and the tokenizer (the detokenizer decodes them).
-        vocab = min(
-            v for v in (llm.tokenizer.vocab_size, getattr(llm.engine, "vocab_size", None)) if v
-        )
         import jax  # local: the server imports it anyway; keeps this module light for tests
 
         on_cpu = jax.default_backend() == "cpu"
@@ -82,7 +78,7 @@ class ServingInfo:
             model_name=cfg.model.served_model_name,
             model_path=cfg.model.model,
             max_model_len=cfg.scheduler.max_model_len,
-            vocab_size=vocab,
+            vocab_size=llm.vocab_size,
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill,
             max_waiting_requests=cfg.scheduler.max_waiting_requests,
@@ -264,11 +260,6 @@ def check_output_constraint(request: Any, params: Any, tokenizer: Any) -> None:
         raise bad_request(str(exc), param=request.constraint_field) from exc
 
 
-def random_id(prefix: str) -> str:
-    """An OpenAI-style id: ``cmpl-<32 hex>``, ``chatcmpl-<32 hex>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 def check_prompt_ids(ids: list[int], info: ServingInfo, field: str = "prompt") -> None:
     """Checks one prompt's token ids: non-empty, inside the vocabulary, short enough.
 
@@ -334,17 +325,7 @@ def resolve_max_tokens(
     return requested
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI's ``usage`` object, with ``prompt_tokens_details.cached_tokens`` (prefix caching)."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def check_queue(llm: Any, info: ServingInfo) -> None:
+def check_queue(llm: EngineClient, info: ServingInfo) -> None:
     """Raises a 503 with ``Retry-After`` when the waiting queue is at ``max_waiting_requests``."""
     if info.max_waiting_requests and llm.num_waiting_requests >= info.max_waiting_requests:
         raise APIError(

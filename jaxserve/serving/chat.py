@@ -1,6 +1,6 @@
 """``/v1/chat/completions``: messages -> chat template -> engine request -> OpenAI response or chunks.
 
-Plain functions, no HTTP (the batch CLI reuses them), like ``serving_completion``:
+Plain functions, no HTTP (the batch CLI reuses them), like ``completion``:
 
     job = prepare_chat(request, info, tokenizer)          # 400s here (APIError)
     body = await create_chat(llm, job)                    # non-streaming response dict
@@ -24,29 +24,29 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxserve.core.ledger import response_ledger
-from jaxserve.engine.async_llm import EngineDeadError, RequestStream
-from jaxserve.entrypoints.openai.common import (
+from jaxserve.engine.protocol import EngineClient, EngineDeadError, RequestOutputStream
+from jaxserve.request_output import RequestOutput
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxserve.serving.engine_calls import (
+    collect_all,
+    engine_error,
+    merge_streams,
+    random_id,
+    start_requests,
+    usage,
+)
+from jaxserve.serving.errors import APIError, from_value_error
+from jaxserve.serving.logprobs import chat_logprobs
+from jaxserve.serving.protocol import ChatCompletionRequest, ChatMessage
+from jaxserve.serving.tool_calls import ToolPlan, plan_tools, template_tool_call
+from jaxserve.serving.validation import (
     ServingInfo,
     check_output_constraint,
     check_prompt_bytes,
     check_prompt_ids,
     check_sampler_memory,
-    random_id,
     resolve_max_tokens,
-    usage,
 )
-from jaxserve.entrypoints.openai.engine_calls import (
-    collect_all,
-    engine_error,
-    merge_streams,
-    start_requests,
-)
-from jaxserve.entrypoints.openai.errors import APIError, from_value_error
-from jaxserve.entrypoints.openai.logprobs import chat_logprobs
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from jaxserve.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_tool_call
-from jaxserve.request_output import RequestOutput
-from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclasses.dataclass
@@ -72,6 +72,11 @@ class ChatJob:
     params: SamplingParams
     tools: ToolPlan | None = None
     system_fingerprint: str = ""
+
+    @property
+    def first_prompt(self) -> list[int]:
+        """The prompt's token ids (what a router matches against replicas' caches)."""
+        return self.prompt_ids
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -249,7 +254,7 @@ def build_chat_response(job: ChatJob, output: RequestOutput, tokenizer: Any) -> 
     return body
 
 
-async def create_chat(llm: Any, job: ChatJob) -> dict[str, Any]:
+async def create_chat(llm: EngineClient, job: ChatJob) -> dict[str, Any]:
     """Runs a non-streaming chat completion to the end and returns the response body.
 
     Raises:
@@ -268,11 +273,11 @@ async def create_chat(llm: Any, job: ChatJob) -> dict[str, Any]:
 
 
 async def stream_chat(
-    llm: Any, job: ChatJob
-) -> tuple[list[RequestStream], AsyncIterator[dict[str, Any]]]:
+    llm: EngineClient, job: ChatJob
+) -> tuple[list[RequestOutputStream], AsyncIterator[dict[str, Any]]]:
     """Starts the engine request and returns it with the async iterator of chunk dicts.
 
-    Same contract as ``serving_completion.stream_completion``.
+    Same contract as ``completion.stream_completion``.
     """
     streams = await start_requests(
         llm,
@@ -286,7 +291,7 @@ async def stream_chat(
 
 
 async def _chunks(
-    job: ChatJob, streams: list[RequestStream], tokenizer: Any
+    job: ChatJob, streams: list[RequestOutputStream], tokenizer: Any
 ) -> AsyncIterator[dict[str, Any]]:
     request = job.request
     header = _header(job, "chat.completion.chunk")

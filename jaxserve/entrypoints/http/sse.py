@@ -1,12 +1,12 @@
-"""JSON and server-sent-event encoding of the server's responses, cheap on the per-token path.
+"""Server-sent-event encoding of the server's streamed responses, cheap on the per-token path.
 
-``dumps`` is the server's one JSON encoding (compact, UTF-8, no NaN). A streamed response sends
-one ``data: {chunk}\\n\\n`` event per chunk, and at rate inf that is one event per token per
-stream, so :class:`SSEEncoder` makes the same bytes with less Python work than ``dumps``: the
-header fields every chunk of a response repeats (``id``, ``object``, ``created``, ``model``,
-...) are encoded once, and a choice holding only strings, ints, None and dicts of those (every
-per-token choice) is written directly instead of through ``json.JSONEncoder``. The output is
-byte-identical to ``b"data: " + dumps(chunk) + b"\\n\\n"``.
+``jaxserve.serving.json_io.dumps`` is the server's one JSON encoding (compact, UTF-8, no NaN).
+A streamed response sends one ``data: {chunk}\\n\\n`` event per chunk, and at rate inf that is
+one event per token per stream, so :class:`SSEEncoder` makes the same bytes with less Python
+work than ``dumps``: the header fields every chunk of a response repeats (``id``, ``object``,
+``created``, ``model``, ...) are encoded once, and a choice holding only strings, ints, None and
+dicts of those (every per-token choice) is written directly instead of through
+``json.JSONEncoder``. The output is byte-identical to ``b"data: " + dumps(chunk) + b"\\n\\n"``.
 """
 
 from __future__ import annotations
@@ -14,22 +14,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-_encode_str = json.encoder.encode_basestring  # what _ENCODER uses for strings (ensure_ascii off)
+from jaxserve.serving.json_io import JSON_ENCODER, dumps
+
+_encode_str = json.encoder.encode_basestring  # what JSON_ENCODER uses for strings (no ASCII)
 
 DONE_EVENT = b"data: [DONE]\n\n"
 """The event that ends an OpenAI stream."""
-
-
-def dumps(obj: Any) -> bytes:
-    """Compact JSON bytes (UTF-8, no NaN).
-
-    Raises:
-      ValueError: ``obj`` holds NaN or infinity.
-      TypeError: ``obj`` is not JSON-serialisable.
-      UnicodeEncodeError: a string holds an unpaired surrogate.
-    """
-    return _ENCODER.encode(obj).encode()
 
 
 def _flat_json(obj: dict) -> str | None:
@@ -98,5 +88,5 @@ class SSEEncoder:
         parts = []
         for choice in choices:
             text = _flat_json(choice) if type(choice) is dict else None
-            parts.append(_ENCODER.encode(choice) if text is None else text)
+            parts.append(JSON_ENCODER.encode(choice) if text is None else text)
         return self._prefix + ("[" + ",".join(parts) + "]}").encode() + b"\n\n"

@@ -23,28 +23,28 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxserve.core.ledger import response_ledger
-from jaxserve.engine.async_llm import EngineDeadError, RequestStream
-from jaxserve.entrypoints.openai.common import (
+from jaxserve.engine.protocol import EngineClient, EngineDeadError, RequestOutputStream
+from jaxserve.request_output import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.serving.engine_calls import (
+    collect_all,
+    engine_error,
+    merge_streams,
+    random_id,
+    start_requests,
+    usage,
+)
+from jaxserve.serving.errors import bad_request, from_value_error
+from jaxserve.serving.logprobs import CompletionLogprobs
+from jaxserve.serving.protocol import CompletionRequest
+from jaxserve.serving.validation import (
     ServingInfo,
     check_output_constraint,
     check_prompt_bytes,
     check_prompt_ids,
     check_sampler_memory,
-    random_id,
     resolve_max_tokens,
-    usage,
 )
-from jaxserve.entrypoints.openai.engine_calls import (
-    collect_all,
-    engine_error,
-    merge_streams,
-    start_requests,
-)
-from jaxserve.entrypoints.openai.errors import bad_request, from_value_error
-from jaxserve.entrypoints.openai.logprobs import CompletionLogprobs
-from jaxserve.entrypoints.openai.protocol import CompletionRequest
-from jaxserve.request_output import RequestOutput
-from jaxserve.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass
@@ -71,6 +71,11 @@ class CompletionJob:
     prompt_texts: list[str]
     params: list[SamplingParams]
     system_fingerprint: str = ""
+
+    @property
+    def first_prompt(self) -> list[int]:
+        """The first prompt's token ids (what a router matches against replicas' caches)."""
+        return self.prompt_ids[0]
 
 
 def _prompts(
@@ -188,7 +193,7 @@ def build_completion_response(
     return body
 
 
-async def create_completion(llm: Any, job: CompletionJob) -> dict[str, Any]:
+async def create_completion(llm: EngineClient, job: CompletionJob) -> dict[str, Any]:
     """Runs a non-streaming completion to the end and returns the response body.
 
     Raises:
@@ -207,8 +212,8 @@ async def create_completion(llm: Any, job: CompletionJob) -> dict[str, Any]:
 
 
 async def stream_completion(
-    llm: Any, job: CompletionJob
-) -> tuple[list[RequestStream], AsyncIterator[dict[str, Any]]]:
+    llm: EngineClient, job: CompletionJob
+) -> tuple[list[RequestOutputStream], AsyncIterator[dict[str, Any]]]:
     """Starts the engine requests and returns them with the async iterator of chunk dicts.
 
     The caller writes each chunk as an SSE event, then ``data: [DONE]``, and aborts the streams
@@ -230,7 +235,7 @@ async def stream_completion(
 
 
 async def _chunks(
-    job: CompletionJob, streams: list[RequestStream], tokenizer: Any
+    job: CompletionJob, streams: list[RequestOutputStream], tokenizer: Any
 ) -> AsyncIterator[dict[str, Any]]:
     request = job.request
     header = _header(job)

@@ -1,4 +1,5 @@
-"""Starting a response's engine requests, collecting their final outputs, merging their streams.
+"""A response's engine requests: their ids, starting them, collecting their final outputs,
+merging their streams, and the ``usage`` they add up to.
 
 One OpenAI request may carry several prompts (``/v1/completions`` with a list); each becomes one
 engine request ``{response_id}-{prompt_index}`` whose ``n`` samples the engine fans out itself.
@@ -10,37 +11,53 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from jaxserve.engine.async_llm import EngineDeadError, RequestStream
-from jaxserve.entrypoints.openai.errors import APIError, from_value_error
+from jaxserve.engine.protocol import EngineClient, EngineDeadError, RequestOutputStream
 from jaxserve.request_output import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.serving.errors import APIError, from_value_error
+
+
+def random_id(prefix: str) -> str:
+    """An OpenAI-style id: ``cmpl-<32 hex>``, ``chatcmpl-<32 hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's ``usage`` object, with ``prompt_tokens_details.cached_tokens`` (prefix caching)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def engine_error(exc: EngineDeadError) -> APIError:
-    """The error a client sees when the engine died under its request."""
-    return APIError(
-        f"the engine stopped serving: {exc}", status=503, type="server_error", code="engine_dead"
-    )
+    """The 503 a client sees when the engine died under its request, with the error's ``code``
+    ("engine_dead"; a subclass's own, such as "replica_died", with its own message)."""
+    message = f"the engine stopped serving: {exc}" if exc.code == "engine_dead" else str(exc)
+    return APIError(message, status=503, type="server_error", code=exc.code)
 
 
 async def start_requests(
-    llm: Any,
+    llm: EngineClient,
     request_id: str,
     prompts: Sequence[list[int]],
     params: Sequence[SamplingParams],
     *,
     priority: int = 0,
     cache_salt: str | None = None,
-) -> list[RequestStream]:
+) -> list[RequestOutputStream]:
     """Adds one engine request per prompt (ids ``{request_id}-{i}``) and returns their streams.
 
     Raises:
       APIError: 400 if the engine refused one (the others are aborted), 503 if it is dead.
     """
-    streams: list[RequestStream] = []
+    streams: list[RequestOutputStream] = []
     try:
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             streams.append(
@@ -58,13 +75,13 @@ async def start_requests(
     return streams
 
 
-def abort_all(streams: Sequence[RequestStream]) -> None:
+def abort_all(streams: Sequence[RequestOutputStream]) -> None:
     """Aborts every stream that has not finished (idempotent)."""
     for stream in streams:
         stream.abort()
 
 
-async def collect_final(stream: RequestStream) -> RequestOutput:
+async def collect_final(stream: RequestOutputStream) -> RequestOutput:
     """Consumes a stream and returns its final RequestOutput with every sample's latest state.
 
     Each sample's cumulative fields are kept from its latest appearance, so the result is whole
@@ -85,7 +102,7 @@ async def collect_final(stream: RequestStream) -> RequestOutput:
     )
 
 
-async def collect_all(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+async def collect_all(streams: Sequence[RequestOutputStream]) -> list[RequestOutput]:
     """``collect_final`` of every stream, concurrently; aborts them all if interrupted.
 
     Raises:
@@ -100,7 +117,7 @@ async def collect_all(streams: Sequence[RequestStream]) -> list[RequestOutput]:
 
 
 async def merge_streams(
-    streams: Sequence[RequestStream],
+    streams: Sequence[RequestOutputStream],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yields ``(prompt_index, output)`` from several streams as outputs arrive.
 
@@ -117,7 +134,7 @@ async def merge_streams(
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: RequestStream) -> None:
+    async def pump(i: int, stream: RequestOutputStream) -> None:
         try:
             async for output in stream:
                 queue.put_nowait((i, output))

@@ -8,22 +8,16 @@ mutations of it. Responses are described by status only, plus OpenAI's error obj
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from jaxserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from jaxserve.serving.endpoints import GENERATION, version
+from jaxserve.serving.protocol import DetokenizeRequest, TokenizeRequest
 
 _BODIES: dict[str, type[BaseModel]] = {
-    "/v1/completions": CompletionRequest,
-    "/v1/chat/completions": ChatCompletionRequest,
+    **{path: endpoint.request_model for path, endpoint in GENERATION.items()},
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -108,13 +102,9 @@ def openapi_document(model_name: str = "model") -> dict[str, Any]:
             "responses": _responses("the model's card"),
         }
     }
-    try:
-        version = importlib.metadata.version("jaxserve")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
     return {
         "openapi": "3.1.0",
-        "info": {"title": "jaxserve OpenAI-compatible API", "version": version},
+        "info": {"title": "jaxserve OpenAI-compatible API", "version": version()},
         "paths": paths,
         "components": {"schemas": schemas},
     }
