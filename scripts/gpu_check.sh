@@ -8,7 +8,8 @@
 # The whole script is ~15 minutes, more than one 10-minute device call: run it as two calls,
 #   PART=1 OUT=... bash scripts/gpu_check.sh   # kernel tests + attention bench + 8B offline (~9 min)
 #   PART=2 OUT=... bash scripts/gpu_check.sh   # offloading, async on/off, host cost, structured (~9 min)
-# (PART=2 uses BACKEND, default pallas, since part 1's test log is not there.)
+#   PART=3 OUT=... bash scripts/gpu_check.sh   # speculative decoding at 8B / 1B shapes (~8 min)
+# (PART=2 and 3 use BACKEND, default pallas, since part 1's test log is not there.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -18,7 +19,7 @@ mkdir -p "$OUT"
 
 PART=${PART:-all}
 backend=${BACKEND:-pallas}
-if [ "$PART" != 2 ]; then
+if [ "$PART" != 2 ] && [ "$PART" != 3 ]; then
 TEST_BUDGET=${TEST_BUDGET:-150} BENCH_BUDGET=${BENCH_BUDGET:-160} OUT="$OUT" bash scripts/gpu_kernel_check.sh
 
 grep -q "tests exit: 0" "$OUT/tests.log" || backend=reference
@@ -32,6 +33,7 @@ timeout -k 10 "${OFFLINE_BUDGET:-200}" "$PY" benchmarks/bench_offline.py --model
 echo "offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/offline_8b.log"
 fi
 [ "$PART" = 1 ] && exit 0
+if [ "$PART" != 3 ]; then
 
 echo "== KV offloading: multi-turn hit rate / TTFT off vs on, and host <-> device GB/s (budget ${OFFLOAD_BUDGET:-150}s)"
 # Two 8B engines (async scheduling, the default loop; 'both' would build four); the copies go
@@ -65,3 +67,18 @@ echo "== structured outputs: mask cost and step overhead at 256 requests (budget
 timeout -k 10 "${STRUCTURED_BUDGET:-120}" "$PY" benchmarks/bench_structured.py --num-reqs 256 \
     --steps 30 --rounds 2 2>&1 | tail -3 | tee "$OUT/structured.log"
 echo "structured exit: ${PIPESTATUS[0]}" | tee -a "$OUT/structured.log"
+fi
+[ "$PART" = 2 ] && exit 0
+
+echo "== speculative decoding (#32), Llama-3.1-8B target, Llama-3.2-1B-shaped draft, dummy bf16 (budget ${SPEC_BUDGET:-420}s)"
+# Dummy weights: the drafts are rejected, so on/off tok/s at batch 1 is the step-time ratio of a
+# step verifying K=4 drafts plus the draft's prefill and 4 proposal steps; the speed-up at a
+# mean acceptance length L is about L x that ratio. 64 concurrent with disable_by_batch_size 8:
+# speculation off, which must cost nothing (target >= 0.95x).
+timeout -k 10 "${SPEC_BUDGET:-420}" "$PY" benchmarks/bench_spec_decode.py --model llama-3.1-8b \
+    --draft llama-3.2-1b --load-format dummy --dtype bfloat16 --max-num-seqs 64 \
+    --max-num-batched-tokens 2048 --token-buckets 16,64,256,2048 --max-model-len 2048 \
+    --compilation-cache-dir /tmp/jaxserve-xla --attention-backend "$backend" --rounds 2 \
+    --output-len 128 --num-prompts 4 --concurrent 64 --workloads draft,concurrent \
+    --json-out "$OUT/spec_decode.json" 2>&1 | grep -v compiling | tee "$OUT/spec_decode.log"
+echo "spec decode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/spec_decode.log"

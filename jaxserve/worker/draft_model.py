@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from jaxserve.model.attention import PagedAttentionMetadata, cache_head_dim
 from jaxserve.model.sharding import gather_logits, place_model
@@ -100,14 +101,18 @@ def draft_propose_step(
     pos = context_lens - num_spec
     if num_accepted is not None:
         pos = pos + num_accepted[seqs]
-    tok = last_tokens[seqs]
     query_start_loc = jnp.minimum(jnp.arange(r + 1, dtype=jnp.int32), num_real)
-    drafts = []
-    for j in range(k):
+    block_index = jnp.arange(tables.shape[1], dtype=jnp.int32)
+
+    def one(j, carry):
+        """Draft step j: the token at position pos + j in, its K/V written, the next out. A
+        loop rather than K unrolled steps: each iteration updates the pool in place (unrolled,
+        XLA on CPU copied it around the attention's key loop at every step)."""
+        tok, drafts, kv_caches = carry
         p = pos + j
         inside = real & (p < max_pos)
-        block = jnp.take_along_axis(tables, jnp.minimum(p // bs, tables.shape[1] - 1)[:, None], 1)
-        block = block[:, 0]
+        at = jnp.minimum(p // bs, tables.shape[1] - 1)
+        block = jnp.sum(jnp.where(block_index[None, :] == at[:, None], tables, 0), axis=1)
         slot = jnp.where(inside & (block > 0), block * bs + p % bs, -1)
         metadata = PagedAttentionMetadata(
             slot_mapping=slot,
@@ -122,8 +127,12 @@ def draft_propose_step(
         hidden, kv_caches = model(tok, jnp.minimum(p, max_pos - 1), kv_caches, metadata)
         logits = gather_logits(model.compute_logits(hidden), graph.mesh)  # [R, V]
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        drafts.append(tok)
-    return jnp.stack(drafts, axis=1), kv_caches
+        drafts = lax.dynamic_update_slice_in_dim(drafts, tok[:, None], j, axis=1)
+        return tok, drafts, kv_caches
+
+    drafts = jnp.zeros((r, k), jnp.int32)
+    _, drafts, kv_caches = lax.fori_loop(0, k, one, (last_tokens[seqs], drafts, kv_caches))
+    return drafts, kv_caches
 
 
 class DraftModel:

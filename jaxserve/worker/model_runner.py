@@ -258,6 +258,10 @@ class ModelRunner:
         self.set_speculative_config(config.speculative)
         self.draft: DraftModel | None = None  # attach_draft_model
         self.aot_draft_prefill: dict[int, Any] = {}
+        # The draft's cache per row: positions whose draft K/V is valid (see _draft_prefill),
+        # and whether any step ran without the draft (cached blocks may lack its K/V since).
+        self._draft_len = np.zeros(sched.max_num_seqs, np.int64)
+        self._draft_skipped = False
         logger.info(
             "model runner: attention backend %s%s, KV head dim %d, token buckets %s, "
             "sequence buckets %s",
@@ -517,8 +521,8 @@ class ModelRunner:
                 graph, self.params, self.kv_caches, batch.inputs
             )
         draft = self.draft
-        if draft is not None:  # its cache follows the target's, step by step
-            draft.prefill(batch.inputs, self.aot_draft_prefill.get(batch.token_bucket))
+        if draft is not None:
+            self._draft_prefill(sched, batch)
         num_variants = graph.traces["sampler"]
         sampled, self._prev_tokens = sample_step(graph, logits, md)
         if graph.traces["sampler"] != num_variants:
@@ -649,6 +653,59 @@ class ModelRunner:
         timing.device_s += t2 - t1
         timing.output_s += t3 - t2
         return output
+
+    def _draft_prefill(self, sched: SchedulerOutput, batch: StepBatch) -> None:
+        """Keeps the draft's cache up with the target's while speculation is on.
+
+        A speculating step runs the draft over the step's tokens, after catching up the rows
+        whose draft cache is behind the step's start (tokens computed while speculation was
+        off, by ``disable_by_batch_size``, in ``catch_up`` pieces). A step that does not
+        speculate skips the draft: at a large batch it would cost a share of every step for
+        drafts nobody uses. A new row starts with its prefix-cache hit valid for the draft
+        unless some step ever skipped it (a cached block may then lack the draft's K/V: its
+        hit is caught up from position 0)."""
+        ib, draft = self.input_batch, self.draft
+        to_row = ib.req_id_to_row
+        for new in sched.scheduled_new_reqs:
+            self._draft_len[to_row[new.req_id]] = (
+                0 if self._draft_skipped else new.num_computed_tokens
+            )
+        if not sched.speculate:
+            self._draft_skipped = True
+            return
+        behind = self._draft_len[batch.rows] < batch.start_positions
+        if behind.any():
+            self._draft_catch_up(batch, np.flatnonzero(behind))
+        draft.prefill(batch.inputs, self.aot_draft_prefill.get(batch.token_bucket))
+        self._draft_len[batch.rows] = batch.start_positions + batch.num_scheduled
+
+    def _draft_catch_up(self, batch: StepBatch, seqs: np.ndarray) -> None:
+        """Runs the draft over the positions ``[draft_len, start)`` of the step's sequences
+        ``seqs``, in pieces of at most the largest token bucket (a row's pieces in order)."""
+        most = self.token_buckets[-1]
+        rows = batch.rows[seqs]
+        ids = [batch.req_ids[i] for i in seqs.tolist()]
+        pos = self._draft_len[rows].copy()
+        end = batch.start_positions[seqs]
+        while True:
+            left = end - pos
+            todo = np.flatnonzero(left > 0)
+            if todo.size == 0:
+                break
+            take = np.zeros(len(todo), np.int64)
+            room = most
+            for j, i in enumerate(todo.tolist()):  # fill one piece, rows in order
+                take[j] = min(left[i], room)
+                room -= take[j]
+                if room == 0:
+                    break
+            keep = take > 0
+            todo, take = todo[keep], take[keep]
+            piece = self.builder.build_from_arrays(
+                [ids[i] for i in todo.tolist()], rows[todo], pos[todo], take
+            )
+            self.draft.prefill(piece.inputs, self.aot_draft_prefill.get(piece.token_bucket))
+            pos[todo] += take
 
     def _propose_draft(
         self, batch: StepBatch, verify: VerifyPlan | None, spec_sampled
