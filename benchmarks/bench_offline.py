@@ -8,7 +8,7 @@ CPU, the bundled checkpoint:
   .venv/bin/python benchmarks/bench_offline.py --num-prompts 64 --input-len 128 --output-len 64 \\
       --max-num-seqs 64 --max-num-batched-tokens 1024 --dtype float32
 
-GPU, dummy weights at Llama-3.1-8B / Llama-3.2-1B shapes (presets of jaxserve.model.config):
+GPU, dummy weights at Llama-3.1-8B / Llama-3.2-1B shapes (presets of jaxserve.model.presets):
   python benchmarks/bench_offline.py --model llama-3.1-8b --load-format dummy --dtype bfloat16 \\
       --num-prompts 1000 --input-len 1000 --output-len 1000 --time-limit-s 300
 

@@ -145,7 +145,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         token_buckets=args.token_buckets,
-        attention_backend="reference",
+        attention_backend="xla",
     )
     t0 = time.perf_counter()
     actors, described = start_replicas(engine_args, args.replicas)

@@ -85,7 +85,7 @@ def bench_engine(num_reqs: int, steps: int, rounds: int) -> dict:
         EngineArgs(
             model=MODEL,
             dtype="float32",
-            attention_backend="reference",
+            attention_backend="xla",
             max_model_len=256,
             max_num_seqs=num_reqs,
             max_num_batched_tokens=512,

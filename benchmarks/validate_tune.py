@@ -31,7 +31,7 @@ from jaxserve.tune.validate import bench_serve_preset, compare
 
 ENGINE = dict(
     dtype="float32",
-    attention_backend="reference",
+    attention_backend="xla",
     max_model_len=512,
     num_gpu_blocks_override=128,
     block_size=16,

@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 
+from jaxserve.logging_config import configure_logging
+
 # name -> (module, parser-adding function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": (
@@ -42,9 +44,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "long prompts) against a live server",
     ),
     "generate": (
-        "jaxserve.reference_generate",
+        "jaxserve.generate",
         "add_generate_parser",
-        "greedy text from the dense reference generator (no KV cache, no batching)",
+        "text continuation of one prompt through the engine (as LLM.generate)",
     ),
     "convert": (
         "jaxserve.model.checkpoint",
@@ -67,19 +69,6 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         else:
             subparsers.add_parser(name, help=help_text)
     return parser
-
-
-def configure_logging() -> None:
-    """Our own INFO lines (KV pool, warm-up, engine ready) on stderr; other libraries (jax's
-    backend probing, orbax's absl INFO chatter) only from WARNING up."""
-    import logging
-
-    logging.basicConfig(
-        level=logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("jaxserve").setLevel(logging.INFO)
 
 
 def _exit_on_ctrl_c(command: str) -> None:

@@ -14,10 +14,11 @@ import json
 import os
 from typing import Any, Literal
 
-AttentionBackend = Literal["auto", "pallas", "pallas-gpu", "pallas-tpu", "reference"]
-ATTENTION_BACKEND_CHOICES = ("auto", "pallas", "pallas-gpu", "pallas-tpu", "reference")
-"""What ``--attention-backend`` accepts (resolved per platform by
-``jaxserve.model.attention.resolve_attention_backend``); "pallas" is the platform's kernel."""
+from jaxserve.model.attention_backends import (
+    ATTENTION_BACKEND_CHOICES,
+    canonical_attention_backend,
+)
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
@@ -205,8 +206,9 @@ class RunnerConfig:
 
     Attributes:
       attention_backend: one of ``ATTENTION_BACKEND_CHOICES``: "auto" (pallas-tpu on TPU,
-        pallas-gpu on GPU, reference on CPU), "pallas" (the platform's kernel), "pallas-gpu",
-        "pallas-tpu" or "reference".
+        pallas-gpu on GPU, xla on CPU), "pallas" (the platform's kernel), "pallas-gpu",
+        "pallas-tpu" or "xla" (jnp attention compiled by XLA, any platform); the deprecated
+        "reference" is stored as "xla".
       pallas_interpret: run the chosen Pallas kernel in Pallas interpret mode (any platform;
         on CPU the TPU kernel goes through Pallas' TPU interpreter). Slow; for tests.
       token_buckets: padded step sizes in tokens (ascending); empty = derived from the budget.
@@ -230,6 +232,9 @@ class RunnerConfig:
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
                 f"got {self.attention_backend!r}"
             )
+        object.__setattr__(
+            self, "attention_backend", canonical_attention_backend(self.attention_backend)
+        )
         if list(self.token_buckets) != sorted(set(self.token_buckets)) or any(
             b < 1 for b in self.token_buckets
         ):
@@ -568,8 +573,9 @@ class EngineArgs:
     attention_backend: str = dataclasses.field(
         default="auto",
         metadata=_meta(
-            "attention implementation; auto: pallas-tpu on TPU, pallas-gpu on GPU, reference on "
-            "CPU; pallas: the platform's kernel",
+            "attention implementation; auto: pallas-tpu on TPU, pallas-gpu on GPU, xla on CPU; "
+            "pallas: the platform's kernel; xla: jnp attention compiled by XLA (any platform); "
+            "reference: deprecated name of xla",
             choices=list(ATTENTION_BACKEND_CHOICES),
         ),
     )

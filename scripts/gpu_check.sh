@@ -2,7 +2,7 @@
 # The whole prepared GPU session (one H200, jax 0.11.2 CUDA 13, nothing installed): the kernel
 # check (compiled kernel tests + attention benchmark, scripts/gpu_kernel_check.sh) and the
 # offline engine at Llama-3.1-8B shapes with dummy bf16 weights, with the Pallas kernel when its
-# compiled tests passed, else the XLA reference; then KV offloading, async scheduling and
+# compiled tests passed, else xla (jnp attention); then KV offloading, async scheduling and
 # structured outputs at the same shapes. Logs in $OUT.
 #
 # The whole script is ~15 minutes, more than one 10-minute device call: run it as two calls,
@@ -22,7 +22,7 @@ backend=${BACKEND:-pallas}
 if [ "$PART" != 2 ] && [ "$PART" != 3 ]; then
 TEST_BUDGET=${TEST_BUDGET:-150} BENCH_BUDGET=${BENCH_BUDGET:-160} OUT="$OUT" bash scripts/gpu_kernel_check.sh
 
-grep -q "tests exit: 0" "$OUT/tests.log" || backend=reference
+grep -q "tests exit: 0" "$OUT/tests.log" || backend=xla
 echo "== 3. offline engine, Llama-3.1-8B shapes, bf16, attention backend $backend (budget ${OFFLINE_BUDGET:-200}s)"
 timeout -k 10 "${OFFLINE_BUDGET:-200}" "$PY" benchmarks/bench_offline.py --model llama-3.1-8b \
     --load-format dummy --dtype bfloat16 --max-num-seqs 256 --max-num-batched-tokens 8192 \

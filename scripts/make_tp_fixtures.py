@@ -9,7 +9,7 @@ that exercise both splitting and replicating KV heads:
     mistral  8 q / 1 kv head (multi-query), sliding window 8
 
 Weights are drawn from our own model's parameter tree (so the tensor names and shapes are the
-loader's, ``jaxserve.model.loader.hf_tensor_name``) at a scale that makes the logits O(10):
+loader's, the family's ``weight_source(..., "hf")``) at a scale that makes the logits O(10):
 greedy decoding then has no near-ties that a different reduction order could flip. Needs only
 the jaxserve venv:
 
@@ -25,8 +25,8 @@ import os
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.config import ModelArchConfig
-from jaxserve.model.loader import abstract_model, hf_shape, hf_tensor_name
+from jaxserve.model.arch_config import ModelArchConfig
+from jaxserve.model.loader import abstract_model
 
 COMMON = dict(
     vocab_size=256,
@@ -86,8 +86,8 @@ FIXTURES = {
 }
 
 
-def _draw(rng: np.random.Generator, path: tuple, shape: tuple[int, ...]) -> np.ndarray:
-    last = str(path[-1])
+def _draw(rng: np.random.Generator, legacy_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    last = legacy_name.split(".")[-1]
     if last in ("embed_tokens", "lm_head"):
         return rng.normal(0.0, 1.0, shape)
     if last == "weight":  # RMSNorm scales
@@ -101,19 +101,20 @@ def _draw(rng: np.random.Generator, path: tuple, shape: tuple[int, ...]) -> np.n
 def write_fixture(out_dir: str, name: str, seed: int) -> None:
     hf = dict(COMMON, **FIXTURES[name])
     cfg = ModelArchConfig.from_hf_config(hf)
-    _, abs_state = nnx.split(abstract_model(cfg, np.float32))
+    model = abstract_model(cfg, np.float32)
+    params = []
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        # Drawn in the order of the parameter names before Linear layers (the orbax layout's
+        # fallback names), which is the order the committed fixtures were drawn in.
+        legacy = model.weight_source(path, cfg, "jaxserve").names[-1]
+        order = tuple(int(p) if p.isdigit() else p for p in legacy.split("."))
+        params.append((order, legacy, path, var.shape))
     rng = np.random.default_rng(seed)
     tensors = {}
-    for path, var in nnx.to_flat_state(abs_state):
-        ours = _draw(rng, path, var.shape).astype(np.float32)
-        hf_name, kind = hf_tensor_name(path)
-        if kind is None:
-            tensors[hf_name] = ours
-        elif kind == 0:
-            tensors[hf_name] = ours.reshape(hf_shape(var.shape, kind))
-        else:  # ours is [in..., out...]; torch Linear stores [out, in]
-            n_in = int(np.prod(var.shape[:kind]))
-            tensors[hf_name] = np.ascontiguousarray(ours.reshape(n_in, -1).T)
+    for _, legacy, path, shape in sorted(params):
+        ours = _draw(rng, legacy, shape).astype(np.float32)
+        source = model.weight_source(path, cfg, "hf")
+        tensors[source.name] = np.ascontiguousarray(source.layout.to_stored(ours))
     from safetensors.numpy import save_file
 
     path = os.path.join(out_dir, name)

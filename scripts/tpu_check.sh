@@ -3,7 +3,7 @@
 # never run yet, no TPU was available when it was written): 1. the TPU kernel's tests compiled
 # (kernel vs jnp reference, the tpu-marked Llama-shape cases), 2. the engine oracle through
 # pallas-tpu compiled, 3. the offline engine at Llama-3.1-8B shapes with dummy bf16 weights,
-# pallas-tpu when step 1 passed, else the XLA reference. Logs in $OUT.
+# pallas-tpu when step 1 passed, else xla (jnp attention). Logs in $OUT.
 #
 #   OUT=/path/to/out bash scripts/tpu_check.sh
 set -uo pipefail
@@ -24,7 +24,7 @@ timeout -k 10 "${ORACLE_BUDGET:-300}" "$PY" -m pytest -q -x -p no:cacheprovider 
 echo "oracle exit: ${PIPESTATUS[0]}" | tee -a "$OUT/tpu_oracle.log"
 
 backend=pallas-tpu
-grep -q "tests exit: 0" "$OUT/tpu_tests.log" || backend=reference
+grep -q "tests exit: 0" "$OUT/tpu_tests.log" || backend=xla
 echo "== 3. offline engine, Llama-3.1-8B shapes, bf16, attention backend $backend (budget ${OFFLINE_BUDGET:-300}s)"
 timeout -k 10 "${OFFLINE_BUDGET:-300}" "$PY" benchmarks/bench_offline.py --model llama-3.1-8b \
     --load-format dummy --dtype bfloat16 --max-num-seqs 256 --max-num-batched-tokens 8192 \

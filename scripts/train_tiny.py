@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train the bundled tiny-llama model (jaxserve's own Llama) on the packed corpus.
 
-Model: ``LlamaForCausalLM`` from ``jaxserve.model.llama``, vocab 4096, hidden 256, 6 layers,
+Model: ``LlamaForCausalLM`` from ``jaxserve.model.models.llama``, vocab 4096, hidden 256, 6 layers,
 4 query / 2 KV heads of 64 (grouped-query attention), SwiGLU 704, RoPE theta 1e4, tied
 embeddings (5,475,584 parameters). Data: ``<corpus>/train_ids.npy`` / ``valid_ids.npy`` (uint16
 token streams from scripts/train_tokenizer.py); each step samples ``batch_size`` random
@@ -18,7 +18,7 @@ stops early after ``--patience`` evaluations without improvement (the corpus is 
 the model overfits if trained for long).
 
 Writes into ``--out``: ``model.safetensors`` (Hugging Face tensor names and layouts, float32,
-via the inverse of ``jaxserve.model.loader.hf_tensor_name``), ``config.json`` (HF Llama),
+via the inverse of the family's ``weight_source(..., "hf")`` layouts), ``config.json`` (HF Llama),
 the tokenizer files from ``--tokenizer-dir`` and ``train_log.json`` (loss curve, held-out
 loss and perplexity, wall time, device, a greedy sample). The saved file is reloaded with
 ``jaxserve.model.loader.load_safetensors`` and its logits checked against the trained ones.
@@ -57,9 +57,9 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxserve.model.config import ModelArchConfig  # noqa: E402
-from jaxserve.model.llama import LlamaForCausalLM  # noqa: E402
-from jaxserve.model.loader import hf_shape, hf_tensor_name, load_safetensors  # noqa: E402
+from jaxserve.model.arch_config import ModelArchConfig  # noqa: E402
+from jaxserve.model.loader import load_safetensors  # noqa: E402
+from jaxserve.model.models.llama import LlamaForCausalLM  # noqa: E402
 
 TINY_LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -240,21 +240,16 @@ def greedy_sample(forward, params, tokenizer, prompt: str, new_tokens: int, buf_
     return prompt + tokenizer.decode(ids + out)[len(tokenizer.decode(ids)) :]
 
 
-def export_hf(params_state, out_dir: str) -> int:
+def export_hf(params_state, cfg: ModelArchConfig, out_dir: str) -> int:
     """Writes ``model.safetensors`` with HF names/layouts (inverse of the loader's mapping);
     returns the parameter count."""
     tensors = {}
     for path, var in nnx.to_flat_state(params_state):
         x = np.asarray(var[...], dtype=np.float32)
-        name, kind = hf_tensor_name(path)
-        if kind is None:
-            y = x
-        elif kind == 0:
-            y = x.reshape(-1)
-        else:
-            y = x.reshape(math.prod(x.shape[:kind]), math.prod(x.shape[kind:])).T
-        assert y.shape == hf_shape(x.shape, kind), (name, y.shape)
-        tensors[name] = np.ascontiguousarray(y)
+        source = LlamaForCausalLM.weight_source(path, cfg, "hf")
+        y = source.layout.to_stored(x)
+        assert y.shape == source.layout.stored_shape(x.shape), (source.name, y.shape)
+        tensors[source.name] = np.ascontiguousarray(y)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return sum(t.size for t in tensors.values())
 
@@ -483,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     os.makedirs(args.out, exist_ok=True)
-    count = export_hf(params, args.out)
+    count = export_hf(params, cfg, args.out)
     hf_cfg = dict(hf_config)
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)

@@ -3,7 +3,7 @@
     jaxserve bench serve --base-url http://127.0.0.1:8000 --workload random --input-len 128 \\
         --output-len 128 --num-prompts 200 --request-rate 8 --result-file run.json
     jaxserve bench serve --preset qa                      # a named load shape (workloads.PRESETS)
-    jaxserve bench throughput --attention-backend reference --workload shared-prefix \\
+    jaxserve bench throughput --attention-backend xla --workload shared-prefix \\
         --prefix-len 64 --num-prefixes 2 --input-len 16 --output-len 16 --num-prompts 32
 
 Workload and load flags left out take the preset's value, else the defaults below. ``bench

@@ -57,7 +57,7 @@ from jaxserve.stats_schema import COUNTER_TOTALS, SCHEDULER_TO_ENGINE, EngineSta
 from jaxserve.structured import TokenMaskManager
 
 if TYPE_CHECKING:
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.worker.model_runner import ModelRunner
 
@@ -150,9 +150,9 @@ class LLMEngine:
         import jax
 
         from jaxserve import distributed
-        from jaxserve.model.attention import resolve_attention_backend
-        from jaxserve.model.gguf_loader import is_gguf_path
+        from jaxserve.model.attention_backends import resolve_attention_backend
         from jaxserve.model.loader import load_model
+        from jaxserve.model.readers.gguf_reader import is_gguf_path
         from jaxserve.worker.model_runner import ModelRunner
 
         t0 = time.perf_counter()

@@ -293,9 +293,9 @@ def run_batch_main(args: argparse.Namespace, llm: EngineClient | None = None) ->
     Returns:
       The exit code (see the module docstring): 0, 1, 2 or 3.
     """
-    from jaxserve.cli import configure_logging
     from jaxserve.config import EngineArgs
     from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.logging_config import configure_logging
 
     configure_logging()  # a no-op after `jaxserve`'s main did it; tests call run() directly
     if (

@@ -1,4 +1,4 @@
-"""The Llama-family model: HF config parsing, the Flax NNX model, attention dispatch, loading.
+"""Models: HF config parsing, the registry of families, shared layers, attention dispatch, loading.
 
 Importing this package is cheap and jax-free (the engine config calls ``default_model_path``);
 the heavy names below are imported on first use.
@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib
 import os
 
-from jaxserve.model.config import SUPPORTED_ARCHITECTURES, ModelArchConfig, ModelLoadError
+from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError
 from jaxserve.model.presets import PRESET_HF_CONFIGS
+from jaxserve.model.registry import register_model, supported_architectures
 
 _LAZY = {
-    "LlamaForCausalLM": "jaxserve.model.llama",
+    "LlamaForCausalLM": "jaxserve.model.models.llama",
     "PagedAttentionMetadata": "jaxserve.model.attention",
     "load_model": "jaxserve.model.loader",
     "eos_token_ids": "jaxserve.model.loader",
@@ -23,7 +24,8 @@ _LAZY = {
 
 __all__ = [
     "PRESET_HF_CONFIGS",
-    "SUPPORTED_ARCHITECTURES",
+    "register_model",
+    "supported_architectures",
     "ModelArchConfig",
     "ModelLoadError",
     "DEMO_MODEL_NAME",

@@ -6,13 +6,11 @@ then attends every query token to its sequence's cached tokens through the block
 one flat token batch). The metadata describing the batch is an explicit pytree passed into the
 jitted step (see docs/ARCHITECTURE.md, "Attention metadata").
 
-Backends (``--attention-backend``): "reference" (pure jnp, any platform; the key-chunked
+Backends (``--attention-backend``): "xla" (pure jnp compiled by XLA, any platform; the key-chunked
 ``jaxserve.model.chunked_attention``, whose cost follows the contexts present), "pallas-gpu" (our
 Pallas Triton kernel, ``pallas_kernels/ragged_paged_attention.py``), "pallas-tpu" (our Pallas
-Mosaic-TPU kernel, ``pallas_kernels/ragged_paged_attention_tpu.py``). ``resolve_attention_backend``
-maps "auto" and the "pallas" alias to the platform's kernel and refuses a Pallas kernel on the
-wrong platform at start-up, unless it is to run in Pallas interpret mode (``--pallas-interpret``),
-which works anywhere. The TPU kernel's shape rules reach the rest of the engine through
+Mosaic-TPU kernel, ``pallas_kernels/ragged_paged_attention_tpu.py``); resolving the flag per
+platform: ``jaxserve.model.attention_backends`` (jax-free). The TPU kernel's shape rules reach the rest of the engine through
 ``cache_head_dim`` (KV pool sized with the head dim padded to 128) and
 ``token_bucket_multiple`` (token buckets in whole query tiles).
 """
@@ -25,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxserve.config import ATTENTION_BACKEND_CHOICES
+from jaxserve.model.attention_backends import ATTENTION_BACKENDS
 from jaxserve.model.chunked_attention import chunked_paged_attention
 from jaxserve.model.sharding import MODEL_AXIS
 from pallas_kernels.kv_cache_write import write_kv_cache
@@ -37,53 +35,6 @@ from pallas_kernels.ragged_paged_attention_tpu import (
     ragged_paged_attention_tpu,
     tpu_head_dim,
 )
-
-ATTENTION_BACKENDS = ("reference", "pallas-gpu", "pallas-tpu")
-"""Resolved backends (what ``PagedAttentionMetadata.backend`` holds)."""
-_KERNEL_PLATFORM = {"pallas-gpu": "gpu", "pallas-tpu": "tpu"}
-
-
-def resolve_attention_backend(name: str, platform: str, *, interpret: bool = False) -> str:
-    """The backend to run, one of ``ATTENTION_BACKENDS``.
-
-    "auto" is "pallas-tpu" on TPU, "pallas-gpu" on GPU and "reference" elsewhere (CPU); with
-    ``interpret`` it stays "reference" on CPU (name a kernel to interpret it). "pallas" is the
-    platform's kernel.
-
-    Args:
-      name: one of ``ATTENTION_BACKEND_CHOICES``.
-      platform: ``jax.Device.platform`` of the device that runs the model ("cpu", "gpu", "tpu").
-      interpret: the kernel will run in Pallas interpret mode (any platform).
-
-    Raises:
-      ValueError: an unknown name (naming ``attention_backend``); a Pallas kernel on a platform
-        it cannot compile for, without ``interpret`` (naming both platforms), e.g.
-        "pallas-gpu" on a TPU, or "pallas" on CPU.
-    """
-    if name not in ATTENTION_BACKEND_CHOICES:
-        raise ValueError(
-            f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, got {name!r}"
-        )
-    by_platform = {"tpu": "pallas-tpu", "gpu": "pallas-gpu"}
-    if name == "auto":
-        return by_platform.get(platform, "reference")
-    if name == "pallas":
-        if platform not in by_platform:
-            raise ValueError(
-                f"attention_backend 'pallas' has no kernel for platform {platform!r}; on CPU name "
-                "one, pallas-gpu or pallas-tpu, with --pallas-interpret (slow; for tests), or use "
-                "reference"
-            )
-        return by_platform[platform]
-    want = _KERNEL_PLATFORM.get(name)
-    if want is not None and platform != want and not interpret:
-        raise ValueError(
-            f"attention_backend {name!r} compiles only for platform {want!r}, but this process "
-            f"runs on {platform!r}; use --attention-backend auto (picks "
-            f"{by_platform.get(platform, 'reference')!r} here), or --pallas-interpret to "
-            "interpret the kernel (slow; for tests)"
-        )
-    return name
 
 
 def cache_head_dim(backend: str, head_dim: int) -> int:
@@ -115,9 +66,9 @@ class PagedAttentionMetadata:
       query_start_loc: int32 ``[S + 1]``, cumulative query lengths; sequence i's tokens are
         ``q[query_start_loc[i]:query_start_loc[i + 1]]``, the last tokens of the sequence.
       num_seqs: int32 ``[]``, real sequences (the rest of S is padding).
-      backend: static; one of ``ATTENTION_BACKENDS`` ("reference", "pallas-gpu", "pallas-tpu").
+      backend: static; one of ``ATTENTION_BACKENDS`` ("xla", "pallas-gpu", "pallas-tpu").
       interpret: static; run the Pallas kernel in Pallas interpret mode (the TPU kernel in TPU
-        interpret mode); ignored by "reference".
+        interpret mode); ignored by "xla".
       mesh: static; the tensor-parallel mesh ``("model",)`` when it has more than one device,
         else None. With a mesh the cache write and the attention run per shard of heads
         (``shard_map``); the metadata arrays are replicated.
@@ -128,7 +79,7 @@ class PagedAttentionMetadata:
     context_lens: jax.Array
     query_start_loc: jax.Array
     num_seqs: jax.Array
-    backend: str = "reference"
+    backend: str = "xla"
     interpret: bool = False
     mesh: Mesh | None = None
 
@@ -208,7 +159,7 @@ def _write_and_attend(q, k, v, kv_cache, metadata, kwargs) -> tuple[jax.Array, K
     elif metadata.backend == "pallas-tpu":
         attend = ragged_paged_attention_tpu
         kwargs["interpret"] = metadata.interpret
-    else:  # "reference": chunked over the keys present (the oracle gathers whole rows)
+    else:  # "xla": chunked over the keys present (the kernels' oracle gathers whole rows)
         attend = chunked_paged_attention
     out = attend(
         q,

@@ -1,4 +1,5 @@
-"""Our checkpoint layout and ``jaxserve convert`` (the params themselves: ``orbax_params``).
+"""Our checkpoint layout and ``jaxserve convert`` (reading it back:
+``jaxserve.model.readers.orbax_reader``).
 
     OUT_DIR/config.json               the HF config, ``torch_dtype`` set to the saved dtype
     OUT_DIR/params/                   orbax StandardCheckpointer directory of the parameters
@@ -18,9 +19,10 @@ import shutil
 import jax
 from flax import nnx
 
-from jaxserve.model.config import ModelLoadError, read_hf_config
+from jaxserve.model.arch_config import ModelLoadError, read_hf_config
 from jaxserve.model.loader import load_model
-from jaxserve.model.orbax_params import save_params
+from jaxserve.model.readers.gguf_reader import gguf_hf_config, is_gguf_path, open_gguf
+from jaxserve.model.readers.orbax_reader import PARAMS_DIR
 
 # Files of a HF directory that are not copied next to our params (weights and their index).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
@@ -35,8 +37,6 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "auto") -> None:
     Raises:
       ModelLoadError: as ``load_model``; also when ``out_dir`` already exists.
     """
-    from jaxserve.model.gguf_loader import is_gguf_path
-
     if os.path.exists(out_dir):
         raise ModelLoadError(f"output directory already exists: {out_dir}")
     gguf = is_gguf_path(hf_dir)
@@ -44,7 +44,6 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "auto") -> None:
         hf_dir, dtype=dtype, load_format="gguf" if gguf else "safetensors"
     )
     if gguf:
-        from jaxserve.model.gguf_loader import gguf_hf_config, open_gguf
         from jaxserve.tokenizer.gguf_tokenizer import build_gguf_tokenizer
 
         reader = open_gguf(hf_dir)
@@ -77,6 +76,19 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "auto") -> None:
             ):
                 shutil.copy2(src, os.path.join(out_dir, name))
     save_params(model, out_dir)
+
+
+def save_params(model: nnx.Module, out_dir: str) -> None:
+    """Writes ``model``'s parameters to ``out_dir/params/`` (orbax); the directory must not exist.
+
+    Names are our parameter paths (``OrbaxReader`` reads them back by name).
+    """
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(os.path.abspath(out_dir), PARAMS_DIR)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, nnx.to_pure_dict(nnx.state(model)))
+        ckptr.wait_until_finished()
 
 
 def add_convert_parser(subparsers) -> argparse.ArgumentParser:

@@ -1,35 +1,34 @@
-"""Building a model with weights: Hugging Face safetensors, our orbax layout, or random (dummy).
+"""Building a model with weights: Hugging Face safetensors, GGUF, our orbax layout, or random
+(dummy).
 
-``load_model`` is the single entry point the engine uses. HF tensor names map onto our parameters
-as below (Linear weights are stored ``[out, in]`` by torch, ``[in, ...]`` here):
-
-    model.embed_tokens.weight [v, e]                  -> embed_tokens [v, e]
-    model.layers.N.self_attn.{q,k,v}_proj.weight      -> layers.N.self_attn.{q,k,v}_proj [e, h, d]
-    model.layers.N.self_attn.{q,k,v}_proj.bias        -> layers.N.self_attn.{q,k,v}_bias [h, d]
-    model.layers.N.self_attn.o_proj.weight [e, h*d]   -> layers.N.self_attn.o_proj [h, d, e]
-    model.layers.N.self_attn.{q,k}_norm.weight        -> layers.N.self_attn.{q,k}_norm.weight [d]
-    model.layers.N.mlp.{gate,up}_proj.weight [f, e]   -> layers.N.mlp.{gate,up}_proj [e, f]
-    model.layers.N.mlp.down_proj.weight [e, f]        -> layers.N.mlp.down_proj [f, e]
-    model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight  (as is)
-    lm_head.weight [v, e]                             -> lm_head [v, e]  (absent when tied)
+``load_model`` is the single entry point the engine uses. The config's architecture picks the
+family class (``jaxserve.model.registry``); a checkpoint reader (``jaxserve.model.readers``)
+gives the checkpoint's tensors by name; for each parameter the family says which tensor holds
+it and in what layout (``weight_source``, ``jaxserve.model.weight_mapping``), and
+``load_weights`` reads, reshapes and casts it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import json
-import math
 import os
 from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.model.config import ModelArchConfig, ModelLoadError, read_hf_config
-from jaxserve.model.llama import LlamaForCausalLM
-from jaxserve.model.orbax_params import PARAMS_DIR, restore_params
+from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError, read_hf_config
 from jaxserve.model.presets import PRESET_HF_CONFIGS
+from jaxserve.model.readers.base import CheckpointReader
+from jaxserve.model.readers.gguf_reader import (
+    GGUFFileReader,
+    gguf_generation_config,
+    gguf_hf_config,
+    is_gguf_path,
+)
+from jaxserve.model.readers.orbax_reader import PARAMS_DIR, OrbaxReader
+from jaxserve.model.readers.safetensors_reader import SafetensorsReader
+from jaxserve.model.registry import resolve_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "gguf", "dummy")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -58,114 +57,64 @@ def resolve_dtype(dtype: str, cfg: ModelArchConfig):
     return DTYPES[dtype]
 
 
-def abstract_model(cfg: ModelArchConfig, dtype) -> LlamaForCausalLM:
-    """The model with ``jax.ShapeDtypeStruct`` parameters: shapes only, nothing allocated."""
-    return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+def abstract_model(cfg: ModelArchConfig, dtype) -> nnx.Module:
+    """The model of ``cfg``'s architecture with ``jax.ShapeDtypeStruct`` parameters: shapes
+    only, nothing allocated."""
+    model_cls = resolve_model_class(cfg.architecture)
+    return nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
-def dummy_model(cfg: ModelArchConfig, dtype, seed: int = 0) -> LlamaForCausalLM:
+def dummy_model(cfg: ModelArchConfig, dtype, seed: int = 0) -> nnx.Module:
     """Random weights of ``cfg`` drawn on device with ``jax.random`` directly in ``dtype``.
 
     Eager on purpose: layers share shapes, so only a handful of small random-normal programs are
     compiled, where jitting the whole initialiser compiles one program per parameter.
     """
-    return LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+    return resolve_model_class(cfg.architecture)(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
-def hf_tensor_name(path: tuple) -> tuple[str, int | None]:
-    """Our parameter path -> (HF tensor name, how to convert).
+def load_weights(cfg: ModelArchConfig, dtype, reader: CheckpointReader) -> nnx.Module:
+    """The model of ``cfg``'s architecture with every parameter read from ``reader``.
 
-    The second item is None for "copy as is", 0 for "reshape", or n_in >= 1 for "transpose a torch
-    Linear weight whose first n_in of our axes are its input".
+    For each parameter the family names its tensor and layout (``weight_source(path, cfg,
+    reader.naming)``); the tensor's stored shape is checked before it is read, then it is
+    reshaped to ours and cast to ``dtype``. Tensors no parameter names (rotary ``inv_freq``,
+    ...) are not read.
+
+    Raises:
+      ModelLoadError: a tensor is missing, or its stored shape is not the parameter's (naming
+        the tensor, the expected and the found shapes).
     """
-    *prefix, last = [str(p) for p in path]
-    if last == "embed_tokens":
-        return "model.embed_tokens.weight", None
-    if last == "lm_head":
-        return "lm_head.weight", None
-    module = ".".join(["model", *prefix])
-    if last.endswith("_proj"):
-        return f"{module}.{last}.weight", 2 if last == "o_proj" else 1
-    if last.endswith("_bias"):
-        return f"{module}.{last[: -len('_bias')]}_proj.bias", 0
-    return f"{module}.{last}", None  # norm weights: "...layernorm.weight", "norm.weight"
+    model = abstract_model(cfg, dtype)
+    graphdef, abs_state = nnx.split(model)
+    flat = []
+    for path, var in nnx.to_flat_state(abs_state):
+        source = model.weight_source(path, cfg, reader.naming)
+        name = next((n for n in source.names if n in reader), None)
+        if name is None:
+            raise ModelLoadError(
+                f"{reader.error_prefix}tensor {source.name} not found in {reader.where}"
+            )
+        want, got = source.layout.stored_shape(var.shape), reader.spec(name).shape
+        if got != want:
+            raise ModelLoadError(
+                f"{reader.error_prefix}shape mismatch for tensor {name}: expected {list(want)}, "
+                f"got {list(got)} in {reader.where}"
+            )
+        x = source.layout.to_ours(jnp.asarray(reader.read(name)), var.shape)
+        flat.append((path, var.replace(x.astype(dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def hf_shape(our_shape: tuple[int, ...], kind: int | None) -> tuple[int, ...]:
-    """The torch shape that ``kind`` turns into ``our_shape`` (see ``hf_tensor_name``)."""
-    if kind is None:
-        return tuple(our_shape)
-    if kind == 0:
-        return (math.prod(our_shape),)
-    return (math.prod(our_shape[kind:]), math.prod(our_shape[:kind]))
-
-
-def _safetensors_index(model_dir: str) -> dict[str, str]:
-    """HF tensor name -> safetensors file holding it (via the index when present)."""
-    from safetensors import safe_open
-
-    index_path = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        out = {}
-        for name, fname in weight_map.items():
-            path = os.path.join(model_dir, fname)
-            if not os.path.isfile(path):
-                raise ModelLoadError(f"safetensors shard {path} listed in {index_path} not found")
-            out[name] = path
-        return out
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors weights file in model directory {model_dir}")
-    out = {}
-    for path in files:
-        with safe_open(path, framework="numpy") as f:
-            out.update({name: path for name in f.keys()})
-    return out
-
-
-def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> LlamaForCausalLM:
+def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> nnx.Module:
     """Builds the model from HF ``*.safetensors`` (sharded with an index or not).
 
     Raises:
       ModelLoadError: no weights file, a missing tensor (named), or a shape mismatch (naming the
         tensor, the expected and the found shapes). Extra tensors (e.g. rotary inv_freq) are ignored.
     """
-    from safetensors import safe_open  # local: dummy/orbax loading works without safetensors
-
-    graphdef, abs_state = nnx.split(abstract_model(cfg, dtype))
-    index = _safetensors_index(model_dir)
-    flat = []
-    with contextlib.ExitStack() as stack:
-        files: dict[str, Any] = {}
-        for path, var in nnx.to_flat_state(abs_state):
-            name, kind = hf_tensor_name(path)
-            if name not in index:
-                raise ModelLoadError(
-                    f"tensor {name} not found in the safetensors files of {model_dir}"
-                )
-            if index[name] not in files:
-                files[index[name]] = stack.enter_context(safe_open(index[name], framework="numpy"))
-            tensor = files[index[name]].get_tensor(name)
-            flat.append((path, var.replace(to_our_layout(tensor, name, var.shape, kind, dtype))))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def to_our_layout(tensor, name: str, shape: tuple[int, ...], kind: int | None, dtype):
-    """A torch-layout tensor (numpy) -> our parameter of ``shape`` in ``dtype`` (a jax array).
-
-    ``kind`` is ``hf_tensor_name``'s second item. Raises ModelLoadError naming ``name``, the
-    expected and the found shapes when the tensor does not have the torch shape of ``shape``.
-    """
-    want = hf_shape(shape, kind)
-    if tuple(tensor.shape) != want:
-        raise ModelLoadError(
-            f"shape mismatch for tensor {name}: expected {list(want)}, got {list(tensor.shape)}"
-        )
-    x = jnp.asarray(tensor)
-    x = x.reshape(shape) if kind == 0 else x.T.reshape(shape) if kind else x
-    return x.astype(dtype)
+    with SafetensorsReader(model_dir) as reader:
+        return load_weights(cfg, dtype, reader)
 
 
 def read_generation_config(model_dir: str) -> dict[str, Any]:
@@ -192,12 +141,12 @@ def detect_load_format(model_dir: str) -> str:
 
 def load_model(
     model_path: str | dict, dtype: str = "auto", load_format: str = "auto", seed: int = 0
-) -> tuple[LlamaForCausalLM, ModelArchConfig, dict[str, Any]]:
+) -> tuple[nnx.Module, ModelArchConfig, dict[str, Any]]:
     """Loads a model for serving.
 
     Args:
       model_path: a HF model directory, our orbax layout (``config.json`` + ``params/``), a
-        ``.gguf`` file (``jaxserve.model.gguf_loader``), or for
+        ``.gguf`` file (``jaxserve.model.readers.gguf_reader``), or for
         ``load_format="dummy"`` also a HF config dict or a preset name from
         ``PRESET_HF_CONFIGS`` (e.g. "llama-3.1-8b").
       dtype: "auto" (config's torch_dtype), "float32" or "bfloat16".
@@ -227,10 +176,12 @@ def load_model(
             )
         cfg = ModelArchConfig.from_hf_config(hf)
         return dummy_model(cfg, resolve_dtype(dtype, cfg), seed), cfg, {}
-    from jaxserve.model.gguf_loader import is_gguf_path, load_gguf
-
     if load_format == "gguf" or (load_format == "auto" and is_gguf_path(model_path)):
-        return load_gguf(os.fspath(model_path), dtype)
+        path = os.fspath(model_path)
+        with GGUFFileReader(path) as reader:
+            cfg = ModelArchConfig.from_hf_config(gguf_hf_config(reader.gguf, path))
+            model = load_weights(cfg, resolve_dtype(dtype, cfg), reader)
+            return model, cfg, gguf_generation_config(reader.gguf)
     model_dir = os.fspath(model_path)
     cfg = ModelArchConfig.from_hf_config(read_hf_config(model_dir))
     jdtype = resolve_dtype(dtype, cfg)
@@ -238,8 +189,9 @@ def load_model(
         load_format = detect_load_format(model_dir)
     if load_format == "dummy":
         model = dummy_model(cfg, jdtype, seed)
-    elif load_format == "orbax":
-        model = restore_params(model_dir, abstract_model(cfg, jdtype), cfg.architecture)
+    elif load_format == "orbax":  # restored straight into jdtype (orbax casts on read)
+        with OrbaxReader(model_dir, jdtype) as reader:
+            model = load_weights(cfg, jdtype, reader)
     else:
         model = load_safetensors(model_dir, cfg, jdtype)
     return model, cfg, read_generation_config(model_dir)

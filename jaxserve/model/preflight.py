@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import os
 
-from jaxserve.model.config import ModelArchConfig, ModelLoadError, read_hf_config
+from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError, read_hf_config
 from jaxserve.model.presets import PRESET_HF_CONFIGS
 
 
@@ -26,7 +26,7 @@ def check_model_path(path: str, load_format: str = "auto", need_tokenizer: bool 
     Raises:
       ModelLoadError (a ValueError): the message names what is missing and what to do.
     """
-    from jaxserve.model.gguf_loader import gguf_hf_config, is_gguf_path, open_gguf
+    from jaxserve.model.readers.gguf_reader import gguf_hf_config, is_gguf_path, open_gguf
 
     if load_format == "dummy" and not os.path.isdir(path):
         if path not in PRESET_HF_CONFIGS:

@@ -1,7 +1,8 @@
 """Logical axis names -> mesh axes, declared once (MaxText's logical axis rules,
 jax-llm-examples' ``ShardingRules``), and placing a model on a tensor-parallel mesh.
 
-Every parameter carries logical axis names in its ``out_sharding`` metadata (see ``llama.py``).
+Every parameter carries logical axis names in its ``out_sharding`` metadata
+(``jaxserve.model.layers.params``).
 The rules below place them on a 1-D mesh ``("model",)``: Megatron-style tensor parallelism
 (Shoeybi et al. 2019) splits the attention heads and the MLP width across it, and the embedding
 and LM head by vocabulary rows. XLA's SPMD partitioner inserts the collectives (an all-reduce
@@ -23,13 +24,12 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 if TYPE_CHECKING:
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
 
 MODEL_AXIS = "model"
 
@@ -176,18 +176,19 @@ def check_tensor_parallel(arch: ModelArchConfig, tensor_parallel_size: int) -> t
     return q_replicas, replicas
 
 
+def _replicate_heads(model: nnx.Module, q_replicas: int, kv_replicas: int) -> None:
+    """Calls ``replicate_heads`` on every attention layer of ``model`` (any module that has it,
+    e.g. ``jaxserve.model.layers.self_attention.SelfAttention``)."""
+    layers = [m for _, m in nnx.iter_graph(model) if hasattr(m, "replicate_heads")]
+    for layer in layers:
+        layer.replicate_heads(q_replicas, kv_replicas)
+
+
 def replicate_kv_heads(model: nnx.Module, replicas: int) -> None:
     """Repeats every KV head ``replicas`` times in the k/v projections (and biases) of
     ``model``, in place: KV head ``j`` becomes heads ``j * replicas ... j * replicas + r - 1``,
     so query head ``h`` still reads a copy of its own KV head (``h // (Hq / Hkv)``)."""
-    if replicas == 1:
-        return
-    for layer in model.layers:
-        attn = layer.self_attn
-        for name, axis in (("k_proj", 1), ("v_proj", 1), ("k_bias", 0), ("v_bias", 0)):
-            param = getattr(attn, name)
-            if param is not None:
-                param.set_value(jnp.repeat(param[...], replicas, axis=axis))
+    _replicate_heads(model, 1, replicas)
 
 
 def replicate_q_heads(model: nnx.Module, replicas: int) -> None:
@@ -196,17 +197,7 @@ def replicate_q_heads(model: nnx.Module, replicas: int) -> None:
     output (a sum over heads) is unchanged. Query head ``h`` becomes heads ``h * replicas ...``,
     which still read (copies of) KV head ``h // (Hq / Hkv)`` once KV heads are replicated to the
     same count."""
-    if replicas == 1:
-        return
-    for layer in model.layers:
-        attn = layer.self_attn
-        for name, axis in (("q_proj", 1), ("q_bias", 0)):
-            param = getattr(attn, name)
-            if param is not None:
-                param.set_value(jnp.repeat(param[...], replicas, axis=axis))
-        o = jnp.repeat(attn.o_proj[...], replicas, axis=0)  # [Hq * r, d, e]
-        first = (jnp.arange(o.shape[0]) % replicas == 0).astype(o.dtype)
-        attn.o_proj.set_value(o * first[:, None, None])
+    _replicate_heads(model, replicas, 1)
 
 
 def place_model(
@@ -227,8 +218,7 @@ def place_model(
     """
     q_replicas, replicas = check_tensor_parallel(arch, mesh.size)
     if q_replicas > 1 or replicas > 1:
-        replicate_q_heads(model, q_replicas)
-        replicate_kv_heads(model, replicas)
+        _replicate_heads(model, q_replicas, replicas)
         arch = dataclasses.replace(
             arch, num_heads=arch.num_heads * q_replicas, num_kv_heads=arch.num_kv_heads * replicas
         )

@@ -79,7 +79,7 @@ def build_gguf_tokenizer(reader, path: str = "") -> tuple[tokenizers.Tokenizer, 
     Raises:
       ValueError: the file has no vocabulary, or a tokenizer model other than "gpt2" / "llama".
     """
-    from jaxserve.model.gguf_loader import field
+    from jaxserve.model.readers.gguf_reader import field
 
     kind = field(reader, "tokenizer.ggml.model")
     tokens = field(reader, "tokenizer.ggml.tokens")
@@ -163,7 +163,7 @@ class GGUFTokenizer(HFTokenizer):
     """
 
     def __init__(self, path: str, reader=None):
-        from jaxserve.model.gguf_loader import gguf_generation_config, open_gguf
+        from jaxserve.model.readers.gguf_reader import gguf_generation_config, open_gguf
 
         reader = reader if reader is not None else open_gguf(path)
         tok, config = build_gguf_tokenizer(reader, path)

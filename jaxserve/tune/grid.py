@@ -356,7 +356,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
 def _model_max_len(engine_args: Any) -> int:
     """The model's max_position_embeddings, read from its config.json (no weights loaded)."""
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
 
     path = engine_args.resolved_model_path()
     return ModelArchConfig.from_pretrained(path).max_position_embeddings

@@ -43,7 +43,7 @@ from jaxserve.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.worker.batch_builder import InputBatch
 
 logger = logging.getLogger(__name__)

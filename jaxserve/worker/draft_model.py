@@ -44,7 +44,7 @@ from pallas_kernels.bucketing import next_power_of_2
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)

@@ -52,11 +52,8 @@ from jaxserve.core.runner_output import (
     OneTokenEach,
     TokenLogprobs,
 )
-from jaxserve.model.attention import (
-    cache_head_dim,
-    resolve_attention_backend,
-    token_bucket_multiple,
-)
+from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
+from jaxserve.model.attention_backends import resolve_attention_backend
 from jaxserve.model.sharding import kv_cache_sharding, make_mesh, place_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import compilation
@@ -86,7 +83,7 @@ from jaxserve.worker.spec_decode import VerifyPlan, accept, accept_on_device, pl
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig, SpeculativeConfig
     from jaxserve.core.sched_output import SchedulerOutput
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.structured import StepTokenMask
     from jaxserve.worker.kv_cache_alloc import KVCacheSpec
 

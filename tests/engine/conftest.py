@@ -77,7 +77,7 @@ def prompts(base) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def oracle(base, prompts) -> list[list[int]]:
     """Greedy tokens of the dense reference generator (full recompute), one list per prompt."""
-    from jaxserve.reference_generate import generate_dense
+    from jaxserve.model.dense_oracle import generate_dense
 
     return [generate_dense(base.model, p, MAX_TOKENS, eos_token_ids=[2]) for p in prompts]
 

@@ -58,7 +58,7 @@ def random_model(hf: dict, seed: int = 0):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxserve.model.config import ModelArchConfig
+    from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.model.loader import abstract_model
 
     cfg = ModelArchConfig.from_hf_config(hf)
@@ -100,11 +100,11 @@ def make_model_dir(tmp_dir: str) -> str:
 
 
 def engine_args(model_dir: str, cache_dir: str, **overrides) -> EngineArgs:
-    """Small, CPU-friendly engine args: float32, reference attention, buckets 16..128."""
+    """Small, CPU-friendly engine args: float32, xla attention, buckets 16..128."""
     args = dict(
         model=model_dir,
         dtype="float32",
-        attention_backend="reference",
+        attention_backend="xla",
         token_buckets="16,32,64,128",
         max_num_batched_tokens=128,
         max_num_seqs=256,

@@ -17,7 +17,7 @@ def llm(model_dir):
     return LLM(
         model_dir,
         dtype="float32",
-        attention_backend="reference",
+        attention_backend="xla",
         token_buckets="16,32,64,128",
         max_num_batched_tokens=128,
         max_model_len=256,

@@ -79,7 +79,7 @@ def test_mixed_hit_batch(base, make_engine, run):
     """Shared case "mixed-hit-batch": warm the cache with S+x (S >= 3 blocks); then S+y together
     with an unrelated Q under a token budget smaller than either prompt; each output equals its
     cold-cache (dense) output."""
-    from jaxserve.reference_generate import generate_dense
+    from jaxserve.model.dense_oracle import generate_dense
 
     rng = random.Random(1)
     vocab = base.arch.vocab_size
@@ -101,7 +101,7 @@ def test_mixed_hit_batch(base, make_engine, run):
 def test_full_hit_last_block(base, make_engine, run):
     """Shared case "full-hit-last-block": a prompt of exactly 4 blocks, repeated, is served from
     the cache except the last block (one token must be computed to sample)."""
-    from jaxserve.reference_generate import generate_dense
+    from jaxserve.model.dense_oracle import generate_dense
 
     prompt = [1] + [random.Random(2).randrange(3, base.arch.vocab_size) for _ in range(63)]
     expect = generate_dense(base.model, prompt, MAX_TOKENS, eos_token_ids=[2])

@@ -53,8 +53,8 @@ TEXTS = ("Once upon a time", "The king said unto them", "And God said", "My fath
 @pytest.fixture(scope="module")
 def oracle(draft_engine):
     """The dense reference generator's greedy tokens for each text (and its max_tokens)."""
+    from jaxserve.model.dense_oracle import generate_dense
     from jaxserve.model.loader import load_model
-    from jaxserve.reference_generate import generate_dense
 
     target, _, _ = load_model(os.fspath(BUNDLED), "float32")
     tok = draft_engine.tokenizer

@@ -31,8 +31,8 @@ def server():
 @pytest.fixture(scope="module")
 def oracle():
     """Greedy text of the dense reference generator (no KV cache) for each prompt."""
+    from jaxserve.model.dense_oracle import generate_dense
     from jaxserve.model.loader import load_model
-    from jaxserve.reference_generate import generate_dense
     from jaxserve.tokenizer import get_tokenizer
 
     model, _, _ = load_model(MODEL_DIR, "float32")

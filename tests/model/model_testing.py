@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.model.arch_config import ModelArchConfig
 from jaxserve.model.attention import PagedAttentionMetadata, cache_head_dim
-from jaxserve.model.config import ModelArchConfig
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
 GOLDEN_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -84,7 +84,7 @@ class PagedRunner:
         max_blocks_per_seq=8,
         t_bucket=16,
         s_bucket=4,
-        backend="reference",
+        backend="xla",
         interpret=False,
         seed=0,
     ):

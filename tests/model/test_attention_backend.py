@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.config import ATTENTION_BACKEND_CHOICES, EngineArgs, RunnerConfig
-from jaxserve.model.attention import (
+from jaxserve.config import EngineArgs, RunnerConfig
+from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
+from jaxserve.model.attention_backends import (
+    ATTENTION_BACKEND_CHOICES,
     ATTENTION_BACKENDS,
-    cache_head_dim,
     resolve_attention_backend,
-    token_bucket_multiple,
 )
 from jaxserve.worker.batch_builder import resolve_token_buckets
 
@@ -20,13 +20,14 @@ from jaxserve.worker.batch_builder import resolve_token_buckets
     [
         ("auto", "tpu", "pallas-tpu"),
         ("auto", "gpu", "pallas-gpu"),
-        ("auto", "cpu", "reference"),
+        ("auto", "cpu", "xla"),
         ("pallas", "tpu", "pallas-tpu"),
         ("pallas", "gpu", "pallas-gpu"),
         ("pallas-tpu", "tpu", "pallas-tpu"),
         ("pallas-gpu", "gpu", "pallas-gpu"),
-        ("reference", "tpu", "reference"),
-        ("reference", "cpu", "reference"),
+        ("xla", "tpu", "xla"),
+        ("xla", "cpu", "xla"),
+        ("reference", "cpu", "xla"),  # the deprecated name
     ],
 )
 def test_backend_per_platform(name, platform, expected):
@@ -51,7 +52,20 @@ def test_pallas_alias_on_cpu_and_unknown_names():
         resolve_attention_backend("flash", "gpu")
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         RunnerConfig(attention_backend="triton")
-    assert set(ATTENTION_BACKEND_CHOICES) == {"auto", "pallas", *ATTENTION_BACKENDS}
+    assert set(ATTENTION_BACKEND_CHOICES) == {"auto", "pallas", "reference", *ATTENTION_BACKENDS}
+
+
+def test_reference_is_a_deprecated_name_of_xla():
+    """An old flag keeps working: the engine config stores "xla" (and logs that the name
+    changed, once per process)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--attention-backend", "reference"])
+    config = EngineArgs.from_cli_args(args).create_engine_config(1024).runner
+    assert config.attention_backend == "xla"
+    assert RunnerConfig(attention_backend="reference") == RunnerConfig(attention_backend="xla")
 
 
 def test_cli_flags():
@@ -71,8 +85,8 @@ def test_tpu_shapes_reach_the_engine():
     other backends keep the model's head dim and any bucket."""
     assert cache_head_dim("pallas-tpu", 64) == 128
     assert cache_head_dim("pallas-tpu", 256) == 256
-    assert cache_head_dim("pallas-gpu", 64) == cache_head_dim("reference", 64) == 64
-    assert token_bucket_multiple("reference") == token_bucket_multiple("pallas-gpu") == 1
+    assert cache_head_dim("pallas-gpu", 64) == cache_head_dim("xla", 64) == 64
+    assert token_bucket_multiple("xla") == token_bucket_multiple("pallas-gpu") == 1
     eight = token_bucket_multiple("pallas-tpu")
     assert eight == 8
     assert resolve_token_buckets((), 100, multiple=eight) == (16, 32, 64, 104)

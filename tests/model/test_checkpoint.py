@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 from model_testing import dense_logits, golden_path, tiny_hf_config
 
+from jaxserve.model.arch_config import ModelLoadError
 from jaxserve.model.checkpoint import add_convert_parser, convert, save_params
-from jaxserve.model.config import ModelLoadError
 from jaxserve.model.loader import detect_load_format, load_model
 
 

@@ -4,7 +4,7 @@ then loaded back through ``load_model`` / ``get_tokenizer``."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 
 import jax.numpy as jnp
@@ -13,8 +13,10 @@ import pytest
 from flax import nnx
 
 from jaxserve.model import ModelLoadError, default_model_path
-from jaxserve.model.gguf_loader import gguf_tensor_name, permute_qk, unpermute_qk
-from jaxserve.model.loader import hf_tensor_name, load_model
+from jaxserve.model.loader import load_model
+from jaxserve.model.readers.base import TensorSpec
+from jaxserve.model.readers.gguf_reader import GGUFFileReader
+from jaxserve.model.weight_mapping import Layout, permute_qk, unpermute_qk
 from jaxserve.tokenizer import get_tokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -30,13 +32,10 @@ TEXTS = [
 TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_1: 0.1, Q.Q4_0: 0.15}
 
 
-def _torch_layout(x: np.ndarray, kind: int | None) -> np.ndarray:
-    """Inverse of the loader's ``to_our_layout``."""
-    if kind is None:
-        return x
-    if kind == 0:
-        return x.reshape(-1)
-    return x.reshape(math.prod(x.shape[:kind]), -1).T
+def _torch_layout(x: np.ndarray, layout: Layout) -> np.ndarray:
+    """Inverse of the loader's layout, without llama.cpp's q/k permutation (``write_gguf``
+    applies it, as llama.cpp's converter does)."""
+    return dataclasses.replace(layout, permuted_heads=0).to_stored(x)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +43,9 @@ def tiny():
     model, cfg, _ = load_model(TINY)
     tensors = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        name, kind = hf_tensor_name(path)
-        x = _torch_layout(np.asarray(var.get_value()), kind)
-        tensors[gguf_tensor_name(name)] = np.ascontiguousarray(x, dtype=np.float32)
+        source = model.weight_source(path, cfg, "gguf")
+        x = _torch_layout(np.asarray(var.get_value()), source.layout)
+        tensors[source.name] = np.ascontiguousarray(x, dtype=np.float32)
     return model, cfg, tensors
 
 
@@ -137,12 +136,18 @@ def test_quantised_tensors_dequantise_within_their_error(tiny, tmp_path):
     assert {k for k in chosen.values()} == {Q.F32, *kinds}
     loaded, _, _ = load_model(str(path), dtype="float32")
     for p, var in nnx.to_flat_state(nnx.state(loaded)):
-        name, kind = hf_tensor_name(p)
-        gname = gguf_tensor_name(name)
-        got = _torch_layout(np.asarray(var.get_value()), kind)
+        source = loaded.weight_source(p, cfg, "gguf")
+        gname = source.name
+        got = _torch_layout(np.asarray(var.get_value()), source.layout)
         err = np.abs(got - tensors[gname]).max() / np.abs(tensors[gname]).max()
         assert err <= TOLERANCE[chosen[gname]] + 1e-7, (gname, chosen[gname].name, err)
-    assert loaded.embed_tokens.get_value().dtype == jnp.float32
+    assert loaded.embed_tokens.weight.get_value().dtype == jnp.float32
+    with GGUFFileReader(str(path)) as reader:  # the header's GGML types, torch-layout shapes
+        assert reader.naming == "gguf" and set(reader.names()) == set(tensors)
+        for name, x in tensors.items():
+            assert reader.spec(name) == TensorSpec(x.shape, chosen[name].name), name
+        name = "blk.1.ffn_down.weight"
+        np.testing.assert_array_equal(reader.read(name, (slice(2, 5),)), reader.read(name)[2:5])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
@@ -165,7 +170,8 @@ def test_k_quants_load_as_the_gguf_package_dequantises_them(tiny, tmp_path, qtyp
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     write_gguf(path, cfg, tensors, raw={"blk.0.attn_v.weight": (raw, qtype)})
     loaded, _, _ = load_model(str(path), dtype="float32")
-    got = _torch_layout(np.asarray(loaded.layers[0].self_attn.v_proj.get_value()), 1)
+    v_proj = loaded.layers[0].self_attn.v_proj.weight.get_value()
+    got = _torch_layout(np.asarray(v_proj), Layout("linear", 1))
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 

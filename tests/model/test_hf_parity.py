@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from model_testing import GOLDEN_ARCHS, PagedRunner, dense_logits, golden_path
 
-from jaxserve.model.config import ModelArchConfig
+from jaxserve.model.arch_config import ModelArchConfig
 from jaxserve.model.loader import load_model
 
 ATOL = 1e-4
@@ -56,7 +56,7 @@ def test_paged_logits_match_transformers(name):
 def test_bfloat16_load_tracks_transformers():
     """``dtype="auto"`` takes the fixtures' bfloat16; logits stay close to the float32 golden."""
     model, _, _ = load_model(golden_path("llama"))
-    assert model.embed_tokens[...].dtype == np.dtype("bfloat16")
+    assert model.embed_tokens.weight[...].dtype == np.dtype("bfloat16")
     prompt, expected = _golden("llama")[0]
     err = np.abs(dense_logits(model, prompt) - expected).max()
     assert err < 0.1 * np.abs(expected).max(), err

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 from model_testing import PagedRunner, dense_logits, tiny_config
 
-from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.loader import abstract_model
+from jaxserve.model.models.llama import LlamaForCausalLM
 
 SEQ_A = [1, 5, 9, 33, 7, 100, 12, 64, 3, 90, 17, 44, 8, 21, 5, 77]  # 16 tokens
 SEQ_B = [1, 40, 2, 11, 120, 6, 7, 99, 55, 31]  # 10 tokens
@@ -50,9 +50,9 @@ def _run_paged(model, backend, block_size=4, schedule=SCHEDULE, interpret=False)
     ],
     ids=["llama", "mistral-window", "qwen2-bias-tied", "qwen3-qknorm"],
 )
-def test_paged_matches_dense_reference_backend(overrides):
+def test_paged_matches_dense_xla_backend(overrides):
     model = LlamaForCausalLM(tiny_config(**overrides), dtype=jnp.float32, rngs=nnx.Rngs(0))
-    paged = _run_paged(model, "reference")
+    paged = _run_paged(model, "xla")
     for name, seq in (("a", SEQ_A), ("b", SEQ_B)):
         n = len(paged[name])
         dense = dense_logits(model, seq)[:n]
@@ -111,8 +111,8 @@ def test_parameters_carry_logical_axes():
         tiny_config(architectures=["Qwen2ForCausalLM"]), dtype=jnp.float32, rngs=nnx.Rngs(0)
     )
     attn = model.layers[0].self_attn
-    assert attn.q_proj.get_metadata()["out_sharding"] == ("embed", "q_heads", "head_dim")
-    assert attn.k_bias.get_metadata()["out_sharding"] == ("kv_heads", "head_dim")
-    assert attn.o_proj.get_metadata()["out_sharding"] == ("q_heads", "head_dim", "embed")
-    assert model.layers[1].mlp.down_proj.get_metadata()["out_sharding"] == ("mlp", "embed")
-    assert model.embed_tokens.get_metadata()["out_sharding"] == ("vocab", "embed")
+    assert attn.q_proj.weight.get_metadata()["out_sharding"] == ("embed", "q_heads", "head_dim")
+    assert attn.k_proj.bias.get_metadata()["out_sharding"] == ("kv_heads", "head_dim")
+    assert attn.o_proj.weight.get_metadata()["out_sharding"] == ("q_heads", "head_dim", "embed")
+    assert model.layers[1].mlp.down_proj.weight.get_metadata()["out_sharding"] == ("mlp", "embed")
+    assert model.embed_tokens.weight.get_metadata()["out_sharding"] == ("vocab", "embed")

@@ -15,17 +15,17 @@ from flax import nnx
 from model_testing import dense_logits, golden_path, tiny_hf_config
 from safetensors.numpy import load_file, save_file
 
-from jaxserve.model.config import ModelArchConfig, ModelLoadError
+from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError
 from jaxserve.model.loader import (
     abstract_model,
     eos_token_ids,
-    hf_shape,
-    hf_tensor_name,
     load_model,
     read_generation_config,
     resolve_dtype,
 )
+from jaxserve.model.models.llama import LlamaForCausalLM
 from jaxserve.model.presets import PRESET_HF_CONFIGS
+from jaxserve.model.weight_mapping import COPY, FLATTEN, Layout, TensorSource
 
 PROMPT = [1, 17, 42, 99, 3]
 
@@ -46,33 +46,34 @@ def _rewrite_config(model_dir, **changes):
 
 
 def test_hf_name_mapping():
-    assert hf_tensor_name(("embed_tokens",)) == ("model.embed_tokens.weight", None)
-    assert hf_tensor_name(("lm_head",)) == ("lm_head.weight", None)
-    assert hf_tensor_name(("norm", "weight")) == ("model.norm.weight", None)
-    assert hf_tensor_name(("layers", 3, "self_attn", "q_proj")) == (
-        "model.layers.3.self_attn.q_proj.weight",
-        1,
+    cfg = ModelArchConfig.from_hf_config(tiny_hf_config())
+
+    def source(*path):
+        return LlamaForCausalLM.weight_source(path, cfg, "hf")
+
+    linear_1, linear_2 = Layout("linear", 1), Layout("linear", 2)
+    assert source("embed_tokens", "weight") == TensorSource(("model.embed_tokens.weight",), COPY)
+    assert source("lm_head", "weight") == TensorSource(("lm_head.weight",), COPY)
+    assert source("norm", "weight") == TensorSource(("model.norm.weight",), COPY)
+    assert source("layers", 3, "self_attn", "q_proj", "weight") == TensorSource(
+        ("model.layers.3.self_attn.q_proj.weight",), linear_1
     )
-    assert hf_tensor_name(("layers", 0, "self_attn", "o_proj")) == (
-        "model.layers.0.self_attn.o_proj.weight",
-        2,
+    assert source("layers", 0, "self_attn", "o_proj", "weight") == TensorSource(
+        ("model.layers.0.self_attn.o_proj.weight",), linear_2
     )
-    assert hf_tensor_name(("layers", 0, "self_attn", "k_bias")) == (
-        "model.layers.0.self_attn.k_proj.bias",
-        0,
+    assert source("layers", 0, "self_attn", "k_proj", "bias") == TensorSource(
+        ("model.layers.0.self_attn.k_proj.bias",), FLATTEN
     )
-    assert hf_tensor_name(("layers", 1, "self_attn", "q_norm", "weight")) == (
-        "model.layers.1.self_attn.q_norm.weight",
-        None,
+    assert source("layers", 1, "self_attn", "q_norm", "weight") == TensorSource(
+        ("model.layers.1.self_attn.q_norm.weight",), COPY
     )
-    assert hf_tensor_name(("layers", 1, "mlp", "down_proj")) == (
-        "model.layers.1.mlp.down_proj.weight",
-        1,
+    assert source("layers", 1, "mlp", "down_proj", "weight") == TensorSource(
+        ("model.layers.1.mlp.down_proj.weight",), linear_1
     )
     # torch Linear [out, in] shapes of our [in..., out...] kernels
-    assert hf_shape((64, 4, 16), 1) == (64, 64)  # q_proj [e, h, d] <- [h*d, e]
-    assert hf_shape((4, 16, 32), 2) == (32, 64)  # o_proj [h, d, e] <- [e, h*d]
-    assert hf_shape((4, 16), 0) == (64,)
+    assert linear_1.stored_shape((64, 4, 16)) == (64, 64)  # q_proj [e, h, d] <- [h*d, e]
+    assert linear_2.stored_shape((4, 16, 32)) == (32, 64)  # o_proj [h, d, e] <- [e, h*d]
+    assert FLATTEN.stored_shape((4, 16)) == (64,)
 
 
 def test_every_parameter_maps_to_a_fixture_tensor():
@@ -80,10 +81,11 @@ def test_every_parameter_maps_to_a_fixture_tensor():
         cfg = ModelArchConfig.from_pretrained(golden_path(name))
         tensors = load_file(os.path.join(golden_path(name), "model.safetensors"))
         names = set()
-        for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg, jnp.float32))):
-            hf_name, kind = hf_tensor_name(path)
-            assert tensors[hf_name].shape == hf_shape(var.shape, kind), hf_name
-            names.add(hf_name)
+        model = abstract_model(cfg, jnp.float32)
+        for path, var in nnx.to_flat_state(nnx.state(model)):
+            source = model.weight_source(path, cfg, "hf")
+            assert tensors[source.name].shape == source.layout.stored_shape(var.shape), source.name
+            names.add(source.name)
         assert names == set(tensors), set(tensors) ^ names
 
 
@@ -190,7 +192,9 @@ def test_dummy_from_directory_dict_and_preset(tmp_path):
 
     m0, _, _ = load_model(tiny_hf_config(), dtype="float32", load_format="dummy", seed=0)
     m1, _, _ = load_model(tiny_hf_config(), dtype="float32", load_format="dummy", seed=1)
-    assert not np.array_equal(np.asarray(m0.embed_tokens[...]), np.asarray(m1.embed_tokens[...]))
+    assert not np.array_equal(
+        np.asarray(m0.embed_tokens.weight[...]), np.asarray(m1.embed_tokens.weight[...])
+    )
 
     with pytest.raises(ModelLoadError, match="dummy presets: llama-3.1-8b"):
         load_model("no-such-model", load_format="dummy")

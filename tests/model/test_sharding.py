@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from model_testing import dense_logits, tiny_config
 
-from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.models.llama import LlamaForCausalLM
 from jaxserve.model.sharding import (
     check_tensor_parallel,
     gather_logits,
@@ -50,10 +50,12 @@ def test_shard_model_on_one_device_mesh():
     before = dense_logits(model, [1, 2, 3])
     mesh = make_mesh(1)
     specs = model_shardings(model, mesh)
-    assert specs["layers"][0]["self_attn"]["q_proj"].get_value().spec == P(None, "model", None)
-    assert specs["layers"][0]["self_attn"]["q_bias"].get_value().spec == P("model", None)
+    assert specs["layers"][0]["self_attn"]["q_proj"]["weight"].get_value().spec == P(
+        None, "model", None
+    )
+    assert specs["layers"][0]["self_attn"]["q_proj"]["bias"].get_value().spec == P("model", None)
     shard_model(model, mesh)
-    q = model.layers[0].self_attn.q_proj[...]
+    q = model.layers[0].self_attn.q_proj.weight[...]
     assert q.sharding.spec == P(None, "model", None) and q.sharding.mesh.shape == {"model": 1}
     np.testing.assert_array_equal(dense_logits(model, [1, 2, 3]), before)
     assert kv_cache_sharding(mesh).spec == P(None, None, "model", None)
@@ -99,13 +101,13 @@ def test_replicated_kv_heads_keep_the_dense_logits():
     model = LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
     for layer in model.layers:  # non-zero biases, so a misplaced bias would show
         attn = layer.self_attn
-        for name in ("k_bias", "v_bias"):
-            p = getattr(attn, name)
+        for name in ("k_proj", "v_proj"):
+            p = getattr(attn, name).bias
             p.set_value(0.1 * jax.random.normal(jax.random.key(1), p[...].shape))
     before = dense_logits(model, [1, 2, 3, 9, 4])
     replicate_kv_heads(model, 2)
-    assert model.layers[0].self_attn.k_proj[...].shape == (32, 4, 16)
-    assert model.layers[0].self_attn.v_bias[...].shape == (4, 16)
+    assert model.layers[0].self_attn.k_proj.weight[...].shape == (32, 4, 16)
+    assert model.layers[0].self_attn.v_proj.bias[...].shape == (4, 16)
     np.testing.assert_allclose(dense_logits(model, [1, 2, 3, 9, 4]), before, atol=1e-5, rtol=0)
 
 
@@ -115,16 +117,17 @@ def test_replicated_query_heads_keep_the_dense_logits():
     cfg = tiny_config(architectures=["Qwen2ForCausalLM"])  # GQA 4/2 with q/k/v biases
     model = LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
     for layer in model.layers:
-        for name in ("q_bias", "k_bias", "v_bias"):
-            p = getattr(layer.self_attn, name)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            p = getattr(layer.self_attn, name).bias
             p.set_value(0.1 * jax.random.normal(jax.random.key(2), p[...].shape))
     before = dense_logits(model, [1, 2, 3, 9, 4])
     assert q_head_replicas(4, 8) == 2 and kv_head_replicas(4, 2, 8) == 4
     replicate_q_heads(model, 2)
     replicate_kv_heads(model, 4)
     attn = model.layers[0].self_attn
-    assert attn.q_proj[...].shape == (32, 8, 16) and attn.o_proj[...].shape == (8, 16, 32)
-    assert attn.k_proj[...].shape == (32, 8, 16)
+    assert attn.q_proj.weight[...].shape == (32, 8, 16)
+    assert attn.o_proj.weight[...].shape == (8, 16, 32)
+    assert attn.k_proj.weight[...].shape == (32, 8, 16)
     np.testing.assert_allclose(dense_logits(model, [1, 2, 3, 9, 4]), before, atol=1e-5, rtol=0)
 
 

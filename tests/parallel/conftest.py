@@ -35,7 +35,7 @@ def _collect(proc: subprocess.Popen, timeout: float) -> list[dict]:
 @pytest.fixture(scope="session")
 def tp_results() -> dict[tuple[str, int, str], dict]:
     """``{(model, tp, backend): result}`` of ``tp_harness.run`` for the bundled model and every
-    fixture at TP 1/2/4/8 (reference attention), and qwen3 at TP 2 with the Pallas GPU kernel
+    fixture at TP 1/2/4/8 (xla attention), and qwen3 at TP 2 with the Pallas GPU kernel
     (interpreted on CPU), keyed "pallas"."""
     sizes = ",".join(map(str, TP_SIZES))
     procs = [
@@ -44,7 +44,7 @@ def tp_results() -> dict[tuple[str, int, str], dict]:
             _harness(
                 "--devices", "8", "--tp", sizes + ",3", "--model", "bundled", "--model", "llama"
             ),
-            "reference",
+            "xla",
         ),
         (
             _harness(
@@ -59,7 +59,7 @@ def tp_results() -> dict[tuple[str, int, str], dict]:
                 "--model",
                 "mistral",
             ),
-            "reference",
+            "xla",
         ),
     ]
     pallas = _harness(

@@ -45,7 +45,7 @@ def test_two_processes_match_one_and_fail_loudly(tp_results):
             line = leader.stdout.readline()
             assert line, f"process 0 ended early:\n{leader.stderr.read()[-4000:]}"
         tokens = json.loads(line.split(" ", 1)[1])
-        assert tokens == tp_results[("llama", 1, "reference")]["tokens"]
+        assert tokens == tp_results[("llama", 1, "xla")]["tokens"]
         # The worker dies; process 0's next step must fail and exit non-zero, not hang.
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=30)

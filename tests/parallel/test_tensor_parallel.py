@@ -10,7 +10,7 @@ import pytest
 from tp_harness import ENGINE_KWARGS, FIXTURE_MODELS, MAX_TOKENS, PROMPTS, model_path
 
 from jaxserve.model import default_model_path
-from jaxserve.model.config import ModelArchConfig
+from jaxserve.model.arch_config import ModelArchConfig
 from jaxserve.model.sharding import kv_head_replicas, q_head_replicas
 
 # The shared harness (one session fixture) takes minutes on a loaded 2-core box.
@@ -27,8 +27,8 @@ def _arch(name: str) -> ModelArchConfig:
 @pytest.mark.slow
 @pytest.mark.parametrize("model,tp", CASES)
 def test_greedy_tokens_equal_one_device(tp_results, model, tp):
-    one = tp_results[(model, 1, "reference")]
-    many = tp_results[(model, tp, "reference")]
+    one = tp_results[(model, 1, "xla")]
+    many = tp_results[(model, tp, "xla")]
     assert "error" not in many, many.get("error")
     assert many["placement"]["mesh"] == {"model": tp}
     assert many["tokens"] == one["tokens"]
@@ -37,18 +37,18 @@ def test_greedy_tokens_equal_one_device(tp_results, model, tp):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ("bundled", *FIXTURE_MODELS))
 def test_workload_covers_prefix_caching_chunked_prefill_and_preemption(tp_results, model):
-    stats = tp_results[(model, 1, "reference")]["stats"]
+    stats = tp_results[(model, 1, "xla")]["stats"]
     assert stats["preemptions"] > 0
     assert stats["prefix_cache_hits"] > 0
     assert max(map(len, PROMPTS)) > ENGINE_KWARGS["long_prefill_token_threshold"]  # chunked
-    assert all(len(t) == MAX_TOKENS for t in tp_results[(model, 1, "reference")]["tokens"])
+    assert all(len(t) == MAX_TOKENS for t in tp_results[(model, 1, "xla")]["tokens"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,tp", [(m, tp) for m, tp in CASES] + [("llama", 1)])
 def test_placement_splits_heads_and_kv_heads(tp_results, model, tp):
     arch = _arch(model)
-    p = tp_results[(model, tp, "reference")]["placement"]
+    p = tp_results[(model, tp, "xla")]["placement"]
     replicas = kv_head_replicas(arch.num_heads, arch.num_kv_heads, tp)
     heads = arch.num_heads * q_head_replicas(arch.num_heads, tp)  # copies only when tp > heads
     assert p["q_proj"] == [arch.hidden_size, heads, arch.head_dim]
@@ -60,14 +60,14 @@ def test_placement_splits_heads_and_kv_heads(tp_results, model, tp):
 
 @pytest.mark.slow
 def test_heads_that_cannot_split_are_refused_naming_both_numbers(tp_results):
-    err = tp_results[("bundled", 3, "reference")]["error"]
+    err = tp_results[("bundled", 3, "xla")]["error"]
     assert "num_attention_heads (4)" in err and "tensor_parallel_size (3)" in err
-    err = tp_results[("llama", 3, "reference")]["error"]
+    err = tp_results[("llama", 3, "xla")]["error"]
     assert "num_attention_heads (8)" in err and "tensor_parallel_size (3)" in err
 
 
 @pytest.mark.slow
 def test_pallas_kernel_per_shard_matches_one_device(tp_results):
     got = tp_results[("qwen3", 2, "pallas")]["tokens"]
-    want = tp_results[("qwen3", 1, "reference")]["tokens"]
+    want = tp_results[("qwen3", 1, "xla")]["tokens"]
     assert got == [t[: len(g)] for t, g in zip(want, got)] and all(len(g) == 4 for g in got)

@@ -1,7 +1,7 @@
 """Runs the same greedy float32 workload on engines of several tensor-parallel sizes and prints
 one JSON line per engine (run in a subprocess: JAX fixes the device count at first use).
 
-    python tp_harness.py --devices 8 --model llama --tp 1,2,4,8 [--backend reference]
+    python tp_harness.py --devices 8 --model llama --tp 1,2,4,8 [--backend xla]
 
 ``--model`` names a fixture under tests/fixtures/tp, or "bundled" for checkpoints/tiny-llama.
 The workload covers prefix caching (prompts sharing two blocks), chunked prefill (a prompt
@@ -79,7 +79,7 @@ def run(name: str, tp: int, backend: str, max_tokens: int = MAX_TOKENS) -> dict:
     engine = llm.llm_engine
     stats = engine.get_stats()
     runner = engine.runner
-    q = runner.state["layers"][0]["self_attn"]["q_proj"][...]
+    q = runner.state["layers"][0]["self_attn"]["q_proj"]["weight"][...]
     k_cache = runner.kv_caches[0][0]
     return {
         "model": name,
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--model", action="append", required=True)
     parser.add_argument("--tp", default="1,2,4,8")
-    parser.add_argument("--backend", default="reference")
+    parser.add_argument("--backend", default="xla")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     args = parser.parse_args()
     import jax

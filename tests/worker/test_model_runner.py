@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxserve.config import EngineArgs
 from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from jaxserve.model.config import ModelArchConfig
+from jaxserve.model.arch_config import ModelArchConfig
 from jaxserve.model.loader import abstract_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import kv_cache_alloc
@@ -57,11 +57,11 @@ def _random_model(seed=0):
 
 
 def _engine_config(**overrides):
-    """Two token buckets (16, 32), 4 sequences, 128-token context, reference attention."""
+    """Two token buckets (16, 32), 4 sequences, 128-token context, xla attention."""
     args = dict(
         model="tiny",
         dtype="float32",
-        attention_backend="reference",
+        attention_backend="xla",
         token_buckets="16,32",
         max_num_batched_tokens=32,
         max_num_seqs=4,
@@ -85,10 +85,10 @@ def runner():
 
 
 def test_attention_backend_resolution():
-    assert resolve_attention_backend("auto", "cpu") == "reference"
+    assert resolve_attention_backend("auto", "cpu") == "xla"
     assert resolve_attention_backend("auto", "gpu") == "pallas-gpu"
     assert resolve_attention_backend("auto", "tpu") == "pallas-tpu"
-    assert resolve_attention_backend("reference", "gpu") == "reference"
+    assert resolve_attention_backend("xla", "gpu") == "xla"
     with pytest.raises(ValueError, match="attention_backend"):
         resolve_attention_backend("flash", "gpu")
 

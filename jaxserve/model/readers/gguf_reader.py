@@ -1,36 +1,31 @@
-"""GGUF checkpoints (llama.cpp's one-file format) of the Llama family, read with the ``gguf`` package.
+"""GGUF checkpoints (llama.cpp's one-file format), read with the ``gguf`` package.
 
 A ``.gguf`` file carries the config (metadata keys ``{arch}.block_count``, ...), the weights
 (possibly quantised) and the tokenizer (vocabulary, merges, special ids, chat template). We map
-the metadata onto a Hugging Face style ``config.json`` dict, so ``ModelArchConfig.from_hf_config``
-stays the one parser of model shapes, and each GGUF tensor onto the HF tensor name our loader
-already knows:
+the metadata onto a Hugging Face style ``config.json`` dict (``gguf_hf_config``), so
+``ModelArchConfig.from_hf_config`` stays the one parser of model shapes; the family module
+names each parameter's GGUF tensor and layout (``weight_source(..., "gguf")``, including
+llama.cpp's q/k row permutation, undone because our RoPE is HF's rotate-half).
 
-    token_embd.weight            model.embed_tokens.weight
-    output.weight                lm_head.weight (absent: tied embeddings)
-    output_norm.weight           model.norm.weight
-    blk.N.attn_{q,k,v}.{weight,bias}, blk.N.attn_output.weight   self_attn.{q,k,v,o}_proj
-    blk.N.attn_{q,k}_norm.weight self_attn.{q,k}_norm.weight (Qwen3)
-    blk.N.ffn_{gate,up,down}.weight   mlp.{gate,up,down}_proj.weight
-    blk.N.attn_norm / ffn_norm   input_layernorm / post_attention_layernorm
-
-Quantised tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...) are dequantised with
-``gguf.quants.dequantize`` to float32 on the host and cast to the requested dtype. llama.cpp's
-converter permutes the rows of the q and k projections of ``llama`` models (HF's rotate-half
-RoPE layout -> interleaved pairs); we undo it, since our RoPE is HF's. Importing this module is
-jax-free (the CLI checks paths with it before loading anything heavy).
+``GGUFFileReader`` reads tensors by GGUF name. Quantised tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q2_K..Q6_K, ...) are dequantised with ``gguf.quants.dequantize`` to float32 on the host; the
+loader casts them to the requested dtype. A slice (``read(name, index)``) dequantises the
+whole tensor, then slices (GGUF blocks run along rows, so a row slice could be cut from the
+quantised bytes first). Importing this module is jax-free (the CLI checks paths with it before
+loading anything heavy).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from jaxserve.model.config import ModelArchConfig, ModelLoadError
+from jaxserve.model.arch_config import ModelLoadError
+from jaxserve.model.readers.base import CheckpointReader, TensorSpec
 
 GGUF_SUFFIX = ".gguf"
 # general.architecture -> HF architecture. Mistral GGUFs say "llama".
@@ -40,30 +35,8 @@ _ARCHS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-# Architectures whose q/k rows llama.cpp's converter permutes.
-_PERMUTED_QK = ("llama", "mistral")
-_QK_SUFFIXES = (".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")
-
-# HF tensor name (after "model.layers.N.") -> GGUF tensor name (after "blk.N.").
-_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_TOP_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "lm_head.weight": "output.weight",
-    "model.norm.weight": "output_norm.weight",
-}
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# GGUF architectures of the Llama layout, whose q bias means Llama's ``attention_bias``.
+_LLAMA_ARCHS = ("llama", "mistral")
 
 
 def is_gguf_path(path: Any) -> bool:
@@ -162,7 +135,7 @@ def gguf_hf_config(reader, path: str = "") -> dict[str, Any]:
         "rms_norm_eps": _f32(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": _f32(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": arch in _PERMUTED_QK and "blk.0.attn_q.bias" in tensor_names,
+        "attention_bias": arch in _LLAMA_ARCHS and "blk.0.attn_q.bias" in tensor_names,
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
     }
@@ -188,16 +161,6 @@ def _f32(x: float) -> float:
     return float(f"{float(x):.7g}")
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """The GGUF tensor name of a HF tensor name (see the module docstring)."""
-    if hf_name in _TOP_NAMES:
-        return _TOP_NAMES[hf_name]
-    m = _LAYER_RE.fullmatch(hf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
-        raise ModelLoadError(f"no GGUF tensor name for {hf_name}")
-    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-
-
 def dequantize(tensor) -> np.ndarray:
     """A ``gguf.ReaderTensor`` as float32 numpy in torch layout (``[out, in]`` for matrices).
 
@@ -213,21 +176,6 @@ def dequantize(tensor) -> np.ndarray:
         ) from e
     # GGUF lists dimensions innermost first; the numpy array is outermost first.
     return np.asarray(x, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
-
-
-def unpermute_qk(x: np.ndarray, n_head: int) -> np.ndarray:
-    """Undoes llama.cpp's q/k row permutation (``[n_head * d, ...]`` rows, or a bias).
-
-    llama.cpp writes row ``h*d + 2*i + j`` from HF row ``h*d + j*d/2 + i`` (j in {0, 1}).
-    """
-    rows = x.shape[0]
-    return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-
-def permute_qk(x: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's q/k row permutation (the inverse of ``unpermute_qk``), for writing GGUFs."""
-    rows = x.shape[0]
-    return x.reshape(n_head, 2, rows // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
 def gguf_generation_config(reader) -> dict[str, Any]:
@@ -249,40 +197,39 @@ def gguf_generation_config(reader) -> dict[str, Any]:
     return out
 
 
-def load_gguf(path: str, dtype: str = "auto"):
-    """Builds the model from a GGUF file.
+class GGUFFileReader(CheckpointReader):
+    """The tensors of a ``.gguf`` file by GGUF name (naming "gguf"), dequantised to float32
+    in torch layout; ``spec`` gives the GGML type as the dtype.
 
-    Args:
-      path: the ``.gguf`` file.
-      dtype: "auto" (see ``gguf_hf_config``), "float32" or "bfloat16".
-
-    Returns:
-      ``(model, ModelArchConfig, generation_config dict)`` as ``load_model``.
+    Attributes:
+      gguf: the underlying ``gguf.GGUFReader`` (metadata: ``gguf_hf_config``,
+        ``gguf_generation_config``; shared with the tokenizer, see ``open_gguf``).
 
     Raises:
-      ModelLoadError: missing file or gguf package, unsupported architecture / metadata /
-        quantisation, a missing tensor or a shape mismatch (naming the tensor).
+      ModelLoadError: as ``open_gguf``.
     """
-    from flax import nnx
 
-    from jaxserve.model.loader import abstract_model, hf_tensor_name, resolve_dtype, to_our_layout
+    naming = "gguf"
 
-    reader = open_gguf(path)
-    hf = gguf_hf_config(reader, path)
-    cfg = ModelArchConfig.from_hf_config(hf)
-    jdtype = resolve_dtype(dtype, cfg)
-    arch = hf["model_type"]
-    tensors = {t.name: t for t in reader.tensors}
-    graphdef, abs_state = nnx.split(abstract_model(cfg, jdtype))
-    flat = []
-    for p, var in nnx.to_flat_state(abs_state):
-        name, kind = hf_tensor_name(p)
-        gname = gguf_tensor_name(name)
-        if gname not in tensors:
-            raise ModelLoadError(f"tensor {gname} ({name}) not found in {path}")
-        x = dequantize(tensors[gname])
-        if arch in _PERMUTED_QK and gname.endswith(_QK_SUFFIXES):
-            x = unpermute_qk(x, cfg.num_heads if ".attn_q." in gname else cfg.num_kv_heads)
-        flat.append((p, var.replace(to_our_layout(x, gname, var.shape, kind, jdtype))))
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    return model, cfg, gguf_generation_config(reader)
+    def __init__(self, path: str):
+        self.where = path
+        self.gguf = open_gguf(path)
+        self._tensors = {t.name: t for t in self.gguf.tensors}
+
+    def names(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def spec(self, name: str) -> TensorSpec:
+        t = self._tensors[name]
+        # GGUF lists dimensions innermost first.
+        return TensorSpec(tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name)
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        x = dequantize(self._tensors[name])
+        return x if index is None else x[index]
+
+    def close(self) -> None:
+        """Nothing to release: the parsed file stays cached for the tokenizer (``open_gguf``)."""

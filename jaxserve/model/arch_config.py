@@ -12,13 +12,8 @@ import json
 import os
 from typing import Any
 
-# HF ``architectures[0]`` -> the per-architecture switches of our one Llama-family model.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from jaxserve.model.registry import supported_architectures
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -52,7 +47,7 @@ class ModelArchConfig:
     """The model's shape and per-architecture switches; static (hashable) under jit.
 
     Attributes:
-      architecture: HF class name, one of ``SUPPORTED_ARCHITECTURES``.
+      architecture: HF class name, one of ``registry.supported_architectures()``.
       vocab_size, hidden_size, intermediate_size, num_layers: sizes.
       num_heads, num_kv_heads, head_dim: attention heads (grouped-query attention when
         ``num_kv_heads < num_heads``); ``head_dim`` may differ from hidden_size // num_heads (Qwen3).
@@ -131,10 +126,10 @@ class ModelArchConfig:
         """
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(hf.get("model_type", ""))
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in supported_architectures():
             raise ModelLoadError(
                 f"unsupported architecture {arch or hf.get('model_type')!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(supported_architectures())}"
             )
         act = hf.get("hidden_act", "silu")
         if act != "silu":

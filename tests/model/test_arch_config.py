@@ -10,8 +10,8 @@ import pytest
 from model_testing import tiny_hf_config
 
 from jaxserve.model import default_model_path
-from jaxserve.model.config import ModelArchConfig, ModelLoadError, RopeConfig
-from jaxserve.model.rope import inverse_frequencies
+from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError, RopeConfig
+from jaxserve.model.layers.rotary import inverse_frequencies
 
 
 def test_old_and_new_rope_layouts_agree():

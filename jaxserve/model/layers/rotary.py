@@ -2,16 +2,21 @@
 
 HF Llama checkpoints store q/k projection rows permuted so that the two halves of each head's
 vector form the rotation pairs (``rotate_half``), not interleaved neighbours; we follow that.
+RoPE types (``RopeConfig.rope_type``): "default", "linear" (positions divided by ``factor``),
+"llama3" (Llama 3.1's frequency-dependent scaling).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.config import RopeConfig
+if TYPE_CHECKING:
+    from jaxserve.model.arch_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -58,3 +63,22 @@ def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray) -> 
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x * cos + rotated * sin
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryEmbedding:
+    """The rotary embedding of one attention layer: its RoPE parameters and head dim.
+
+    Hashable and array-free, so a layer keeps it as a static attribute (part of the model's
+    graph definition, not of its state); the frequencies are numpy constants computed when the
+    step is traced. A family whose layers use different RoPE bases (Gemma 3: local and global)
+    gives each layer its own.
+    """
+
+    rope: RopeConfig
+    head_dim: int
+
+    def __call__(self, x: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
+        """``apply_rope(x, positions, inverse_frequencies(rope, head_dim))``: x ``[..., T, H, D]``,
+        positions int32 ``[..., T]`` -> x's shape and dtype."""
+        return apply_rope(x, positions, inverse_frequencies(self.rope, self.head_dim))

@@ -1,0 +1,125 @@
+"""Where each of our parameters comes from in a checkpoint, and how its layout changes.
+
+A family module answers, for each parameter path of its model and each checkpoint naming
+("hf": Hugging Face safetensors; "gguf": llama.cpp; "jaxserve": our orbax layout), a
+``TensorSource``: the tensor's name(s) in that checkpoint and a ``Layout``, the reshape that
+turns the stored tensor into our parameter. The layout is data, not a function, so a sharded
+loader can also map a slice of our parameter back to the slice of the stored tensor it needs.
+
+Layouts (torch stores a Linear weight ``[out, in]``; we store ``[*in, *out]``):
+
+    copy      stored as ours (embeddings, norms, our own orbax layout)
+    flatten   stored flat, ours ``[h, d]`` (q/k/v biases)
+    linear    stored ``[prod(out), prod(in)]``, ours ``[*in, *out]`` with ``num_in_axes`` input
+              axes: transpose, then split the axes (q_proj ``[h*d, e]`` -> ``[e, h, d]``)
+
+and, before any of them, GGUF's q/k row permutation undone (``permuted_heads``): llama.cpp's
+converter interleaves the rotary pairs of each head's rows for ``llama`` models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+NAMINGS = ("hf", "gguf", "jaxserve")
+"""Tensor naming schemes of checkpoints: Hugging Face's module names (safetensors), llama.cpp's
+GGUF names, our orbax layout's (our parameter paths, dotted)."""
+LAYOUT_KINDS = ("copy", "flatten", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a stored tensor becomes one of our parameters (see the module docstring).
+
+    Attributes:
+      kind: one of ``LAYOUT_KINDS``.
+      num_in_axes: "linear": how many of our leading axes are the torch weight's input.
+      permuted_heads: > 0 when the stored rows carry llama.cpp's q/k permutation over this
+        many heads (undone first).
+    """
+
+    kind: str = "copy"
+    num_in_axes: int = 0
+    permuted_heads: int = 0
+
+    def __post_init__(self):
+        if self.kind not in LAYOUT_KINDS:
+            raise ValueError(f"kind must be one of {LAYOUT_KINDS}, got {self.kind!r}")
+        if (self.kind == "linear") != (self.num_in_axes > 0):
+            raise ValueError("num_in_axes must be > 0 exactly for a 'linear' layout")
+
+    def stored_shape(self, our_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The checkpoint shape that this layout turns into ``our_shape``."""
+        if self.kind == "flatten":
+            return (math.prod(our_shape),)
+        if self.kind == "linear":
+            n = self.num_in_axes
+            return (math.prod(our_shape[n:]), math.prod(our_shape[:n]))
+        return tuple(our_shape)
+
+    def to_ours(self, x, our_shape: tuple[int, ...]):
+        """A stored tensor (numpy or jax, of ``stored_shape(our_shape)``) -> ``our_shape``, same
+        dtype and array type."""
+        if self.permuted_heads:
+            x = unpermute_qk(x, self.permuted_heads)
+        if self.kind == "flatten":
+            return x.reshape(our_shape)
+        if self.kind == "linear":
+            return x.T.reshape(our_shape)
+        return x
+
+    def to_stored(self, x):
+        """Ours -> the stored tensor (the inverse of ``to_ours``; writing checkpoints)."""
+        if self.kind == "flatten":
+            x = x.reshape(-1)
+        elif self.kind == "linear":
+            x = x.reshape(math.prod(x.shape[: self.num_in_axes]), -1).T
+        if self.permuted_heads:
+            x = permute_qk(x, self.permuted_heads)
+        return x
+
+
+COPY = Layout()
+FLATTEN = Layout("flatten")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """Where one parameter is stored in a checkpoint.
+
+    Attributes:
+      names: the tensor's name; further names are older spellings, tried in order when the
+        first is absent (our orbax layout before ``Linear`` layers existed).
+      layout: the reshape from the stored tensor to ours.
+    """
+
+    names: tuple[str, ...]
+    layout: Layout = COPY
+
+    @property
+    def name(self) -> str:
+        """The current name."""
+        return self.names[0]
+
+
+def unpermute_qk(x, n_head: int):
+    """Undoes llama.cpp's q/k row permutation (``[n_head * d, ...]`` rows, or a bias).
+
+    llama.cpp writes row ``h*d + 2*i + j`` from HF row ``h*d + j*d/2 + i`` (j in {0, 1}).
+    Works on numpy and jax arrays.
+    """
+    rows = x.shape[0]
+    return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def permute_qk(x, n_head: int):
+    """llama.cpp's q/k row permutation (the inverse of ``unpermute_qk``), for writing GGUFs."""
+    rows = x.shape[0]
+    return x.reshape(n_head, 2, rows // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def flat_name(path: tuple) -> str:
+    """Our parameter path as a dotted name: ``("layers", 0, "mlp", "up_proj", "weight")`` ->
+    ``"layers.0.mlp.up_proj.weight"`` (our orbax layout's names)."""
+    return ".".join(str(p) for p in path)
