@@ -365,8 +365,9 @@ class EngineMetrics:
                 key = f"{name}[{pos}]"
                 grown = total - self._totals.get(key, 0)
                 self._totals[key] = total
+                child = family.labels(model_name, str(pos))  # every position shows, 0 or not
                 if grown > 0:
-                    family.labels(model_name, str(pos)).inc(grown)
+                    child.inc(grown)
 
     def _record_output(self, output: RequestOutput) -> None:
         state = self._requests.setdefault(output.request_id, _RequestState())
