@@ -32,10 +32,12 @@ as in self-speculative decoding, Zhang et al. 2023), and ``--distill-from DIR`` 
 match that model's next-token distribution on the corpus (knowledge distillation, Hinton et al.
 2015; for drafts, DistillSpec, Zhou et al. 2024) rather than the corpus tokens alone
 (``--distill-weight``: the KL term's share of the loss). The draft shipped beside the bundled
-model, ``checkpoints/tiny-llama-draft``, was trained with:
+model, ``checkpoints/tiny-llama-draft``, was trained on the 2-core CPU box (267 steps of 8 x 256
+tokens in the ~93-minute budget, held-out loss 3.974 vs the target's 3.439) with:
 
     python scripts/train_tiny.py --num-layers 1 --init-from jaxserve/checkpoints/tiny-llama \
         --distill-from jaxserve/checkpoints/tiny-llama --corpus data/corpus \
+        --batch-size 8 --lr 1e-3 --warmup 50 --steps 3000 --time-budget-s 5600 \
         --out jaxserve/checkpoints/tiny-llama-draft --tokenizer-dir jaxserve/checkpoints/tiny-llama
 """
 
