@@ -34,7 +34,7 @@ def draft_engine():
     args = EngineArgs(
         model=os.fspath(BUNDLED),
         dtype="float32",
-        attention_backend="reference",
+        attention_backend="xla",
         token_buckets="16,64",
         max_num_batched_tokens=64,
         max_num_seqs=8,
