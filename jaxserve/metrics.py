@@ -223,10 +223,16 @@ class EngineMetrics:
         # set from its field, a counter grown from its ``_total`` field.
         self._gauges: list[tuple[str, Any]] = []
         self._counters: list[tuple[str, Any]] = []
+        self._position_counters: list[tuple[str, Any, str]] = []
         for stat in EXPORTED:
             if stat.kind == GAUGE:
                 family = Gauge(prefix + stat.metric, stat.doc, labels, registry=reg)
                 self._gauges.append((stat.name, family.labels(model_name)))
+            elif stat.type is tuple:  # a counter per position
+                family = Counter(
+                    prefix + stat.metric, stat.doc, labels + ["position"], registry=reg
+                )
+                self._position_counters.append((stat.name + "_total", family, model_name))
             else:
                 family = Counter(prefix + stat.metric, stat.doc, labels, registry=reg)
                 self._counters.append((stat.name + "_total", family.labels(model_name)))
@@ -354,6 +360,15 @@ class EngineMetrics:
             self._totals[name] = total
             if grown > 0:
                 counter.inc(grown)
+        for name, family, model_name in self._position_counters:
+            totals = getattr(stats, name, ())
+            for pos, total in enumerate(totals):
+                key = f"{name}[{pos}]"
+                grown = total - self._totals.get(key, 0)
+                self._totals[key] = total
+                child = family.labels(model_name, str(pos))  # every position shows, 0 or not
+                if grown > 0:
+                    child.inc(grown)
 
     def _record_output(self, output: RequestOutput) -> None:
         state = self._requests.setdefault(output.request_id, _RequestState())

@@ -415,6 +415,19 @@ class SamplingParams:
         )
 
     @property
+    def needs_output_history(self) -> bool:
+        """True when its next token's distribution depends on its output so far beyond what the
+        sampler sees per step (penalties, structured outputs, bad_words): under async scheduling
+        it waits for its token in flight, and it never speculates (docs/ARCHITECTURE.md)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.structured_outputs is not None
+            or bool(self.bad_words)
+        )
+
+    @property
     def greedy(self) -> bool:
         """True when the sampler takes the argmax (temperature 0)."""
         return self.temperature == 0.0

@@ -95,6 +95,31 @@ def test_gauges_and_counters_from_stats():
     assert not any(name.endswith("_created") for name, _ in s)
 
 
+def _spec_stats(drafts: int, tokens: int, accepted: int, per_pos: tuple) -> EngineStats:
+    return EngineStats(
+        spec_decode_num_drafts_total=drafts,
+        spec_decode_num_draft_tokens_total=tokens,
+        spec_decode_num_accepted_tokens_total=accepted,
+        spec_decode_num_accepted_tokens_per_pos_total=per_pos,
+    )
+
+
+def test_speculative_decoding_counters_every_position():
+    """vLLM's spec-decode families: totals grow by their difference; every draft position is a
+    sample from the first step that reports it, zero or not."""
+    metrics = EngineMetrics("m", namespace="vllm")
+    metrics.record_step(_spec_stats(2, 6, 3, (2, 1, 0)), [])
+    s = _samples(metrics)
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [s[(per_pos, (("position", str(i)),))] for i in range(3)] == [2, 1, 0]
+    metrics.record_step(_spec_stats(3, 9, 6, (3, 2, 1)), [])
+    s = _samples(metrics)
+    assert s[("vllm:spec_decode_num_drafts_total", ())] == 3
+    assert s[("vllm:spec_decode_num_draft_tokens_total", ())] == 9
+    assert s[("vllm:spec_decode_num_accepted_tokens_total", ())] == 6
+    assert [s[(per_pos, (("position", str(i)),))] for i in range(3)] == [3, 2, 1]
+
+
 def test_latencies_tokens_and_finish_reasons():
     metrics = EngineMetrics("m")
     metrics.record_step(None, [_output("a", 0)])  # prefill chunk, no token yet
