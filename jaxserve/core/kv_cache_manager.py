@@ -118,8 +118,9 @@ class KVCacheManager:
         the ``num_gpu_blocks`` argument is not given).
       num_gpu_blocks: total blocks on the device, null block included (>= 2); usually from
         :func:`jaxserve.core.kv_cache_utils.compute_num_gpu_blocks`.
-      max_num_batched_tokens: most tokens one request computes in one step (the scheduler's
-        budget): bounds what a sliding group holds at once (its admission need and the
+      max_num_batched_tokens: most positions one request's tables reach past its computed
+        tokens in one step (the scheduler's budget, plus speculative decoding's lookahead
+        slots): bounds what a sliding group holds at once (its admission need and the
         capacity check); None: no bound (a sliding group is counted for the whole sequence).
 
     Raises:

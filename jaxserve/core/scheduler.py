@@ -160,8 +160,11 @@ class Scheduler:
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
+        # A step's tables reach past its tokens by the draft model's lookahead slots: a sliding
+        # group's peak (KVCacheManager's max_num_batched_tokens) counts them too.
+        lookahead = 0 if speculative_config is None else speculative_config.num_lookahead_tokens
         self.kv_cache_manager = KVCacheManager(
-            cache_config, num_gpu_blocks, scheduler_config.max_num_batched_tokens
+            cache_config, num_gpu_blocks, scheduler_config.max_num_batched_tokens + lookahead
         )
         self.block_size = cache_config.block_size
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens

@@ -325,6 +325,8 @@ def initialize_kv_cache(runner: RunnerFields) -> KVCacheSpec:
         peak = profile_peak_activation_bytes(runner)
         runner.compile_seconds += time.perf_counter() - t0
     layout = runner.kv_layout
+    speculative = runner.config.speculative
+    lookahead = 0 if speculative is None else speculative.num_lookahead_tokens  # Scheduler's too
     spec = determine_kv_cache_spec(
         num_layers=layout.num_tensors,
         num_kv_heads=arch.num_kv_heads,
@@ -339,7 +341,7 @@ def initialize_kv_cache(runner: RunnerFields) -> KVCacheSpec:
             layout.sliding_windows,
             runner.max_model_len,
             runner.block_size,
-            runner.config.scheduler.max_num_batched_tokens,
+            runner.config.scheduler.max_num_batched_tokens + lookahead,
         ),
         device=devices,
         peak_activation_bytes=peak,
