@@ -35,6 +35,7 @@ def spec_scheduler(
     disable_by_batch_size: int | None = None,
     max_model_len: int = 256,
     threshold: int = 0,
+    kv_cache_groups: tuple[int | None, ...] = (),
 ) -> Scheduler:
     spec = SpeculativeConfig(
         method=method,
@@ -48,7 +49,7 @@ def spec_scheduler(
             max_model_len=max_model_len,
             long_prefill_token_threshold=threshold,
         ),
-        CacheConfig(block_size=block_size),
+        CacheConfig(block_size=block_size, kv_cache_groups=kv_cache_groups),
         num_gpu_blocks=num_blocks,
         speculative_config=spec,
     )
@@ -372,3 +373,40 @@ def _output(out: SchedulerOutput, tokens: dict[str, list[int]]) -> ModelRunnerOu
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=[tokens.get(r, []) for r in req_ids],
     )
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("groups", [(None, 6), (6,), (None, 11, 6)])
+@pytest.mark.parametrize("small", [False, True])  # small: a pool where requests preempt
+def test_hybrid_groups_lookahead_rollback_prefix_hits_and_no_leak(method, groups, small):
+    """Speculation over the hybrid KV cache's groups (sliding windows of 6 and 11 tokens beside
+    a full-attention group, or every layer sliding): the drafts' and lookahead positions lie in
+    blocks the request holds in every group, a window's freeing leaves every key a known or
+    draft token reads, rejected drafts are rolled back with the per-group tables, the prefix
+    cache holds accepted tokens only (a second wave's prompts are the first wave's whole
+    sequences: their hits cover blocks where drafts were rejected), outputs are exact and no
+    block leaks."""
+    num_blocks = {1: 10, 2: 24, 3: 30}[len(groups)] if small else 64
+    s = spec_scheduler(num_blocks=num_blocks, budget=24, method=method, kv_cache_groups=groups)
+    assert s.kv_cache_manager.sliding_windows == groups
+    runner = SpecFakeRunner(s, seed=num_blocks)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 900) for _ in range(rng.randint(1, 13))] for _ in range(6)]
+    first = [make_request(f"a{i}", p) for i, p in enumerate(prompts)]
+    outputs = run(s, runner, first)
+    for r, p in zip(first, prompts):
+        assert outputs[r.request_id] == expected_tokens(r.request_id, len(p), 16)
+    second_prompts = [p + outputs[f"a{i}"] for i, p in enumerate(prompts)]
+    second = [make_request(f"b{i}", p, max_tokens=12) for i, p in enumerate(second_prompts)]
+    outputs = run(s, runner, second)
+    for r, p in zip(second, second_prompts):
+        assert outputs[r.request_id] == expected_tokens(r.request_id, len(p), 12)
+    kv = s.kv_cache_manager
+    assert kv.num_free_blocks == num_blocks - 1 and not kv.req_to_blocks  # no block leaked
+    assert runner.drafted > runner.accepted > 0
+    if method == "draft_model" and None in groups:
+        assert runner.lookahead_writes > 0
+    if small:
+        assert any(r.ledger.preemptions for r in first + second)
+    else:  # (a small pool evicts the first wave's blocks before the second asks for them)
+        assert s.make_stats().prefix_cache_hits > 0
