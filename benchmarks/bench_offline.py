@@ -27,7 +27,8 @@ medians over the steps where every running request decodes one token, at the mos
 the run reaches (``--num-prompts`` <= ``--max-num-seqs`` keeps all of them running); host =
 schedule + runner host (launch excluded, it is printed apart) + output. ``--stream`` makes each
 request stream (an output per step, detokenized, as the server's requests do) instead of
-``final_only``. At 256 running requests:
+``final_only``; with ``--output-kind delta`` those outputs hold only what is new (the server's
+streams, #34) instead of the whole text and token list so far. At 256 running requests:
   .venv/bin/python benchmarks/bench_offline.py --num-prompts 256 --input-len 32 --output-len 256 \
       --max-num-seqs 256 --max-num-batched-tokens 2048 --token-buckets 256,2048 --dtype float32
 
@@ -79,6 +80,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="stream every request (an output per step, detokenized, like the server) "
         "instead of final_only",
+    )
+    parser.add_argument(
+        "--output-kind",
+        choices=["cumulative", "delta"],
+        default="cumulative",
+        help="with --stream: what each output holds (RequestOutputKind; the server's streams "
+        "use delta)",
     )
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument(
@@ -139,13 +147,17 @@ def run_workload(engine, args: argparse.Namespace, startup_s: float) -> dict:
     import jax
     import numpy as np
 
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
     runner = engine.runner
     rng = np.random.default_rng(args.bench_seed)
     vocab = engine.vocab_size
     params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=None
+        temperature=args.temperature,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        seed=None,
+        output_kind=RequestOutputKind[args.output_kind.upper()],
     )
     in_lo, in_hi = _len_range(args.input_len, args.random_range_ratio)
     out_lo, out_hi = _len_range(args.output_len, args.random_range_ratio)

@@ -186,9 +186,11 @@ class SchedulerConfig:
       max_waiting_requests: the server answers 503 above this many waiting requests (0 = no cap).
       async_scheduling: plan and dispatch step N+1 while step N runs on the device (the
         engine's outputs come one step behind; see ``LLMEngine.step``).
+      stream_interval: output tokens a streamed request buffers per output (one SSE chunk);
+        its first token and its final output are never held back (vLLM's ``stream_interval``).
 
     Raises:
-      ValueError: max_num_batched_tokens, max_num_seqs or max_model_len < 1,
+      ValueError: max_num_batched_tokens, max_num_seqs, max_model_len or stream_interval < 1,
         long_prefill_token_threshold or max_waiting_requests < 0, or an unknown policy
         (reported as ``scheduling_policy``, the CLI flag's name).
     """
@@ -201,6 +203,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_waiting_requests: int = 0
     async_scheduling: bool = True
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -219,6 +222,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
 
     @property
     def chunk_limit(self) -> int:
@@ -458,6 +463,132 @@ class ParallelConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+"""Values of ``--speculative-config``'s ``method`` (vLLM's names)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023), vLLM's ``--speculative-config``.
+
+    A proposer guesses up to ``num_speculative_tokens`` (K) next tokens of a decoding request;
+    the target model scores them all in one step (1 + K query tokens) and keeps the longest
+    prefix its own sampler agrees with, plus one token of its own (docs/ARCHITECTURE.md,
+    "Speculative decoding").
+
+    Attributes:
+      method: "ngram" (prompt lookup: the K tokens that followed the latest earlier occurrence
+        of the sequence's last n tokens) or "draft_model" (a small model with the same
+        vocabulary, run greedily for K tokens, with its own paged KV cache on the target's
+        block tables).
+      num_speculative_tokens: K, draft tokens per request per step (>= 1).
+      prompt_lookup_max, prompt_lookup_min: ngram: the longest and shortest n tried (n from
+        max down to min; the longest match wins). vLLM's defaults: 5 and 5 when neither is
+        given, the other's value when one is missing.
+      model: draft_model: the draft model's path (HF directory, our orbax layout or .gguf); its
+        vocabulary must be the target's.
+      disable_by_batch_size: speculation is skipped in a step while more than this many
+        requests are running or waiting (None: never); vLLM V0's knob.
+
+    Raises:
+      ValueError: an unknown method, K < 1, lookup sizes < 1 or min > max, ngram fields with
+        draft_model or the reverse, draft_model without a model, disable_by_batch_size < 1
+        (each message starts with ``speculative_config.<field>``).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"speculative_config.{field}: {why}")
+
+        if self.method not in SPECULATIVE_METHODS:
+            raise bad("method", f"must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if value is None and name != "num_speculative_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(name, f"must be an integer, got {value!r}")
+            if value < 1:
+                raise bad(name, f"must be >= 1, got {value}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise bad(
+                "num_speculative_tokens",
+                f"must be <= {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}",
+            )
+        if self.method == "ngram":
+            if self.model is not None:
+                raise bad("model", "is for method draft_model, not ngram")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+            if lo > hi:
+                raise bad("prompt_lookup_min", f"({lo}) must be <= prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        else:
+            for name in ("prompt_lookup_max", "prompt_lookup_min"):
+                if getattr(self, name) is not None:
+                    raise bad(name, "is for method ngram, not draft_model")
+            if not isinstance(self.model, str) or not self.model:
+                raise bad("model", "method draft_model needs the draft model's path")
+        size = self.disable_by_batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise bad("disable_by_batch_size", f"must be an integer >= 1, got {size!r}")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs beyond its step's tokens for the proposer's own writes: the
+        draft model writes K/V for its K - 1 further inputs after the step's last token (plus
+        the bonus token's, when every draft is accepted); n-gram writes none."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parses ``--speculative-config`` (a JSON object with vLLM's field names).
+
+        ``method`` may be left out when ``model`` is given (then "draft_model", as vLLM
+        detects it).
+
+        Raises:
+          ValueError: not a JSON object, an unknown field, a missing field or a bad value
+            (named: ``speculative_config.<field>: ...``).
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"speculative_config: not valid JSON ({e.msg} at char {e.pos})"
+            ) from None
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"speculative_config: must be a JSON object, got {type(data).__name__}"
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(
+                f"speculative_config.{unknown[0]}: unknown field (known: {', '.join(names)})"
+            )
+        if "method" not in data and data.get("model"):
+            data = {**data, "method": "draft_model"}
+        for name in ("method", "num_speculative_tokens"):
+            if data.get(name) is None:
+                raise ValueError(f"speculative_config.{name}: required")
+        return cls(**data)
+
+
+MAX_SPECULATIVE_TOKENS = 16
+"""Most draft tokens per request per step (``num_speculative_tokens``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """All resolved configs of one engine.
@@ -466,6 +597,7 @@ class EngineConfig:
       ledger_history: finished requests whose ledgers the engine keeps (a ring; 0 = none).
       parallel: tensor parallel size and the multi-process layout.
       serving: how the OpenAI-compatible layer treats requests.
+      speculative: speculative decoding, or None (off).
     """
 
     model: ModelConfig
@@ -476,6 +608,7 @@ class EngineConfig:
     ledger_history: int = 1000
     parallel: ParallelConfig = ParallelConfig()
     serving: ServingConfig = ServingConfig()
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.ledger_history < 0:
@@ -667,6 +800,13 @@ class EngineArgs:
         default=True,
         metadata=_meta("plan and dispatch step N+1 while step N runs (outputs one step behind)"),
     )
+    stream_interval: int = dataclasses.field(
+        default=1,
+        metadata=_meta(
+            "output tokens buffered per streamed chunk; the first token and the final chunk are "
+            "never held back"
+        ),
+    )
     attention_backend: str = dataclasses.field(
         default="auto",
         metadata=_meta(
@@ -745,6 +885,16 @@ class EngineArgs:
     process_id: int = dataclasses.field(
         default=0,
         metadata=_meta("this process's index; 0 serves, the others run the steps it sends"),
+    )
+    speculative_config: str | dict | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "speculative decoding, a JSON object (vLLM's): "
+            '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
+            '"prompt_lookup_min": M} or {"method": "draft_model", "model": PATH, '
+            '"num_speculative_tokens": K}; optional "disable_by_batch_size": B (off while more '
+            "than B requests run or wait); default: off"
+        ),
     )
 
     @classmethod
@@ -829,7 +979,19 @@ class EngineArgs:
 
             load_chat_template(self.chat_template)  # unreadable or not Jinja: named
         config.serving.default_sampling_params(path)  # a bad generation_config.json, named
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model":
+            try:
+                check_model_path(spec.model, self.draft_load_format, need_tokenizer=False)
+            except ValueError as e:
+                raise ValueError(f"speculative_config.model: {e}") from None
         return config
+
+    @property
+    def draft_load_format(self) -> str:
+        """How a draft model loads: random weights of its config when the target's do
+        (``--load-format dummy``, for timing at real shapes), else as its files say."""
+        return "dummy" if self.load_format == "dummy" else "auto"
 
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         """Resolves the per-component configs once the model's own max length is known.
@@ -912,6 +1074,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 max_waiting_requests=self.max_waiting_requests,
                 async_scheduling=self.async_scheduling,
+                stream_interval=self.stream_interval,
             ),
             runner=RunnerConfig(
                 attention_backend=self.attention_backend,
@@ -937,7 +1100,27 @@ class EngineArgs:
                 enable_log_requests=self.enable_log_requests,
                 max_log_len=self.max_log_len,
             ),
+            speculative=self.speculative(),
         )
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The SpeculativeConfig of ``speculative_config`` (a JSON string, or a dict from
+        ``LLM(speculative_config={...})``), checked against the other flags; None when off.
+
+        Raises:
+          ValueError: a bad speculative config (``speculative_config.<field>: ...``), or a
+            draft model together with KV offloading (its host tier keeps the target's K/V only).
+        """
+        raw = self.speculative_config
+        if raw is None or raw == "":
+            return None
+        spec = SpeculativeConfig.from_json(raw if isinstance(raw, str) else json.dumps(raw))
+        if spec.method == "draft_model" and self.kv_offloading_size > 0:
+            raise ValueError(
+                "speculative_config.method: draft_model cannot be combined with "
+                "--kv-offloading-size (the host tier keeps the target's K/V only)"
+            )
+        return spec
 
     def parallel_config(self) -> ParallelConfig:
         """The ParallelConfig of these args (checked; needed before the model loads, to start

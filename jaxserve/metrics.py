@@ -177,6 +177,7 @@ class _RequestState:
     ttft_recorded: bool = False
     last_token_time: float | None = None
     max_sample_tokens: int = 0  # most tokens of one sample so far (n > 1: the longest)
+    sample_tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # by sample index
 
 
 class EngineMetrics:
@@ -222,10 +223,16 @@ class EngineMetrics:
         # set from its field, a counter grown from its ``_total`` field.
         self._gauges: list[tuple[str, Any]] = []
         self._counters: list[tuple[str, Any]] = []
+        self._position_counters: list[tuple[str, Any, str]] = []
         for stat in EXPORTED:
             if stat.kind == GAUGE:
                 family = Gauge(prefix + stat.metric, stat.doc, labels, registry=reg)
                 self._gauges.append((stat.name, family.labels(model_name)))
+            elif stat.type is tuple:  # a counter per position
+                family = Counter(
+                    prefix + stat.metric, stat.doc, labels + ["position"], registry=reg
+                )
+                self._position_counters.append((stat.name + "_total", family, model_name))
             else:
                 family = Counter(prefix + stat.metric, stat.doc, labels, registry=reg)
                 self._counters.append((stat.name + "_total", family.labels(model_name)))
@@ -353,13 +360,26 @@ class EngineMetrics:
             self._totals[name] = total
             if grown > 0:
                 counter.inc(grown)
+        for name, family, model_name in self._position_counters:
+            totals = getattr(stats, name, ())
+            for pos, total in enumerate(totals):
+                key = f"{name}[{pos}]"
+                grown = total - self._totals.get(key, 0)
+                self._totals[key] = total
+                child = family.labels(model_name, str(pos))  # every position shows, 0 or not
+                if grown > 0:
+                    child.inc(grown)
 
     def _record_output(self, output: RequestOutput) -> None:
         state = self._requests.setdefault(output.request_id, _RequestState())
-        new_tokens = sum(len(c.delta_token_ids) for c in output.outputs)
-        for completion in output.outputs:
-            if len(completion.token_ids) > state.max_sample_tokens:
-                state.max_sample_tokens = len(completion.token_ids)
+        new_tokens = 0  # most new tokens of one sample: steps this output covers
+        for completion in output.outputs:  # counted from the deltas, whatever the output kind
+            added = len(completion.delta_token_ids)
+            count = state.sample_tokens.get(completion.index, 0) + added
+            # a cumulative or final-only output lists them all
+            count = state.sample_tokens[completion.index] = max(count, len(completion.token_ids))
+            new_tokens = max(new_tokens, added)
+            state.max_sample_tokens = max(state.max_sample_tokens, count)
         m = output.metrics
         if m is not None:
             if not state.ttft_recorded and m.first_token_time is not None:
@@ -375,7 +395,10 @@ class EngineMetrics:
                 and m.last_token_time is not None
                 and m.last_token_time > state.last_token_time
             ):
-                self.inter_token_latency.observe(m.last_token_time - state.last_token_time)
+                # an output of several steps' tokens (--stream-interval): one gap per step
+                gap = (m.last_token_time - state.last_token_time) / new_tokens
+                for _ in range(new_tokens):
+                    self.inter_token_latency.observe(gap)
             if m.last_token_time is not None:
                 state.last_token_time = m.last_token_time
         if output.finished:

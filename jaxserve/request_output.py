@@ -2,8 +2,9 @@
 
 Follows vLLM's ``vllm/outputs.py``: a ``RequestOutput`` per (parent) request, whose
 ``outputs[k]`` is the k-th of its ``n`` samples. Fields are cumulative (the whole text and token
-list so far); the ``delta_*`` fields hold what this engine step added, which is what a stream
-sends. Logprobs use vLLM's layout: one ``{token_id: Logprob}`` dict per position, holding the
+list so far); the ``delta_*`` fields hold what was added since the request's previous output,
+which is what a stream sends. A request whose ``SamplingParams.output_kind`` is DELTA (the
+server's streams) gets outputs whose text, token ids and logprobs are those deltas too. Logprobs use vLLM's layout: one ``{token_id: Logprob}`` dict per position, holding the
 chosen token and the top alternatives. Plain dataclasses, no jax.
 """
 

@@ -18,6 +18,7 @@ probable token (greedy among ties broken by token id).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from typing import Any
@@ -162,6 +163,23 @@ per sample and step (``jaxserve.tokenizer.stop_strings``): it reads only the las
 ``new + MAX_STOP_STRING_CHARS`` characters, never the whole output."""
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a request holds (vLLM's ``RequestOutputKind``).
+
+    CUMULATIVE: an output per step that progressed, with the whole text, token ids and
+      logprobs so far (copied every step) and the step's ``delta_*``.
+    DELTA: an output per step that progressed, from the first token on, holding only what is
+      new since the previous output (``text``, ``token_ids`` and ``logprobs`` are the
+      ``delta_*`` fields; the prompt logprobs, whole, are one list shared by every output):
+      a stream's per-step cost does not grow with its length.
+    FINAL_ONLY: one output, when the request finished, cumulative.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 def check_stop_caps(stop: Any) -> None:
     """Checks the stop list against ``MAX_STOP_STRINGS`` and ``MAX_STOP_STRING_CHARS``.
 
@@ -247,6 +265,8 @@ class SamplingParams:
         in a worker thread so the engine thread only copies it; None lets the engine prepare
         it at ``add_request``. Not compared, not shown, and pickled as None (another process
         prepares its own).
+      output_kind: what each RequestOutput holds (:class:`RequestOutputKind`); the server asks
+        for DELTA when streaming and FINAL_ONLY otherwise.
 
     Raises:
       ValueError: a field is out of range or of the wrong type; the message starts with its
@@ -276,6 +296,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = dataclasses.field(default_factory=list)
     token_mask_plan: Any = dataclasses.field(default=None, compare=False, repr=False)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1, 128)
@@ -375,6 +396,13 @@ class SamplingParams:
                 "allowed"
             )
         self.bad_words = list(self.bad_words)
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(
+                f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
+                f"got {self.output_kind!r}"
+            ) from None
 
     @property
     def needs_token_mask(self) -> bool:
@@ -383,6 +411,19 @@ class SamplingParams:
         return (
             self.structured_outputs is not None
             or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
+
+    @property
+    def needs_output_history(self) -> bool:
+        """True when its next token's distribution depends on its output so far beyond what the
+        sampler sees per step (penalties, structured outputs, bad_words): under async scheduling
+        it waits for its token in flight, and it never speculates (docs/ARCHITECTURE.md)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.structured_outputs is not None
             or bool(self.bad_words)
         )
 

@@ -47,7 +47,8 @@ class Stat:
       metric: the Prometheus family it feeds, without the namespace (``None``: not exported).
       engine: False for a scheduler figure that stays in SchedulerStats (read by the
         scheduler's tests), not carried into EngineStats.
-      type: ``int`` or ``float``.
+      type: ``int``, ``float``, or ``tuple`` (a counter per position, exported with a
+        ``position`` label; totals add position by position, ``add_counts``).
     """
 
     name: str
@@ -159,6 +160,37 @@ STATS: tuple[Stat, ...] = (
         "prompt_tokens",
     ),
     Stat("num_generation_tokens", COUNTER, ENGINE, "Generated tokens.", "generation_tokens"),
+    # Speculative decoding (vLLM's families): a draft is one request's drafts in one step.
+    Stat(
+        "spec_decode_num_drafts",
+        COUNTER,
+        SCHEDULER,
+        "Speculative decoding: drafts verified (one request's draft tokens in one step).",
+        "spec_decode_num_drafts",
+    ),
+    Stat(
+        "spec_decode_num_draft_tokens",
+        COUNTER,
+        SCHEDULER,
+        "Speculative decoding: draft tokens verified.",
+        "spec_decode_num_draft_tokens",
+    ),
+    Stat(
+        "spec_decode_num_accepted_tokens",
+        COUNTER,
+        SCHEDULER,
+        "Speculative decoding: draft tokens accepted.",
+        "spec_decode_num_accepted_tokens",
+    ),
+    # One count per draft position (0 = the first draft token); exported with a position label.
+    Stat(
+        "spec_decode_num_accepted_tokens_per_pos",
+        COUNTER,
+        SCHEDULER,
+        "Speculative decoding: draft tokens accepted, by position in the draft.",
+        "spec_decode_num_accepted_tokens_per_pos",
+        type=tuple,
+    ),
     # Not exported.
     Stat(
         "prefix_cache_requests",
@@ -225,6 +257,15 @@ COUNTER_TOTALS: tuple[tuple[str, str], ...] = tuple(
 """(counter, its running total) of every EngineStats counter."""
 
 
+def add_counts(a: int | tuple, b: int | tuple) -> int | tuple:
+    """``a + b`` for a counter: ints add; per-position tuples add position by position (the
+    shorter one padded with zeros)."""
+    if isinstance(a, tuple):
+        n = max(len(a), len(b))
+        return tuple((a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n))
+    return a + b
+
+
 def _dataclass(
     name: str, summary: str, fields: list[tuple[str, type, str]], *, zero_defaults: bool
 ) -> type:
@@ -238,6 +279,7 @@ def _dataclass(
     return cls
 
 
+_TYPES = {s.name: s.type for s in STATS}
 _WHEN = {GAUGE: "gauge, now", COUNTER: "counter, this step", SECONDS: "running total"}
 
 
@@ -259,7 +301,10 @@ EngineStats = _dataclass(
     "What the metrics layer reads after each step (``LLMEngine.get_stats``): the gauges now, "
     "each counter's latest step and its ``_total`` since start, the engine's time totals.",
     _fields([s for s in STATS if s.kind != SECONDS and s.engine])
-    + [(total, int, f"running sum of ``{name}`` since start") for name, total in COUNTER_TOTALS]
+    + [
+        (total, _TYPES[name], f"running sum of ``{name}`` since start")
+        for name, total in COUNTER_TOTALS
+    ]
     + _fields([s for s in STATS if s.kind == SECONDS]),
     zero_defaults=True,
 )

@@ -5,10 +5,13 @@
 # compiled tests passed, else xla (jnp attention); then KV offloading, async scheduling and
 # structured outputs at the same shapes. Logs in $OUT.
 #
-# The whole script is ~15 minutes, more than one 10-minute device call: run it as two calls,
+# The whole script is ~30 minutes, more than one 10-minute device call: run it in parts,
 #   PART=1 OUT=... bash scripts/gpu_check.sh   # kernel tests + attention bench + 8B offline (~9 min)
 #   PART=2 OUT=... bash scripts/gpu_check.sh   # offloading, async on/off, host cost, structured (~9 min)
-#   PART=3 OUT=... bash scripts/gpu_check.sh   # features: sleep mode (#35), hybrid KV cache (#29) (~6 min)
+#   PART=3 OUT=... bash scripts/gpu_check.sh   # features: sleep mode (#35), hybrid KV cache (#29),
+#                                              # speculative decoding at 8B / 1B shapes (#32) (~14 min)
+# (PART=3 is now longer than one 10-minute call: lower its budgets (SLEEP_BUDGET,
+# HYBRID_TEST_BUDGET, HYBRID_BENCH_BUDGET, SPEC_BUDGET) to fit, or run it where calls are longer.)
 # (PART=2 and 3 use BACKEND, default pallas, since part 1's test log is not there.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +36,6 @@ timeout -k 10 "${OFFLINE_BUDGET:-200}" "$PY" benchmarks/bench_offline.py --model
 echo "offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/offline_8b.log"
 fi
 [ "$PART" = 1 ] && exit 0
-
 if [ "$PART" != 3 ]; then
 echo "== KV offloading: multi-turn hit rate / TTFT off vs on, and host <-> device GB/s (budget ${OFFLOAD_BUDGET:-150}s)"
 # Two 8B engines (async scheduling, the default loop; 'both' would build four); the copies go
@@ -86,3 +88,16 @@ echo "== hybrid KV cache: capacity at 32k (pure Python), decode step at 32k on v
 timeout -k 10 "${HYBRID_BENCH_BUDGET:-200}" "$PY" benchmarks/bench_hybrid_kv.py --attention-backend "$backend" \
     --seqs 16 --rounds 5 2>&1 | grep -v compiling | tee "$OUT/hybrid_bench.log"
 echo "hybrid bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/hybrid_bench.log"
+
+echo "== speculative decoding (#32), Llama-3.1-8B target, Llama-3.2-1B-shaped draft, dummy bf16 (budget ${SPEC_BUDGET:-420}s)"
+# Dummy weights: the drafts are rejected, so on/off tok/s at batch 1 is the step-time ratio of a
+# step verifying K=4 drafts plus the draft's prefill and 4 proposal steps; the speed-up at a
+# mean acceptance length L is about L x that ratio. 64 concurrent with disable_by_batch_size 8:
+# speculation off, which must cost nothing (target >= 0.95x).
+timeout -k 10 "${SPEC_BUDGET:-420}" "$PY" benchmarks/bench_spec_decode.py --model llama-3.1-8b \
+    --draft llama-3.2-1b --load-format dummy --dtype bfloat16 --max-num-seqs 64 \
+    --max-num-batched-tokens 2048 --token-buckets 16,64,256,2048 --max-model-len 2048 \
+    --compilation-cache-dir /tmp/jaxserve-xla --attention-backend "$backend" --rounds 2 \
+    --output-len 128 --num-prompts 4 --concurrent 64 --workloads draft,concurrent \
+    --json-out "$OUT/spec_decode.json" 2>&1 | grep -v compiling | tee "$OUT/spec_decode.log"
+echo "spec decode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/spec_decode.log"

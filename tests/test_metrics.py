@@ -95,18 +95,44 @@ def test_gauges_and_counters_from_stats():
     assert not any(name.endswith("_created") for name, _ in s)
 
 
+def _spec_stats(drafts: int, tokens: int, accepted: int, per_pos: tuple) -> EngineStats:
+    return EngineStats(
+        spec_decode_num_drafts_total=drafts,
+        spec_decode_num_draft_tokens_total=tokens,
+        spec_decode_num_accepted_tokens_total=accepted,
+        spec_decode_num_accepted_tokens_per_pos_total=per_pos,
+    )
+
+
+def test_speculative_decoding_counters_every_position():
+    """vLLM's spec-decode families: totals grow by their difference; every draft position is a
+    sample from the first step that reports it, zero or not."""
+    metrics = EngineMetrics("m", namespace="vllm")
+    metrics.record_step(_spec_stats(2, 6, 3, (2, 1, 0)), [])
+    s = _samples(metrics)
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [s[(per_pos, (("position", str(i)),))] for i in range(3)] == [2, 1, 0]
+    metrics.record_step(_spec_stats(3, 9, 6, (3, 2, 1)), [])
+    s = _samples(metrics)
+    assert s[("vllm:spec_decode_num_drafts_total", ())] == 3
+    assert s[("vllm:spec_decode_num_draft_tokens_total", ())] == 9
+    assert s[("vllm:spec_decode_num_accepted_tokens_total", ())] == 6
+    assert [s[(per_pos, (("position", str(i)),))] for i in range(3)] == [3, 2, 1]
+
+
 def test_latencies_tokens_and_finish_reasons():
     metrics = EngineMetrics("m")
     metrics.record_step(None, [_output("a", 0)])  # prefill chunk, no token yet
     metrics.record_step(None, [_output("a", 1, t=[11.0])])  # TTFT 1.0, queue 0.5
     metrics.record_step(None, [_output("a", 1, t=[11.0, 11.2])])  # ITL 0.2
+    # two steps' tokens in one output (--stream-interval): two gaps of 0.15
     metrics.record_step(None, [_output("a", 2, t=[11.0, 11.5], finished=True, reason="stop", n=2)])
     metrics.record_abort("b", 2)
     s = _samples(metrics)
     assert s[("jaxserve:time_to_first_token_seconds_count", ())] == 1
     assert s[("jaxserve:time_to_first_token_seconds_sum", ())] == 1.0
     assert s[("jaxserve:request_queue_time_seconds_sum", ())] == 0.5
-    assert s[("jaxserve:inter_token_latency_seconds_count", ())] == 2
+    assert s[("jaxserve:inter_token_latency_seconds_count", ())] == 3
     assert abs(s[("jaxserve:inter_token_latency_seconds_sum", ())] - 0.5) < 1e-9
     assert s[("jaxserve:e2e_request_latency_seconds_sum", ())] == 1.5
     assert s[("jaxserve:request_success_total", (("finished_reason", "stop"),))] == 2

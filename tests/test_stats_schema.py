@@ -54,6 +54,9 @@ def test_every_exported_row_feeds_its_family_with_its_help():
     for i, stat in enumerate(EXPORTED, start=1):
         if stat.kind == GAUGE:
             kwargs[stat.name] = values[stat.metric] = i / 100
+        elif stat.type is tuple:  # a counter per position: one sample per position
+            assert stat.kind == COUNTER
+            kwargs[stat.name + "_total"] = values[stat.metric + "_total"] = (10 * i, 10 * i + 1)
         else:
             assert stat.kind == COUNTER
             kwargs[stat.name + "_total"] = values[stat.metric + "_total"] = 10 * i
@@ -68,6 +71,10 @@ def test_every_exported_row_feeds_its_family_with_its_help():
         family = families[f"vllm:{stat.metric}"]
         assert family.documentation == stat.doc
         assert family.type == stat.kind
-        (sample,) = family.samples
         suffix = "_total" if stat.kind == COUNTER else ""
+        if stat.type is tuple:
+            by_position = {int(s.labels["position"]): s.value for s in family.samples}
+            assert by_position == dict(enumerate(values[stat.metric + suffix])), stat.name
+            continue
+        (sample,) = family.samples
         assert sample.value == values[stat.metric + suffix], stat.name

@@ -12,7 +12,13 @@ A run reads ``/metrics`` before and after (counters: ``after - before``) and pol
 * prefix-cache hit rate: growth of ``prefix_cache_hits_total`` / growth of
   ``prefix_cache_queries_total`` (prompt tokens found / looked up), None with no query;
 * peak waiting and running requests (``num_requests_waiting``, ``num_requests_running``) and
-  peak KV-cache usage (``kv_cache_usage_perc``, a fraction in [0, 1]).
+  peak KV-cache usage (``kv_cache_usage_perc``, a fraction in [0, 1]);
+* speculative decoding (vLLM ``bench serve``'s figures): drafts, draft tokens and accepted
+  tokens (growth of ``spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
+  ``..._num_accepted_tokens_total``), the acceptance rate (accepted / draft tokens), the mean
+  acceptance length (1 + accepted / drafts: tokens a step yields per request) and the
+  acceptance rate per draft position (``..._num_accepted_tokens_per_pos_total{position}``
+  growth / drafts).
 
 Peaks are sampled, so a spike shorter than the interval can be missed.
 """
@@ -35,7 +41,12 @@ COUNTERS = {
     "preemptions": "num_preemptions_total",
     "prefix_cache_hits": "prefix_cache_hits_total",
     "prefix_cache_queries": "prefix_cache_queries_total",
+    "spec_decode_num_drafts": "spec_decode_num_drafts_total",
+    "spec_decode_draft_tokens": "spec_decode_num_draft_tokens_total",
+    "spec_decode_accepted_tokens": "spec_decode_num_accepted_tokens_total",
 }
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
+"""The one family read per ``position`` label (kept as ``name[position]``)."""
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -48,6 +59,8 @@ def parse_metrics(text: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name.split(":", 1)[-1]
+            if name == PER_POSITION and "position" in sample.labels:
+                name = f"{name}[{sample.labels['position']}]"
             if name.endswith("_perc"):
                 out[name] = max(out.get(name, sample.value), sample.value)
             else:
@@ -62,6 +75,10 @@ def snapshot(metrics: dict[str, float]) -> dict[str, float | None]:
         out[key] = next((metrics[n] for n in names if n in metrics), None)
     for key, name in COUNTERS.items():
         out[key] = metrics.get(name)
+    pos = 0
+    while f"{PER_POSITION}[{pos}]" in metrics:
+        out[f"spec_decode_accepted_pos{pos}"] = metrics[f"{PER_POSITION}[{pos}]"]
+        pos += 1
     return out
 
 
@@ -145,8 +162,9 @@ def run_figures(
     Returns:
       ``preemptions``, ``prefix_cache_hits``, ``prefix_cache_queries``,
       ``prefix_cache_hit_rate`` (fraction), ``peak_waiting``, ``peak_running``,
-      ``peak_kv_cache_usage`` (fraction), and ``timeline``: ``{"t", "waiting", "running",
-      "kv_cache_usage"}`` lists, one entry per poll.
+      ``peak_kv_cache_usage`` (fraction), ``spec_decode`` (``spec_decode_figures``; None
+      when no draft was verified or the server has no such metrics), and ``timeline``:
+      ``{"t", "waiting", "running", "kv_cache_usage"}`` lists, one entry per poll.
     """
     snaps = [s for _, s in samples] + [s for s in (before, after) if s is not None]
     out: dict[str, Any] = {
@@ -156,6 +174,7 @@ def run_figures(
             "prefix_cache_hits",
             "prefix_cache_queries",
             "prefix_cache_hit_rate",
+            "spec_decode",
         )
     }
     if before is not None and after is not None:
@@ -164,6 +183,7 @@ def run_figures(
         hits, queries = out["prefix_cache_hits"], out["prefix_cache_queries"]
         if hits is not None and queries:
             out["prefix_cache_hit_rate"] = hits / queries
+        out["spec_decode"] = spec_decode_figures(before, after)
     out["peak_waiting"] = _peak([s.get("waiting") for s in snaps])
     out["peak_running"] = _peak([s.get("running") for s in snaps])
     out["peak_kv_cache_usage"] = _peak([s.get("kv_cache_usage") for s in snaps])
@@ -172,3 +192,32 @@ def run_figures(
         **{k: [s.get(k) for _, s in samples] for k in ("waiting", "running", "kv_cache_usage")},
     }
     return out
+
+
+def spec_decode_figures(
+    before: dict[str, float | None], after: dict[str, float | None]
+) -> dict[str, Any] | None:
+    """Speculative decoding over a run, as vLLM's ``bench serve`` reports it: ``num_drafts``,
+    ``draft_tokens``, ``accepted_tokens``, ``acceptance_rate`` (percent of draft tokens
+    accepted), ``acceptance_length`` (1 + accepted / drafts: the mean tokens a speculating
+    request gains per step) and ``per_position_acceptance_rates`` (fractions, one per draft
+    position); None when no draft was verified (or the server does not count them)."""
+    drafts = _delta(before, after, "spec_decode_num_drafts")
+    tokens = _delta(before, after, "spec_decode_draft_tokens")
+    accepted = _delta(before, after, "spec_decode_accepted_tokens")
+    if not drafts or not tokens or accepted is None:
+        return None
+    per_pos = []
+    pos = 0
+    while f"spec_decode_accepted_pos{pos}" in after:
+        key = f"spec_decode_accepted_pos{pos}"
+        per_pos.append((after[key] - (before.get(key) or 0.0)) / drafts)
+        pos += 1
+    return {
+        "num_drafts": int(drafts),
+        "draft_tokens": int(tokens),
+        "accepted_tokens": int(accepted),
+        "acceptance_rate": 100.0 * accepted / tokens,
+        "acceptance_length": 1.0 + accepted / drafts,
+        "per_position_acceptance_rates": per_pos,
+    }

@@ -219,6 +219,14 @@ async def benchmark_serve(
     }
     out.update(compute_metrics(results, duration, config.percentiles))
     out["server"] = run_figures(before, after, poller.samples) if poller is not None else None
+    spec = None if out["server"] is None else out["server"]["spec_decode"]
+    if spec is not None:  # vLLM's result keys
+        out["spec_decode_acceptance_rate"] = spec["acceptance_rate"]
+        out["spec_decode_acceptance_length"] = spec["acceptance_length"]
+        out["spec_decode_num_drafts"] = spec["num_drafts"]
+        out["spec_decode_draft_tokens"] = spec["draft_tokens"]
+        out["spec_decode_accepted_tokens"] = spec["accepted_tokens"]
+        out["spec_decode_per_position_acceptance_rates"] = spec["per_position_acceptance_rates"]
     out["input_lens"] = [r.prompt_len for r in results]
     out["output_lens"] = [r.output_tokens for r in results]
     out["ttfts"] = [r.ttft for r in results]
@@ -318,5 +326,17 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             _row("Prefix-cache hit rate (%):", fmt(server["prefix_cache_hit_rate"], 100.0))
         )
+        spec = server.get("spec_decode")
+        if spec is not None:  # vLLM's section
+            lines.append(_title("Speculative Decoding"))
+            lines.append(_row("Acceptance rate (%):", float(spec["acceptance_rate"])))
+            lines.append(_row("Acceptance length:", float(spec["acceptance_length"])))
+            lines.append(_row("Drafts:", spec["num_drafts"]))
+            lines.append(_row("Draft tokens:", spec["draft_tokens"]))
+            lines.append(_row("Accepted tokens:", spec["accepted_tokens"]))
+            if spec["per_position_acceptance_rates"]:
+                lines.append("Per-position acceptance (%):")
+                for i, rate in enumerate(spec["per_position_acceptance_rates"]):
+                    lines.append(_row(f"  Position {i}:", 100.0 * rate))
     lines.append("=" * 50)
     return "\n".join(lines)

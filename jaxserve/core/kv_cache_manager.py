@@ -118,8 +118,9 @@ class KVCacheManager:
         the ``num_gpu_blocks`` argument is not given).
       num_gpu_blocks: total blocks on the device, null block included (>= 2); usually from
         :func:`jaxserve.core.kv_cache_utils.compute_num_gpu_blocks`.
-      max_num_batched_tokens: most tokens one request computes in one step (the scheduler's
-        budget): bounds what a sliding group holds at once (its admission need and the
+      max_num_batched_tokens: most positions one request's tables reach past its computed
+        tokens in one step (the scheduler's budget, plus speculative decoding's lookahead
+        slots): bounds what a sliding group holds at once (its admission need and the
         capacity check); None: no bound (a sliding group is counted for the whole sequence).
 
     Raises:
@@ -417,6 +418,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: PrefixHit | None = None,
         new_request: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Grows the request's block tables to hold ``num_new_tokens`` more tokens.
 
@@ -439,6 +441,9 @@ class KVCacheManager:
           num_new_computed_tokens: tokens of a prefix-cache hit (on admission), block-aligned.
           new_computed_blocks: the hit from :meth:`get_computed_blocks`.
           new_request: apply the watermark (admission of a waiting request).
+          num_lookahead_tokens: slots to hold beyond those tokens (speculative decoding: the
+            draft model's own K/V writes after the step's last token); they are never
+            registered in the prefix cache (vLLM's ``num_lookahead_tokens``).
 
         Returns:
           The newly allocated blocks per group (not the hit blocks; host hits' load targets
@@ -454,14 +459,17 @@ class KVCacheManager:
         end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         req_id = request.request_id
         # Fast path (decode): the tables have room and no block fills up (get_noop_ends).
-        if not num_new_computed_tokens and end <= self._noop_end.get(req_id, 0):
+        if not num_new_computed_tokens and end + num_lookahead_tokens <= self._noop_end.get(
+            req_id, 0
+        ):
             return ()
         block_size = self.block_size
         tables = self.req_to_blocks.get(req_id)
         if tables is not None and not num_new_computed_tokens:
             # A running request grows (a decode step crossing a block boundary, a prompt chunk).
+            # Lookahead slots in every group: all tables cover the same positions.
             first = tables[0]
-            num_new_blocks = -(-end // block_size) - len(first)
+            num_new_blocks = -(-(end + num_lookahead_tokens) // block_size) - len(first)
             if num_new_blocks > 0:
                 if self._sliding:
                     self._remove_skipped(tables, request.num_computed_tokens)
@@ -486,7 +494,12 @@ class KVCacheManager:
                 new_blocks = ()  # room in the tables, but a block fills up
         else:
             new_blocks = self._allocate_admission(
-                request, tables, end, num_new_computed_tokens, new_computed_blocks, new_request
+                request,
+                tables,
+                end + num_lookahead_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                new_request,
             )
             if new_blocks is None:
                 return None
@@ -534,7 +547,8 @@ class KVCacheManager:
         new_request: bool,
     ) -> KVCacheBlocks | None:
         """allocate_slots for a request that holds no blocks yet (admission) or brings
-        prefix-cache hits."""
+        prefix-cache hits; ``end``: the ledger end its tables must hold, lookahead slots
+        included."""
         req_id = request.request_id
         bs = self.block_size
         first_allocation = tables is None

@@ -9,6 +9,8 @@ where something happens to a request:
   (the decode fast path appends the step index to ``decode_steps`` itself: one list append);
 * ``preempted``: evicted by recompute, with the tokens whose K/V it threw away and the blocks
   it held in each KV-cache group (a sliding-window group holds only its window's);
+* ``speculated``: a step verified draft tokens of it (speculative decoding): how many were
+  drafted and how many accepted;
 * ``finished``: freed, for any reason (keeps the request's times and counts, so the ledger
   outlives the request and its token lists; the request hands them over in ``close_ledger``).
 
@@ -55,6 +57,9 @@ class RequestLedger:
         offloading is off.
       high_water: most tokens whose K/V it ever had (set at preemption); positions below it
         computed again are recomputed.
+      num_drafts, num_draft_tokens, num_accepted_tokens: speculative decoding: steps that
+        verified drafts of it, the draft tokens they verified, and those accepted (a step's
+        rejected drafts computed K/V that was rolled back).
       request_id .. finish_reason: copied from the request by ``finished``.
     """
 
@@ -65,6 +70,9 @@ class RequestLedger:
         "device_hit_tokens",
         "host_hit_tokens",
         "high_water",
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
         "request_id",
         "arrival_time",
         "first_scheduled_time",
@@ -84,6 +92,7 @@ class RequestLedger:
         self.device_hit_tokens = 0
         self.host_hit_tokens: int | None = None
         self.high_water = 0
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.request_id = ""
         self.arrival_time = self.first_scheduled_time = self.first_token_time = None
         self.finished_time = None
@@ -137,6 +146,12 @@ class RequestLedger:
         self.preemptions.append([step, now, num_computed, None, None, 0, 0, None, 0, group_blocks])
         if num_computed > self.high_water:
             self.high_water = num_computed
+
+    def speculated(self, num_draft: int, num_accepted: int) -> None:
+        """A step verified ``num_draft`` draft tokens of it and accepted ``num_accepted``."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
 
     def resumed_from_host(self, loads: bool, num_tokens: int) -> None:
         """At a resume (before ``admitted``): ``num_tokens`` tokens were found in the host KV
@@ -244,6 +259,11 @@ class RequestLedger:
             "num_decode_steps": len(self.decode_steps),
             "num_preemptions": len(preemptions),
             "num_recomputed_tokens": self.num_recomputed_tokens,
+            "speculative": {
+                "num_drafts": self.num_drafts,
+                "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+            },
             "preemptions": preemptions,
             "steps": steps,
         }

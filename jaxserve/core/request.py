@@ -105,7 +105,12 @@ class Request:
       num_output_placeholders: tokens scheduled to be sampled whose ids are not known yet
         (async scheduling; 0 between steps of the synchronous loop).
       needs_output_history: its sampling reads the output so far (penalties, structured
-        outputs, bad_words), so it is not scheduled while a token of it is in flight.
+        outputs, bad_words), so it is not scheduled while a token of it is in flight; nor
+        does it speculate (its next token's distribution depends on the drafts before it).
+      spec_token_ids: speculative decoding: the proposer's draft tokens for its next step
+        (proposed when its latest tokens landed; consumed, and emptied, when it is scheduled).
+      num_spec_in_flight: draft tokens of it in a step not yet updated (its position after
+        that step is not known until their verification lands: it waits for it).
     """
 
     __slots__ = (
@@ -135,6 +140,8 @@ class Request:
         "ledger",
         "num_output_placeholders",
         "needs_output_history",
+        "spec_token_ids",
+        "num_spec_in_flight",
     )
 
     def __init__(
@@ -184,14 +191,9 @@ class Request:
         # Its next token's distribution reads its output so far on the host (penalties, a
         # grammar's matcher, bad_words): with a token in flight it waits for it instead of being
         # scheduled (async scheduling stays exact).
-        p = sampling_params
-        self.needs_output_history = (
-            p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0
-            or p.repetition_penalty != 1.0
-            or p.structured_outputs is not None
-            or bool(p.bad_words)
-        )
+        self.needs_output_history = sampling_params.needs_output_history
+        self.spec_token_ids: list[int] = []
+        self.num_spec_in_flight = 0
 
     @property
     def num_tokens(self) -> int:

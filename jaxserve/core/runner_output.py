@@ -70,7 +70,8 @@ class ModelRunnerOutput:
         ``SchedulerOutput.num_scheduled_tokens``, in the runner's batch order).
       req_id_to_index: req_id -> index into the per-request lists below.
       sampled_token_ids: per request, the tokens sampled this step: ``[t]`` when the request
-        reached the end of its known tokens, ``[]`` when the step only advanced a prompt chunk.
+        reached the end of its known tokens, ``[]`` when the step only advanced a prompt chunk;
+        with draft tokens, the drafts the sampler agreed with and then its own token (1 to k + 1).
         The scheduler may pass these lists on as ``EngineCoreOutput.new_token_ids``: build
         fresh ones each step and do not mutate them afterwards.
       logprobs: None when no request in the step asked for logprobs; otherwise per request a
@@ -82,6 +83,9 @@ class ModelRunnerOutput:
         and the engine reports None there).
       sampled_flat: when every request of the step sampled exactly one token, those tokens in
         ``req_ids`` order (``sampled_token_ids[i] == [sampled_flat[i]]``); else None.
+      draft_token_ids: speculative decoding (``SchedulerOutput.speculate``): req_id -> the
+        proposer's draft tokens for the request's next step, which follow the tokens this step
+        sampled for it (possibly empty); None when the step proposed nothing.
     """
 
     req_ids: list[str]
@@ -90,6 +94,7 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs]] | None = None
     prompt_logprobs_dict: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
     sampled_flat: list[int] | None = None
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

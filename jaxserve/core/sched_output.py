@@ -15,6 +15,11 @@ One step, for the runner:
   5. sample one token for each request whose ``num_computed_tokens + num_scheduled_tokens``
      reaches its current length (prompt + output so far); a partial prefill chunk samples
      nothing.
+
+Speculative decoding: a decoding request may carry draft tokens
+(``scheduled_spec_decode_tokens``): its step computes its last known token plus the drafts (1 +
+k query tokens, all counted in ``num_scheduled_tokens``), and the runner returns the drafts its
+sampler agrees with plus one token of its own (1 to k + 1 tokens).
 """
 
 from __future__ import annotations
@@ -115,6 +120,12 @@ class SchedulerOutput:
         recorded the previous step's samples, or reads them on the device), ``new_block_ids``
         set only for the requests that crossed a block boundary. The runner may build the step
         from the previous one (it checks its own rows still match).
+      scheduled_spec_decode_tokens: req_id -> the draft tokens this step verifies for it
+        (vLLM's name); they follow its known tokens, at positions ``num_computed_tokens + 1``
+        on, and are part of its ``num_scheduled_tokens``. Empty when no request speculates.
+      speculate: speculative decoding is on for this step (not disabled by batch size): the
+        runner proposes drafts for the next step of each request that samples in this one
+        (``ModelRunnerOutput.draft_token_ids``) whose sampling allows it.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -125,6 +136,8 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     kv_transfers: KVTransfers | None = None
     steady_decode: bool = False
+    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    speculate: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -65,7 +65,7 @@ from jaxserve.core.sched_output import CachedRequestData, NewRequestData, Schedu
 from jaxserve.stats_schema import SchedulerStats
 
 if TYPE_CHECKING:
-    from jaxserve.config import CacheConfig, SchedulerConfig
+    from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 
 _RUNNING = RequestStatus.RUNNING
 _FINISH_REASON = {
@@ -96,6 +96,8 @@ class _Step:
     pending_blocks: int = 0
     admit: bool = True  # False once the waiting queue is blocked for this step
     samples: list[bool] = dataclasses.field(default_factory=list)  # per scheduled: samples a token
+    spec_on: bool = False  # speculative decoding on for this step (not disabled by batch size)
+    spec: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # req_id -> its drafts
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -141,6 +143,12 @@ class Scheduler:
       cache_config: block_size, enable_prefix_caching, watermark (and num_gpu_blocks).
       num_gpu_blocks: KV blocks on the device, null block included; defaults to
         ``cache_config.num_gpu_blocks``.
+      speculative_config: speculative decoding (None: off). A decoding request then carries
+        its proposer's drafts (``Request.spec_token_ids``, at most K, within the token budget,
+        ``max_tokens`` and ``max_model_len``) as extra query tokens; ``update_from_output``
+        rolls its ledger back over the drafts the runner rejected. While speculation is on, a
+        request with a token in flight waits for it (async scheduling): its drafts are proposed
+        from its latest tokens.
     """
 
     def __init__(
@@ -148,11 +156,15 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         num_gpu_blocks: int | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
+        # A step's tables reach past its tokens by the draft model's lookahead slots: a sliding
+        # group's peak (KVCacheManager's max_num_batched_tokens) counts them too.
+        lookahead = 0 if speculative_config is None else speculative_config.num_lookahead_tokens
         self.kv_cache_manager = KVCacheManager(
-            cache_config, num_gpu_blocks, scheduler_config.max_num_batched_tokens
+            cache_config, num_gpu_blocks, scheduler_config.max_num_batched_tokens + lookahead
         )
         self.block_size = cache_config.block_size
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
@@ -186,6 +198,16 @@ class Scheduler:
         self._running_removals = 0
         self._steady: _SteadyDecode | None = None
         self._decode_epoch = -1  # _running_epoch at the latest all-decode general step
+        # Speculative decoding: K (0 = off), the draft model's lookahead slots, the batch size
+        # above which it is skipped, and the interval counters of make_stats.
+        spec = speculative_config
+        self.speculative_config = spec
+        self._spec_k = 0 if spec is None else spec.num_speculative_tokens
+        self._spec_lookahead = 0 if spec is None else spec.num_lookahead_tokens
+        self._spec_disable = None if spec is None else spec.disable_by_batch_size
+        self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
+        self._spec_accepted_per_pos = [0] * self._spec_k
+        self._spec_was_on = False
 
     def add_request(self, request: Request) -> None:
         """Queues a request after checking that it can ever run.
@@ -297,12 +319,18 @@ class Scheduler:
         """
         self._num_steps += 1
         self._step_index += 1
+        spec_on = self._spec_k > 0 and self._spec_on()
+        if spec_on != self._spec_was_on:
+            self._spec_was_on = spec_on
+            if not spec_on:  # proposals go stale while it is off
+                for request in self.running:
+                    request.spec_token_ids = []
         if self._steady is not None:
-            output = self._schedule_steady(self._steady)
+            output = None if spec_on else self._schedule_steady(self._steady)
             if output is not None:
                 return output
             self._settle()
-        step = _Step(self._step_index, time.monotonic())
+        step = _Step(self._step_index, time.monotonic(), spec_on=spec_on)
         budget = self._schedule_running(step, self.max_num_scheduled_tokens)
         # Then the waiting queue (priority: what is left is less urgent than every running request).
         budget = self._admit_waiting(step, budget)
@@ -318,6 +346,8 @@ class Scheduler:
             preempted_req_ids=step.preempted,
             finished_req_ids=finished,
             kv_transfers=self.kv_cache_manager.take_transfers(),
+            scheduled_spec_decode_tokens=step.spec,
+            speculate=spec_on,
         )
         if (
             step.scheduled
@@ -330,7 +360,11 @@ class Scheduler:
             # likely, worth the snapshot's cost (a request joins or leaves every step in some
             # workloads: they never pay for it). Not while a waiting request could be admitted
             # (_schedule_steady would give the snapshot up at once, step after step).
-            if self._decode_epoch == self._running_epoch and not self._may_admit(total):
+            if (
+                self._decode_epoch == self._running_epoch
+                and not spec_on  # each step's drafts differ: no steady run
+                and not self._may_admit(total)
+            ):
                 self._steady = self._steady_snapshot(step)
             self._decode_epoch = self._running_epoch
         self._track(output, step.scheduled, step.samples, None, 0)
@@ -348,6 +382,29 @@ class Scheduler:
         if len(in_flight) >= 2:  # a caller that never updates: forget the oldest
             in_flight.popleft()
         in_flight.append((output, scheduled, samples, steady, gap, self._running_removals))
+
+    def _spec_on(self) -> bool:
+        """Whether speculation runs this step: not more than ``disable_by_batch_size`` requests
+        running or waiting (vLLM V0's rule)."""
+        limit = self._spec_disable
+        return limit is None or len(self.running) + len(self.waiting) <= limit
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """How many of the request's proposed drafts its decode step may carry: within the
+        budget and the per-request chunk limit (its own token first) and its ``max_tokens`` (all drafts accepted plus the token
+        after them must not pass it; ``max_tokens`` is capped by ``max_model_len``, so the
+        positions fit too); none while it is under ``min_tokens`` (the sampler bans its stop
+        tokens by its output count, one count per step)."""
+        num_output = len(request.output_token_ids)
+        if num_output < request.sampling_params.min_tokens:
+            return 0
+        k = min(
+            len(request.spec_token_ids),
+            budget - 1,
+            self.chunk_limit - 1,
+            request.max_tokens - num_output - 1,
+        )
+        return k if k > 0 else 0
 
     def _may_admit(self, num_running_tokens: int) -> bool:
         """Whether a waiting request might be admitted in a step whose running requests take
@@ -502,6 +559,9 @@ class Scheduler:
         add_id, add_blocks = cached.req_ids.append, cached.new_block_ids.append
         add_computed, add_tokens = cached.num_computed_tokens.append, cached.new_token_ids.append
         no_blocks = None  # new_block_ids of every request that gets no block
+        spec_on = step.spec_on
+        lookahead = self._spec_lookahead if spec_on else 0
+        max_model_len = self.max_model_len
         # Priority walks a copy: admissions insert into ``running`` and preemptions remove from
         # it while we walk; fcfs only pops victims off the end of ``running`` (which ends the
         # walk before them), so it walks the list itself.
@@ -525,10 +585,27 @@ class Scheduler:
                 if (
                     len(request.output_token_ids) + placeholders >= request.max_tokens
                     or request.needs_output_history
+                    or spec_on
+                    or request.num_spec_in_flight
                 ):
-                    continue  # it ends with that token, or its sampler needs to see it first
+                    # It ends with that token, or its sampler needs to see it first, or its
+                    # position waits for its drafts' verification, or (speculation on) its next
+                    # drafts wait for it.
+                    continue
                 num_tokens += placeholders
-            if num_tokens == num_computed + 1 and num_computed < noop_end[req_id]:
+            num_spec = look = 0
+            if spec_on and not request.needs_output_history:
+                if request.spec_token_ids:
+                    if num_tokens == num_computed + 1:
+                        num_spec = self._num_drafts(request, budget)
+                    if not num_spec:
+                        request.spec_token_ids = []  # they follow the token this step computes
+                look = lookahead
+            if (
+                num_tokens == num_computed + 1
+                and num_computed + look < noop_end[req_id]
+                and not num_spec
+            ):
                 # Decode with room in the block table: the general case below, minus the checks
                 # that cannot fire (one token fits any budget > 0 and needs no allocation).
                 add_req(request)
@@ -546,18 +623,22 @@ class Scheduler:
                 num_new = chunk_limit
             if num_new > budget:
                 num_new = budget
+            if num_spec:  # its decode token, then its drafts (_num_drafts kept them in budget)
+                num_new += num_spec
             end = num_computed + num_new
-            if num_computed < end <= noop_end[req_id]:
+            if look:  # the draft model's own writes after the step, when it samples
+                look = min(look, max_model_len - end) if end - num_spec >= num_tokens else 0
+            if num_computed < end and end + look <= noop_end[req_id]:
                 add_blocks(no_blocks)  # its table has room: nothing to allocate
             else:
-                new_blocks = allocate(request, num_new)
+                new_blocks = allocate(request, num_new, num_lookahead_tokens=look)
                 while new_blocks is None:
                     victim = running[-1]
                     self._preempt(victim, step)
                     step.admit = False
                     if victim is request:
                         break
-                    new_blocks = allocate(request, num_new)
+                    new_blocks = allocate(request, num_new, num_lookahead_tokens=look)
                 if new_blocks is None:
                     break  # preempted itself: it was the last running request
                 add_blocks(block_ids(new_blocks) if new_blocks else no_blocks)
@@ -566,7 +647,13 @@ class Scheduler:
             add_req(request)
             add_id(req_id)
             add_computed(num_computed)
-            add_tokens(token_ids[num_computed:end])
+            if num_spec:
+                add_tokens(token_ids[num_computed : end - num_spec])
+                step.spec[req_id] = request.spec_token_ids[:num_spec]
+                request.num_spec_in_flight = num_spec
+                request.spec_token_ids = []
+            else:
+                add_tokens(token_ids[num_computed:end])
             num_scheduled[req_id] = num_new
             request.ledger.scheduled(
                 step_index, now, num_computed, num_new, request.num_prompt_tokens
@@ -639,9 +726,28 @@ class Scheduler:
                 return 0  # shared blocks freed less than counted
         if len(running) >= self.max_num_running_reqs:
             self._preempt(running[-1], step)
-        new_blocks = kv.allocate_slots(
-            request, num_new, num_hit, hit_blocks, new_request=bool(running)
-        )
+        new_blocks = None
+        look = self._spec_lookahead
+        if (
+            look
+            and step.spec_on
+            and num_hit + num_new >= num_tokens  # it samples: the draft model proposes
+            and not request.needs_output_history
+            and kv.host_pool is None  # (a failed call must not consume host hits)
+        ):
+            look = min(look, self.max_model_len - num_hit - num_new)
+            new_blocks = kv.allocate_slots(
+                request,
+                num_new,
+                num_hit,
+                hit_blocks,
+                new_request=bool(running),
+                num_lookahead_tokens=look,
+            )
+        if new_blocks is None:  # without lookahead slots its first drafts are only poorer
+            new_blocks = kv.allocate_slots(
+                request, num_new, num_hit, hit_blocks, new_request=bool(running)
+            )
         assert new_blocks is not None, "admission control admitted a request the pool cannot hold"
 
         self.waiting.pop()
@@ -698,6 +804,7 @@ class Scheduler:
         victim.ledger.preempted(step.index, step.now, victim.num_computed_tokens, held)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         victim.preempted_times.append(step.now)
         self.waiting.add_preempted(victim)
@@ -713,9 +820,12 @@ class Scheduler:
         for request, num_hit in step.prefix_hits:
             request.num_computed_tokens += num_hit
         samples = step.samples
+        spec = step.spec
         for request, num_new in zip(step.scheduled, step.num_scheduled.values()):
             num_computed = request.num_computed_tokens + num_new
             request.num_computed_tokens = num_computed
+            if spec and request.request_id in spec:  # the drafts follow its known tokens
+                num_computed -= len(spec[request.request_id])
             if num_computed == len(request.all_token_ids) + request.num_output_placeholders:
                 request.num_output_placeholders += 1
                 samples.append(True)
@@ -749,6 +859,8 @@ class Scheduler:
             if news is not None:
                 return news
         scheduled, samples, sampled = self._align_runner_output(scheduler_output, runner_output)
+        if scheduler_output.scheduled_spec_decode_tokens:
+            self._verify_drafts(scheduled, sampled, scheduler_output.scheduled_spec_decode_tokens)
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs_dict or None
         # Without any logprobs, one sampled token that ends nothing takes the lean update.
@@ -820,7 +932,49 @@ class Scheduler:
                     running.remove(request)  # a scan in C: cheaper than a rebuild for a few
             else:
                 running[:] = [r for r in running if r.status is running_status]
+        if runner_output.draft_token_ids:
+            self._take_drafts(runner_output.draft_token_ids)
         return outputs
+
+    def _verify_drafts(
+        self, scheduled: list[Request], sampled: list, spec: dict[str, list[int]]
+    ) -> None:
+        """Speculative decoding, before a step's tokens are appended: each request that carried
+        drafts got its accepted drafts plus one token (``len(tokens) - 1`` accepted); its ledger
+        goes back over the rejected ones, whose K/V the step wrote at positions its next tokens
+        overwrite (its blocks stay in its table). Counts drafts and acceptances (ledger,
+        make_stats)."""
+        per_pos = self._spec_accepted_per_pos
+        for request, tokens in zip(scheduled, sampled):
+            drafts = spec.get(request.request_id)
+            if drafts is None:
+                continue
+            request.num_spec_in_flight = 0
+            if not tokens:
+                continue
+            num_draft = len(drafts)
+            num_accepted = len(tokens) - 1
+            if request.status is _RUNNING:
+                request.num_computed_tokens -= num_draft - num_accepted
+            request.ledger.speculated(num_draft, num_accepted)
+            self._spec_drafts += 1
+            self._spec_draft_tokens += num_draft
+            self._spec_accepted += num_accepted
+            for pos in range(num_accepted):
+                per_pos[pos] += 1
+
+    def _take_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Keeps the runner's proposals as each running request's next drafts, unless a later
+        token of it is already in flight (they would follow the wrong position)."""
+        get = self.requests.get
+        for req_id, ids in drafts.items():
+            request = get(req_id)
+            if (
+                request is not None
+                and request.status is _RUNNING
+                and not request.num_output_placeholders
+            ):
+                request.spec_token_ids = ids
 
     def _update_steady(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -883,9 +1037,11 @@ class Scheduler:
             self._settle()  # placeholder counts are read below
             get = self.requests.get
             scheduled = [r for r in map(get, num_scheduled) if r is not None]
+            spec = scheduler_output.scheduled_spec_decode_tokens
             samples = [
                 r.num_output_placeholders > 0
-                and r.num_computed_tokens == len(r.all_token_ids) + r.num_output_placeholders - 1
+                and r.num_computed_tokens - len(spec.get(r.request_id, ()))
+                == len(r.all_token_ids) + r.num_output_placeholders - 1
                 for r in scheduled
             ]
             aligned = False
@@ -981,6 +1137,12 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_scheduled_tokens=self._num_scheduled_tokens,
             num_steps=self._num_steps,
+            spec_decode_num_drafts=self._spec_drafts,
+            spec_decode_num_draft_tokens=self._spec_draft_tokens,
+            spec_decode_num_accepted_tokens=self._spec_accepted,
+            spec_decode_num_accepted_tokens_per_pos=tuple(self._spec_accepted_per_pos),
         )
         self._num_preemptions = self._num_scheduled_tokens = self._num_steps = 0
+        self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
+        self._spec_accepted_per_pos = [0] * self._spec_k
         return stats

@@ -57,6 +57,7 @@ from jaxserve.engine.protocol import (
     EngineSleepingError,
 )
 from jaxserve.metrics import EngineMetrics
+from jaxserve.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineArgs, EngineConfig
@@ -75,12 +76,15 @@ DEFAULT_STEP_TIMEOUT_S = 300.0
 """Generous on purpose: a first-use compile of a sampler variant can take tens of seconds."""
 
 
-def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+def merge_outputs(
+    older: RequestOutput, newer: RequestOutput, *, delta: bool = False
+) -> RequestOutput:
     """One output standing for two consecutive outputs of a request that no consumer read in
-    between (vLLM V1's ``RequestOutputCollector``): ``newer``'s cumulative fields, and each
-    sample's ``delta_*`` fields joined (``older``'s first), so the consumer sees the same
-    text, tokens and logprobs as if it had read both. ``newer`` is updated in place and
-    returned; a sample only ``older`` lists is kept as it was.
+    between (vLLM V1's ``RequestOutputCollector``): each sample's ``delta_*`` fields joined
+    (``older``'s first), so the consumer sees the same text, tokens and logprobs as if it had
+    read both, and ``newer``'s cumulative fields, or with ``delta`` (the request's outputs are
+    ``RequestOutputKind.DELTA``) its text, token ids and logprobs joined as well. ``newer`` is
+    updated in place and returned; a sample only ``older`` lists is kept as it was.
     """
     old_by_index = {c.index: c for c in older.outputs}
     for completion in newer.outputs:
@@ -93,6 +97,11 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
             completion.delta_token_ids = old.delta_token_ids + completion.delta_token_ids
         if old.delta_logprobs is not None:
             completion.delta_logprobs = old.delta_logprobs + (completion.delta_logprobs or [])
+        if delta:
+            completion.text = completion.delta_text
+            completion.token_ids = completion.delta_token_ids
+            if completion.logprobs is not None:
+                completion.logprobs = completion.delta_logprobs or []
     if old_by_index:  # a sample the newer output left out (not the engine's case, see outputs)
         newer.outputs = sorted([*newer.outputs, *old_by_index.values()], key=lambda c: c.index)
     if newer.prompt_logprobs is None:
@@ -116,14 +125,22 @@ class RequestStream:
     Attributes:
       request_id: the engine request id.
       num_samples: the request's ``n``.
+      delta: its outputs are ``RequestOutputKind.DELTA`` (unread ones merge by joining).
       finished: True once the final output was received (or the engine failed).
     """
 
     def __init__(
-        self, request_id: str, num_samples: int, llm: AsyncLLM, loop: asyncio.AbstractEventLoop
+        self,
+        request_id: str,
+        num_samples: int,
+        llm: AsyncLLM,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        delta: bool = False,
     ) -> None:
         self.request_id = request_id
         self.num_samples = num_samples
+        self.delta = delta
         self.finished = False
         self._llm = llm
         self._loop = loop
@@ -142,7 +159,7 @@ class RequestStream:
         elif self._pending is None:
             self._pending = item
         else:
-            self._pending = merge_outputs(self._pending, item)
+            self._pending = merge_outputs(self._pending, item, delta=self.delta)
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -442,7 +459,8 @@ class AsyncLLM:
         if plan is not None:  # its grammar compiles in a compile thread: wait without a thread
             await plan.ready()
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, params.n, self, loop)
+        delta = params.output_kind == RequestOutputKind.DELTA
+        stream = RequestStream(request_id, params.n, self, loop, delta=delta)
         message = AddRequest(stream, prompt, params, priority, cache_salt, time.monotonic())
         with self._cond:
             if self.dead_error is not None:

@@ -55,7 +55,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.request_output import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.stats_schema import COUNTER_TOTALS, SCHEDULER_TO_ENGINE, EngineStats
+from jaxserve.stats_schema import COUNTER_TOTALS, SCHEDULER_TO_ENGINE, EngineStats, add_counts
 from jaxserve.structured import TokenMaskManager
 
 if TYPE_CHECKING:
@@ -102,8 +102,13 @@ class LLMEngine:
         self.generation_config = generation_config
         self.vocab_size = arch.vocab_size
         self.max_model_len = config.scheduler.max_model_len
-        self.scheduler = Scheduler(config.scheduler, config.cache, config.cache.num_gpu_blocks)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            config.cache.num_gpu_blocks,
+            speculative_config=config.speculative,
+        )
+        self.output_processor = OutputProcessor(tokenizer, config.scheduler.stream_interval)
         self.ledger_history = LedgerHistory(config.ledger_history)
         self.token_masks = TokenMaskManager(
             tokenizer,
@@ -196,6 +201,23 @@ class LLMEngine:
                     raise
                 logger.warning("no tokenizer loaded (%s); prompts must be token ids", e)
         runner = ModelRunner(model, arch, config)
+        spec_config = config.speculative
+        if spec_config is not None and spec_config.method == "draft_model":
+            runner.draft_kv_group()  # a target the draft's cache cannot follow: refused now
+            draft, draft_arch, _ = load_model(
+                spec_config.model,
+                engine_args.dtype,
+                engine_args.draft_load_format,
+                seed=engine_args.seed,
+            )
+            if draft_arch.max_position_embeddings < config.scheduler.max_model_len:
+                logger.warning(
+                    "the draft model's max_position_embeddings (%d) is below max_model_len "
+                    "(%d): its drafts past it are guesses (verification keeps outputs exact)",
+                    draft_arch.max_position_embeddings,
+                    config.scheduler.max_model_len,
+                )
+            runner.attach_draft_model(draft, draft_arch)
         spec = runner.initialize_kv_cache()
         num_host = runner.initialize_host_kv_cache(config.cache.kv_offloading_size)
         if config.runner.warmup:
@@ -249,7 +271,9 @@ class LLMEngine:
           cache_salt: mixed into the prefix-cache hash of the first block (tenant isolation).
           arrival_time: ``time.monotonic()`` seconds; defaults to now.
           final_only: only return this request's RequestOutput once, when it finished (the
-            offline API uses this; it skips building per-step outputs).
+            offline API uses this; it skips building per-step outputs), as
+            ``params.output_kind`` FINAL_ONLY does; otherwise the outputs are of
+            ``params.output_kind`` (CUMULATIVE or DELTA, see ``RequestOutputKind``).
 
         Raises:
           ValueError: request_id in use or not a string; prompt empty, of the wrong type, not
@@ -522,7 +546,7 @@ class LLMEngine:
         st.num_generation_tokens = self.output_processor.num_generation_tokens_step
         st.num_finished_reqs = sum(1 for o in outputs if o.finished)
         for name, total in COUNTER_TOTALS:
-            setattr(st, total, getattr(st, total) + getattr(st, name))
+            setattr(st, total, add_counts(getattr(st, total), getattr(st, name)))
 
     def get_stats(self) -> EngineStats:
         """A copy of the engine's figures after the latest step (see EngineStats), with the

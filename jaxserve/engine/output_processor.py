@@ -3,9 +3,14 @@
 For each parent request (the id the user gave) the processor keeps one ``_SampleState`` per
 sample (the ``n`` child requests the engine fanned out to the scheduler) with its incremental
 detokenizer (stop strings), its tokens, logprobs and finish. Each step it turns the scheduler's
-``EngineCoreOutput``s into one ``RequestOutput`` per parent that progressed (cumulative fields
-plus this step's deltas), and reports the children whose text hit a stop string so the engine
-can finish them in the scheduler (vLLM V1's ``OutputProcessor``).
+``EngineCoreOutput``s into one ``RequestOutput`` per parent that progressed, of the parent's
+``RequestOutputKind``: CUMULATIVE (whole text, tokens and logprobs so far, copied, plus the
+deltas since the previous output), DELTA (only what is new since the previous output: nothing
+is copied, and the whole text and logprobs are not even kept) or FINAL_ONLY (one output at the
+end), and reports the children whose text hit a stop string so the engine can finish them in
+the scheduler (vLLM V1's ``OutputProcessor``). With ``stream_interval`` N > 1 a streamed parent
+gets an output only once a sample has N tokens not yet sent, for its first token, or when a
+sample finishes; the deltas in between add up.
 
 Detokenizer contract: a sample that ended on EOS or a stop token id (finish_reason "stop" from
 the scheduler) passes every token but that last one to the detokenizer, so its text never
@@ -28,6 +33,7 @@ from jaxserve.request_output import (
     RequestOutput,
     SampleLogprobs,
 )
+from jaxserve.sampling_params import RequestOutputKind
 from jaxserve.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -48,9 +54,11 @@ class _SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # what was added since the parent's latest output (since this step's start, final_only)
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     delta_logprobs: SampleLogprobs | None = None
+    finish_sent: bool = False
 
 
 @dataclasses.dataclass
@@ -62,6 +70,8 @@ class _ParentState:
     samples: list[_SampleState]
     final_only: bool
     arrival_time: float
+    delta: bool = False  # RequestOutputKind.DELTA: outputs hold what is new, nothing is copied
+    sent_tokens: bool = False  # an output with tokens went out
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     num_finished: int = 0
@@ -90,10 +100,13 @@ class OutputProcessor:
     Args:
       tokenizer: the model's tokenizer, or None (then texts stay empty and logprobs carry no
         decoded tokens).
+      stream_interval: output tokens a sample of a streamed (not final-only) parent buffers
+        before the parent gets an output (``SchedulerConfig.stream_interval``).
     """
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._parents: dict[str, _ParentState] = {}
         self._child_to_parent: dict[str, tuple[_ParentState, _SampleState]] = {}
         self.num_prompt_tokens_step = 0
@@ -128,7 +141,11 @@ class OutputProcessor:
         final_only: bool,
         arrival_time: float,
     ) -> None:
-        """Registers a parent and its child requests (already accepted by the scheduler)."""
+        """Registers a parent and its child requests (already accepted by the scheduler).
+
+        ``final_only`` or ``params.output_kind`` FINAL_ONLY: one output, when it finished;
+        otherwise an output per step that progressed, of ``params.output_kind``."""
+        final_only = final_only or params.output_kind == RequestOutputKind.FINAL_ONLY
         samples = []
         for k, child in enumerate(children):
             p = child.sampling_params
@@ -153,6 +170,7 @@ class OutputProcessor:
             samples=samples,
             final_only=final_only,
             arrival_time=arrival_time,
+            delta=not final_only and params.output_kind == RequestOutputKind.DELTA,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         parent.lean = (
@@ -263,8 +281,8 @@ class OutputProcessor:
                 continue
             if parent.request_id not in touched:
                 touched[parent.request_id] = parent
-                for s in parent.samples:
-                    s.delta_text, s.delta_token_ids, s.delta_logprobs = "", [], None
+                if parent.final_only:  # its deltas are this step's (no output in between)
+                    _clear_deltas(parent)
             new_ids = co.new_token_ids
             finished = co.finish_reason is not None
             if sample.index == 0:
@@ -280,10 +298,14 @@ class OutputProcessor:
                 parent.last_token_time = now
             n_gen += len(new_ids)
             sample.token_ids.extend(new_ids)
-            sample.delta_token_ids = list(new_ids)
+            sample.delta_token_ids.extend(new_ids)
             if co.new_logprobs and sample.logprobs is not None:
-                self._add_logprobs(sample, co.new_logprobs)
-            if sample.detokenizer is not None and self._update_text(sample, co) and not finished:
+                self._add_logprobs(sample, co.new_logprobs, keep=not parent.delta)
+            if (
+                sample.detokenizer is not None
+                and self._update_text(sample, co, keep=not parent.delta)
+                and not finished
+            ):
                 stopped.append(co.req_id)  # a stop string; the engine finishes it in the scheduler
                 finished = True
             if finished:
@@ -319,16 +341,24 @@ class OutputProcessor:
             outs.append(EngineCoreOutput(req_id, [token], num_cached_tokens=cached))
         return outs
 
-    def _add_logprobs(self, sample: _SampleState, new_logprobs: list[TokenLogprobs]) -> None:
-        """Appends the step's sampled-token logprobs to the sample (and its delta)."""
+    def _add_logprobs(
+        self, sample: _SampleState, new_logprobs: list[TokenLogprobs], *, keep: bool
+    ) -> None:
+        """Appends the step's sampled-token logprobs to the sample's delta (and to its whole
+        list when ``keep``, i.e. not a DELTA parent)."""
         delta = [self._to_logprob_dict(e) for e in new_logprobs]
-        sample.logprobs.extend(delta)
-        sample.delta_logprobs = delta
+        if keep:
+            sample.logprobs.extend(delta)
+        if sample.delta_logprobs is None:
+            sample.delta_logprobs = delta
+        else:
+            sample.delta_logprobs.extend(delta)
         sample.cumulative_logprob += sum(e.logprobs[0] for e in new_logprobs)
 
     @staticmethod
-    def _update_text(sample: _SampleState, co: EngineCoreOutput) -> bool:
-        """Detokenizes the step's tokens (a stop token's own text is left out); True when a stop
+    def _update_text(sample: _SampleState, co: EngineCoreOutput, *, keep: bool) -> bool:
+        """Detokenizes the step's tokens (a stop token's own text is left out) into the sample's
+        delta (and its whole text when ``keep``, i.e. not a DELTA parent); True when a stop
         string matched (the sample then finishes with "stop" and the string as stop_reason)."""
         new_ids = co.new_token_ids
         stopped_on_token = _stopped_on_token(sample, co)
@@ -336,8 +366,9 @@ class OutputProcessor:
         delta_text, stop_str = sample.detokenizer.update(
             text_ids, finished=co.finish_reason is not None
         )
-        sample.text += delta_text
-        sample.delta_text = delta_text
+        if keep:
+            sample.text += delta_text
+        sample.delta_text += delta_text
         if stop_str is None:
             return False
         sample.finish_reason, sample.stop_reason = FinishReason.STOP.value, stop_str
@@ -357,8 +388,8 @@ class OutputProcessor:
         self._child_epoch += 1
 
     def _collect_outputs(self, touched: dict[str, _ParentState], now: float) -> list[RequestOutput]:
-        """One RequestOutput per parent that progressed (``final_only`` ones once, when done);
-        finished parents are forgotten."""
+        """One RequestOutput per parent that progressed and is due one (``final_only`` ones
+        once, when done; see ``_due``); finished parents are forgotten."""
         outputs = []
         for parent in touched.values():
             done = parent.num_finished == len(parent.samples)
@@ -366,8 +397,26 @@ class OutputProcessor:
                 del self._parents[parent.request_id]
             if parent.final_only and not done:
                 continue
+            if not done and not self._due(parent):
+                continue  # its deltas keep adding up until the next output
             outputs.append(self._make_output(parent, done, now))
+            if not parent.final_only:
+                _clear_deltas(parent)
         return outputs
+
+    def _due(self, parent: _ParentState) -> bool:
+        """Whether an unfinished streamed parent gets an output now: a sample finished, or
+        (DELTA, or a stream interval) the first token or ``stream_interval`` unsent tokens of
+        a sample; with neither, every step that progressed (the CUMULATIVE default)."""
+        samples = parent.samples
+        if any(s.finish_reason is not None and not s.finish_sent for s in samples):
+            return True
+        if not parent.delta and self.stream_interval == 1:
+            return True
+        unsent = max(len(s.delta_token_ids) for s in samples)
+        if not parent.sent_tokens:
+            return unsent > 0  # the first token is never held back (TTFT)
+        return unsent >= self.stream_interval
 
     def _finish_text(
         self, parent: _ParentState, sample: _SampleState, stopped_on_token: bool
@@ -379,28 +428,18 @@ class OutputProcessor:
         sample.delta_text = sample.text
 
     def _make_output(self, parent: _ParentState, finished: bool, now: float) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=s.index,
-                text=s.text,
-                token_ids=list(s.token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                delta_text=s.delta_text,
-                delta_token_ids=s.delta_token_ids,
-                delta_logprobs=s.delta_logprobs,
-            )
-            for s in parent.samples
-        ]
+        completions = [_completion(s, parent.delta) for s in parent.samples]
+        prompt_logprobs = parent.prompt_logprobs
+        if prompt_logprobs is not None and not parent.delta:  # DELTA: whole from the first
+            prompt_logprobs = list(prompt_logprobs)  # output on (it has a token), not copied
+        for s in parent.samples:
+            s.finish_sent = s.finish_reason is not None
+        parent.sent_tokens = parent.sent_tokens or any(s.delta_token_ids for s in parent.samples)
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=list(parent.prompt_logprobs)
-            if parent.prompt_logprobs is not None
-            else None,
+            prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
@@ -430,3 +469,33 @@ class OutputProcessor:
             else first_scheduled - parent.arrival_time,
             num_generation_tokens=sum(len(s.token_ids) for s in parent.samples),
         )
+
+
+def _completion(s: _SampleState, delta: bool) -> CompletionOutput:
+    """A sample's CompletionOutput: with ``delta`` its deltas themselves (not copied: they are
+    replaced by new objects after the output), else copies of its whole lists."""
+    if delta:
+        text, token_ids = s.delta_text, s.delta_token_ids
+        logprobs = (s.delta_logprobs or []) if s.logprobs is not None else None
+    else:
+        text, token_ids = s.text, list(s.token_ids)
+        logprobs = list(s.logprobs) if s.logprobs is not None else None
+    return CompletionOutput(
+        index=s.index,
+        text=text,
+        token_ids=token_ids,
+        cumulative_logprob=s.cumulative_logprob,
+        logprobs=logprobs,
+        finish_reason=s.finish_reason,
+        stop_reason=s.stop_reason,
+        delta_text=s.delta_text,
+        delta_token_ids=s.delta_token_ids,
+        delta_logprobs=s.delta_logprobs,
+    )
+
+
+def _clear_deltas(parent: _ParentState) -> None:
+    """Starts every sample's deltas afresh (new objects: an output holding the old ones keeps
+    them)."""
+    for s in parent.samples:
+        s.delta_text, s.delta_token_ids, s.delta_logprobs = "", [], None

@@ -1,25 +1,63 @@
-"""Ragged paged attention in pure jnp whose cost follows the context actually present.
+"""Ragged paged attention in pure jnp whose cost follows the work: what backend "xla" runs.
 
-The "reference" backend's path (CPU, or any platform without a kernel). The test oracle,
-``pallas_kernels.ragged_paged_attention.ragged_paged_attention_reference``, gathers every token's
-whole padded block-table row (``[T, P * block_size, Hkv, D]`` per layer, ``P = max_model_len /
-block_size``) whatever the contexts are. This path walks the block table in chunks of
-``KEYS_PER_CHUNK`` keys with an online softmax (flash attention's running max and sum) and stops
-after the chunk holding the step's longest context: a decode batch at 200-token contexts under a
-1,024-token ``max_model_len`` reads 256 keys per token instead of 1,024. The trip count is a
-traced value (``lax.while_loop``), so one compiled step serves every context length: no extra
-buckets, no extra compiles.
+The test oracle, ``pallas_kernels.ragged_paged_attention.ragged_paged_attention_reference``,
+gathers every token's whole padded block-table row (``[T, P * block_size, Hkv, D]`` per layer)
+whatever the contexts are. This path reads each sequence's keys about once per query tile and
+only as far as its own context, in two passes over one step (vLLM's CPU backend also splits
+decode rows from prefill chunks):
+
+* decode rows (sequences with one query token): a flat work list of (sequence, key chunk)
+  items, ``decode_items`` items per loop iteration, so a row reads only its own context, never
+  the batch's longest, and a batch of short contexts and one long one costs their sum. Each
+  item's partial softmax (max, sum, weighted values) is merged into its sequence's running
+  state with scatter-max / scatter-add (flash-decoding's split-K merge).
+* prefill chunks (two or more query tokens): query tiles of ``prefill_rows`` consecutive tokens
+  of one sequence; a tile walks its sequence's key chunks (``prefill_keys`` keys per step, from
+  the sliding window's start to its last query's position) with an online softmax (flash
+  attention), so the keys are gathered once per tile, not once per query token, and masked
+  only in the chunks that cross the causal diagonal or the window's edge.
+
+Trip counts are traced values (``lax.while_loop``): one compiled step serves every mix of
+context lengths, with no extra buckets or compiles. Every while loop's body has static shapes
+sized for XLA CPU: dots of a few hundred rows and keys, block-table gathers of whole blocks
+whose indices are materialised once per iteration (``optimization_barrier``), so a fused gather
+does not recompute them per element. See benchmarks/RESULTS.md (#34) for the measurements.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-KEYS_PER_CHUNK = 64
-"""Keys per loop iteration (rounded to whole blocks): small enough that short contexts read
-little, large enough that the loop's per-iteration cost stays small on CPU."""
+_HI = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuAttentionTiling:
+    """Static work sizes of ``chunked_paged_attention`` (keys are rounded to whole blocks).
+
+    Attributes:
+      decode_keys: keys per decode work item (a sequence's context is split into such chunks).
+      decode_items: decode work items per loop iteration.
+      prefill_rows: query tokens per prefill tile.
+      prefill_keys: keys per step of a prefill tile's loop.
+    """
+
+    decode_keys: int = 32
+    decode_items: int = 64
+    prefill_rows: int = 128
+    prefill_keys: int = 256
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+
+DEFAULT_TILING = CpuAttentionTiling()
 
 
 def chunked_paged_attention(
@@ -34,9 +72,9 @@ def chunked_paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    keys_per_chunk: int = KEYS_PER_CHUNK,
+    tiling: CpuAttentionTiling = DEFAULT_TILING,
 ) -> jax.Array:
-    """Ragged paged attention (the reference's signature and semantics), chunked over keys.
+    """Ragged paged attention (the reference's signature and semantics), tiled for XLA CPU.
 
     Args:
       q: ``[T, Hq, D]`` queries.
@@ -44,70 +82,245 @@ def chunked_paged_attention(
       block_tables: int32 ``[S, P]``; context_lens: int32 ``[S]``; query_start_loc: int32
         ``[S + 1]``; num_seqs: int32 ``[]`` (see ``PagedAttentionMetadata``).
       sm_scale, soft_cap, sliding_window: as in ``paged_attention``.
-      keys_per_chunk: keys read per loop iteration (rounded down to whole blocks, at least one).
+      tiling: static work sizes (``CpuAttentionTiling``).
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``; scores and softmax in float32; rows of padding tokens are
       zero.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    num_seq_slots, pages_per_seq = block_tables.shape
+    num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    chunk_pages = max(1, min(pages_per_seq, keys_per_chunk // block_size))
-    chunk_keys = chunk_pages * block_size
-    pad = -pages_per_seq % chunk_pages
-    if pad:
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+    num_seq_slots = block_tables.shape[0]
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
-
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(query_start_loc[1:], tokens, side="right", method="compare_all")
-    seq = jnp.minimum(seq, num_seq_slots - 1)  # [T]
-    token_valid = tokens < query_start_loc[num_seqs]
-    token_pos = context_lens[seq] - query_start_loc[seq + 1] + tokens  # [T]
-    pages = block_tables[seq]  # [T, P']
-    # Chunks to visit: every key of the longest real context (padding sequences have length 0).
-    longest = jnp.max(jnp.where(jnp.arange(num_seq_slots) < num_seqs, context_lens, 0))
-    num_chunks = (longest + chunk_keys - 1) // chunk_keys
-    first = jnp.int32(0)
-    if sliding_window is not None:  # chunks wholly before every token's window are skipped
-        lowest = jnp.min(jnp.where(token_valid, token_pos - sliding_window + 1, longest))
-        first = jnp.clip(lowest, 0, None) // chunk_keys
-
+    q_len = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    real = jnp.arange(num_seq_slots) < num_seqs
+    scores = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     q_f32 = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
-    hi = lax.Precision.HIGHEST
+    step = (q_f32, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    with jax.named_scope("ragged_attention"):
+        out = jnp.zeros((num_tokens + tiling.prefill_rows, num_kv_heads, group, head_dim))
+        decode = real & (q_len == 1)
+        out = _decode_pass(
+            out, *step, decode, keys=tiling.decode_keys, items=tiling.decode_items, **scores
+        )
+        prefill_len = jnp.where(real & (q_len > 1), q_len, 0)
+        out = _prefill_pass(
+            out, *step, prefill_len, rows=tiling.prefill_rows, keys=tiling.prefill_keys, **scores
+        )
+    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
-    def body(carry):
-        i, m, l, acc = carry
-        chunk = lax.dynamic_slice_in_dim(pages, i * chunk_pages, chunk_pages, axis=1)
-        k = k_cache[chunk].reshape(num_tokens, chunk_keys, num_kv_heads, head_dim)
-        v = v_cache[chunk].reshape(num_tokens, chunk_keys, num_kv_heads, head_dim)
-        s = jnp.einsum("tkgd,tlkd->tkgl", q_f32, k.astype(jnp.float32), precision=hi) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        key_pos = i * chunk_keys + jnp.arange(chunk_keys, dtype=jnp.int32)
-        mask = token_valid[:, None] & (key_pos[None, :] <= token_pos[:, None])  # [T, L]
+
+def _whole_blocks(keys: int, block_size: int, pages_per_seq: int) -> int:
+    """Blocks per key chunk: ``keys`` rounded down to whole blocks, at least one, at most P."""
+    return max(1, min(pages_per_seq, keys // block_size))
+
+
+def _pad_pages(block_tables: jax.Array, chunk_pages: int) -> jax.Array:
+    """The block table padded (null block) to a whole number of chunks per row."""
+    pad = -block_tables.shape[1] % chunk_pages
+    return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
+
+
+def _blocks(cache: jax.Array, pages: jax.Array) -> jax.Array:
+    """``cache[pages]`` in float32 (``pages`` are valid block ids: no bounds select)."""
+    return cache.at[pages].get(mode="promise_in_bounds").astype(jnp.float32)
+
+
+def _logits(s, sm_scale, soft_cap):
+    """Raw scores ``q . k`` -> ``(logits, scale)`` with ``softmax(logits * scale)`` the
+    attention weights: without a soft cap the scale is applied inside the exponential
+    (``max`` commutes with a positive scale), which saves a pass over the scores."""
+    if soft_cap is None:
+        return s, sm_scale
+    return soft_cap * jnp.tanh(s * (sm_scale / soft_cap)), 1.0
+
+
+def _decode_pass(
+    out,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    query_start_loc,
+    is_decode,
+    *,
+    keys,
+    items,
+    sm_scale,
+    soft_cap,
+    sliding_window,
+):
+    """Attention of the one-token sequences (``is_decode [S]``), written into their rows of
+    ``out [T + R, Hkv, G, D]`` (float32, returned)."""
+    num_tokens, hkv, group, head_dim = q.shape
+    _, block_size, _, _ = k_cache.shape
+    num_seq_slots, pages_per_seq = block_tables.shape
+    chunk_pages = _whole_blocks(keys, block_size, pages_per_seq)
+    chunk_keys = chunk_pages * block_size
+    block_tables = _pad_pages(block_tables, chunk_pages)
+    last_pos = context_lens - 1  # [S] the decode token's position
+    first_chunk = jnp.zeros_like(last_pos)
+    if sliding_window is not None:  # chunks wholly before the window are skipped
+        first_chunk = jnp.maximum(last_pos - sliding_window + 1, 0) // chunk_keys
+    num_items = jnp.where(is_decode, last_pos // chunk_keys + 1 - first_chunk, 0)  # [S]
+    ends = jnp.cumsum(num_items)  # [S] items of sequences 0..i
+    total = ends[-1]
+    key_offsets = jnp.arange(chunk_keys, dtype=jnp.int32)
+    page_offsets = jnp.arange(chunk_pages, dtype=jnp.int32)
+
+    def run(items: int) -> tuple[jax.Array, jax.Array]:
+        """The work list, ``items`` items per iteration -> ``(l, acc)`` per sequence."""
+
+        def body(carry):
+            it, m, l, acc = carry
+            item = it * items + jnp.arange(items, dtype=jnp.int32)  # [W]
+            seq = jnp.searchsorted(ends, item, side="right", method="compare_all")
+            seq = jnp.minimum(seq, num_seq_slots - 1)
+            valid = item < total
+            chunk = jnp.where(valid, first_chunk[seq] + item - (ends[seq] - num_items[seq]), 0)
+            pages = block_tables[seq[:, None], chunk[:, None] * chunk_pages + page_offsets]
+            pages = jnp.where(valid[:, None], pages, 0)  # [W, pages]
+            key_pos = chunk[:, None] * chunk_keys + key_offsets  # [W, L]
+            row_pos = jnp.where(valid, last_pos[seq], -1)  # [W]
+            token = jnp.minimum(query_start_loc[seq], num_tokens - 1)
+            pages, key_pos, row_pos, token = lax.optimization_barrier(
+                (pages, key_pos, row_pos, token)
+            )
+            k = _blocks(k_cache, pages).reshape(items, chunk_keys, hkv, head_dim)
+            v = _blocks(v_cache, pages).reshape(items, chunk_keys, hkv, head_dim)
+            s = jnp.einsum("wkgd,wlkd->wkgl", q[token], k, precision=_HI)  # [W, Hkv, G, L]
+            s, scale = _logits(s, sm_scale, soft_cap)
+            mask = key_pos <= row_pos[:, None]  # [W, L]
+            if sliding_window is not None:
+                mask &= key_pos > (row_pos - sliding_window)[:, None]
+            s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+            m_item = s.max(-1)  # [W, Hkv, G]
+            m_item_safe = jnp.where(jnp.isfinite(m_item), m_item, 0.0)
+            p = jnp.exp((s - m_item_safe[..., None]) * scale)
+            l_item = p.sum(-1)
+            acc_item = jnp.einsum("wkgl,wlkd->wkgd", p, v, precision=_HI)  # [W, Hkv, G, D]
+            # split-K merge into the sequences' running state (invalid items go nowhere)
+            target = jnp.where(valid, seq, num_seq_slots)
+            m_new = m.at[target].max(m_item, mode="drop")  # [S, Hkv, G]
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            alpha = jnp.where(jnp.isfinite(m), jnp.exp((m - m_safe) * scale), 0.0)
+            beta = jnp.where(jnp.isfinite(m_item), jnp.exp((m_item - m_safe[seq]) * scale), 0.0)
+            l = (l * alpha).at[target].add(l_item * beta, mode="drop")
+            acc = (acc * alpha[..., None]).at[target].add(acc_item * beta[..., None], mode="drop")
+            return it + 1, m_new, l, acc
+
+        shape = (num_seq_slots, hkv, group)
+        init = (
+            jnp.int32(0),
+            jnp.full(shape, -jnp.inf, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32),
+        )
+        trips = (total + items - 1) // items
+        _, _, l, acc = lax.while_loop(lambda c: c[0] < trips, body, init)
+        return l, acc
+
+    # A small step (one short row) would otherwise gather and score a whole iteration of
+    # mostly empty items: bucket the iteration width by the step's real work.
+    small = max(1, items // 8)
+    if small < items:
+        l, acc = lax.cond(total <= small, lambda: run(small), lambda: run(items))
+    else:
+        l, acc = run(items)
+    rows = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # [S, Hkv, G, D]
+    target = jnp.where(is_decode, query_start_loc[:-1], out.shape[0])
+    return out.at[target].set(rows, mode="drop")
+
+
+def _prefill_pass(
+    out,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    query_start_loc,
+    q_len,
+    *,
+    rows,
+    keys,
+    sm_scale,
+    soft_cap,
+    sliding_window,
+):
+    """Attention of the multi-token sequences (``q_len [S]``, 0 for the others) in query
+    tiles, written into their rows of ``out [T + rows, Hkv, G, D]`` (float32, returned)."""
+    _, hkv, group, head_dim = q.shape
+    _, block_size, _, _ = k_cache.shape
+    num_seq_slots, pages_per_seq = block_tables.shape
+    chunk_pages = _whole_blocks(keys, block_size, pages_per_seq)
+    chunk_keys = chunk_pages * block_size
+    block_tables = _pad_pages(block_tables, chunk_pages)
+    q = jnp.pad(q, ((0, rows), (0, 0), (0, 0), (0, 0)))  # a tile may read past the last token
+    tiles = (q_len + rows - 1) // rows  # [S]
+    ends = jnp.cumsum(tiles)
+    row_offsets = jnp.arange(rows, dtype=jnp.int32)
+    key_offsets = jnp.arange(chunk_keys, dtype=jnp.int32)
+
+    def tile_body(carry):
+        t, out = carry
+        seq = jnp.minimum(jnp.searchsorted(ends, t, side="right"), num_seq_slots - 1)
+        first_row = (t - (ends[seq] - tiles[seq])) * rows
+        num_rows = jnp.minimum(rows, q_len[seq] - first_row)
+        token = query_start_loc[seq] + first_row
+        first_pos = context_lens[seq] - q_len[seq] + first_row  # position of the tile's row 0
+        last_pos = first_pos + num_rows - 1
+        row_pos = first_pos + row_offsets  # [R]
+        lo = 0
         if sliding_window is not None:
-            mask &= key_pos[None, :] > (token_pos - sliding_window)[:, None]
-        mask = mask[:, None, None, :]
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=-1))  # -inf while a row has seen no key
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-        scale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-        l = l * scale + p.sum(axis=-1)
-        pv = jnp.einsum("tkgl,tlkd->tkgd", p, v.astype(jnp.float32), precision=hi)
-        acc = acc * scale[..., None] + pv
-        return i + 1, m_new, l, acc
+            lo = jnp.maximum(first_pos - sliding_window + 1, 0) // chunk_keys
+        table = block_tables[seq]
+        q_tile = lax.dynamic_slice_in_dim(q, token, rows)  # [R, Hkv, G, D]
 
-    shape = (num_tokens, num_kv_heads, group)
-    init = (
-        first,
-        jnp.full(shape, -jnp.inf, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros((*shape, head_dim), jnp.float32),
-    )
-    _, _, l, acc = lax.while_loop(lambda c: c[0] < num_chunks, body, init)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+        def attend(s, key_pos):
+            mask = key_pos[None, :] <= row_pos[:, None]  # [R, L]
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > (row_pos - sliding_window)[:, None]
+            return jnp.where(mask[None, :, None, :], s, -jnp.inf)
+
+        def chunk_body(carry):
+            c, m, l, acc = carry
+            pages = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages)
+            pages = lax.optimization_barrier(pages)
+            k = _blocks(k_cache, pages).reshape(chunk_keys, hkv, head_dim)
+            v = _blocks(v_cache, pages).reshape(chunk_keys, hkv, head_dim)
+            s = jnp.einsum("rkgd,lkd->krgl", q_tile, k, precision=_HI)  # [Hkv, R, G, L]
+            s, scale = _logits(s, sm_scale, soft_cap)
+            key_pos = c * chunk_keys + key_offsets
+            # Only chunks crossing the diagonal (a key after the tile's first row) or the
+            # window's lower edge hold a masked pair.
+            crossing = key_pos[-1] > first_pos
+            if sliding_window is not None:
+                crossing |= key_pos[0] <= last_pos - sliding_window
+            s = lax.cond(crossing, attend, lambda s, _: s, s, key_pos)
+            m_new = jnp.maximum(m, s.max(-1))  # [Hkv, R, G]; -inf while a row saw no key
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp((s - m_safe[..., None]) * scale)
+            alpha = jnp.where(jnp.isfinite(m), jnp.exp((m - m_safe) * scale), 0.0)
+            l = l * alpha + p.sum(-1)
+            pv = jnp.einsum("krgl,lkd->krgd", p, v, precision=_HI)
+            return c + 1, m_new, l, acc * alpha[..., None] + pv
+
+        shape = (hkv, rows, group)
+        init = (
+            jnp.asarray(lo, jnp.int32),
+            jnp.full(shape, -jnp.inf, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32),
+        )
+        stop = last_pos // chunk_keys + 1
+        _, _, l, acc = lax.while_loop(lambda c: c[0] < stop, chunk_body, init)
+        res = jnp.moveaxis(acc / jnp.where(l == 0.0, 1.0, l)[..., None], 0, 1)  # [R, Hkv, G, D]
+        old = lax.dynamic_slice_in_dim(out, token, rows)
+        res = jnp.where((row_offsets < num_rows)[:, None, None, None], res, old)
+        return t + 1, lax.dynamic_update_slice_in_dim(out, res, token, 0)
+
+    _, out = lax.while_loop(lambda c: c[0] < ends[-1], tile_body, (jnp.int32(0), out))
+    return out

@@ -392,7 +392,9 @@ async def _chunks(
             for completion in output.outputs:
                 if completion.index in finished:
                     continue
-                completion_tokens[completion.index] = len(completion.token_ids)
+                completion_tokens[completion.index] = completion_tokens.get(
+                    completion.index, 0
+                ) + len(completion.delta_token_ids)  # the deltas add up, whatever the kind
                 logprobs = None
                 if request.logprobs and completion.delta_token_ids:
                     logprobs = chat_logprobs(

@@ -270,7 +270,9 @@ async def _chunks(
                     index not in started and not (completion.token_ids or completion.finished)
                 ):
                     continue
-                completion_tokens[index] = len(completion.token_ids)
+                completion_tokens[index] = completion_tokens.get(index, 0) + len(
+                    completion.delta_token_ids
+                )  # the deltas add up, whatever the output kind
                 if index not in started:
                     # First emission: nothing was sent before, so send the cumulative state.
                     started.add(index)

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from jaxserve.sampling_params import (
     STRUCTURED_KINDS,
     STRUCTURED_OPTIONS,
+    RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
     check_stop_caps,
@@ -244,6 +245,8 @@ class _SamplingRequest(BaseModel):
             "structured_outputs": self.structured_outputs_params(),
             "allowed_token_ids": self.allowed_token_ids,
             "bad_words": list(self.bad_words or []),
+            # a stream reads what is new at each step: nothing cumulative is copied for it
+            "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.CUMULATIVE,
         }
         for name in (
             "temperature",

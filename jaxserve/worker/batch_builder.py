@@ -124,6 +124,8 @@ class StepBatch:
       prompt_logprob_targets: ``[T]`` int32 or None. When a request in the step asked for
         prompt logprobs: for step token j at prompt position p < prompt_len - 1 of such a
         request, the prompt token at p + 1 (whose logprob the logits at j give); -1 elsewhere.
+      num_spec: ``[num_reqs]`` int, draft tokens per request (the last ones of its
+        ``num_scheduled``: speculative decoding), or None when the step carries none.
     """
 
     inputs: StepInputs
@@ -136,6 +138,7 @@ class StepBatch:
     seq_bucket: int
     num_tokens: int
     prompt_logprob_targets: np.ndarray | None = None
+    num_spec: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -320,7 +323,20 @@ class BatchBuilder:
         token ids (the scheduler's ``new_token_ids``, so the rows never drift from its ledger).
 
         The cached requests' tokens are written with one numpy assignment when each has at most
-        one (decode; in flight under async scheduling: none); block ids only where some came."""
+        one (decode; in flight under async scheduling: none); block ids only where some came.
+        Draft tokens (``scheduled_spec_decode_tokens``) are written after a row's known tokens
+        without counting as known: the step reads them as inputs, its results overwrite them."""
+        self._update_rows(sched)
+        spec = sched.scheduled_spec_decode_tokens
+        if spec:
+            batch = self.batch
+            for req_id, drafts in spec.items():
+                row = batch.req_id_to_row[req_id]
+                start = int(batch.num_tokens[row])
+                assert start + len(drafts) <= batch.max_model_len, "drafts overflow max_model_len"
+                batch.token_ids[row, start : start + len(drafts)] = drafts
+
+    def _update_rows(self, sched: SchedulerOutput) -> None:
         batch = self.batch
         for req_id in sched.finished_req_ids:
             batch.remove_request(req_id)
@@ -385,6 +401,10 @@ class BatchBuilder:
         )
         rows = self._rows(req_ids)
         n_sched = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, num_reqs)
+        n_spec = None
+        spec = sched.scheduled_spec_decode_tokens
+        if spec:
+            n_spec = np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int64, num_reqs)
         new_reqs = sched.scheduled_new_reqs
         cached = sched.scheduled_cached_reqs
         if not new_reqs and cached.req_ids == req_ids:  # steady decode: one order
@@ -399,7 +419,9 @@ class BatchBuilder:
             if cached.req_ids:
                 start[[order[r] for r in cached.req_ids]] = cached.num_computed_tokens
             assert np.all(start >= 0), "a scheduled request is neither new nor cached"
-        return self.build_from_arrays(req_ids, rows, start, n_sched, prev_index, prev_tokens)
+        return self.build_from_arrays(
+            req_ids, rows, start, n_sched, prev_index, prev_tokens, n_spec=n_spec
+        )
 
     def build_steady(
         self, sched: SchedulerOutput, last: StepBatch | None, prev_tokens: np.ndarray | None
@@ -521,9 +543,13 @@ class BatchBuilder:
         n_sched: np.ndarray,
         prev_index: dict[str, int] | None = None,
         prev_tokens: np.ndarray | None = None,
+        *,
+        n_spec: np.ndarray | None = None,
     ) -> StepBatch:
         """``build`` on explicit arrays: ``rows``, ``start`` (num_computed_tokens) and
         ``n_sched`` (tokens this step), each integer ``[num_reqs]``, in ``req_ids`` order.
+        ``n_spec``: integer ``[num_reqs]``, the draft tokens among each request's ``n_sched``
+        (written after its known tokens by ``update_states``), or None.
 
         Async scheduling: a request may be scheduled one token past its known tokens, the token
         the step in flight samples for it. ``prev_index`` maps such a request to its sequence
@@ -542,14 +568,16 @@ class BatchBuilder:
         bs = batch.block_size
         end = start + n_sched
         known = batch.num_tokens[rows]
-        pending = end > known  # the last token is the one the step in flight samples
+        end_known = end if n_spec is None else end - n_spec  # where its sampled tokens go
+        pending = end_known > known  # the last token is the one the step in flight samples
         prev_idx = np.full(T, -1, np.int32)
         if pending.any():
-            assert prev_index is not None and np.all(end[pending] == known[pending] + 1), (
+            assert prev_index is not None and np.all(end_known[pending] == known[pending] + 1), (
                 "scheduled past the known tokens of a request"
             )
             seqs = np.nonzero(pending)[0]
-            prev_idx[np.cumsum(n_sched)[seqs] - 1] = [prev_index[req_ids[i]] for i in seqs]
+            last = np.cumsum(n_sched) - 1 if n_spec is None else np.cumsum(n_sched) - 1 - n_spec
+            prev_idx[last[seqs]] = [prev_index[req_ids[i]] for i in seqs]
 
         cu = np.cumsum(n_sched)
         seq_of_tok = np.repeat(np.arange(num_reqs), n_sched)  # [total]
@@ -604,9 +632,10 @@ class BatchBuilder:
             rows=rows,
             num_scheduled=n_sched,
             start_positions=start,
-            sample_mask=end >= known,
+            sample_mask=end_known >= known,
             token_bucket=T,
             seq_bucket=S,
             num_tokens=total,
             prompt_logprob_targets=targets,
+            num_spec=n_spec,
         )

@@ -39,6 +39,7 @@ from jaxserve.worker.kv_cache_alloc import (
 )
 from jaxserve.worker.sampler import prompt_logprobs, sample
 from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
+from jaxserve.worker.spec_decode import accept_on_device
 from jaxserve.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -95,8 +96,22 @@ def forward_step(graph: StepGraph, params: list, kv_caches: list, inputs: StepIn
     ``params``: the model state's leaves (``graph.state_def``); the KV caches are donated and
     updated in place."""
     graph.traces["forward"] += 1
-    model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.state_def, params))
-    metadata = PagedAttentionMetadata(
+    model = merge_model(graph, params)
+    hidden, kv_caches = model(
+        step_input_ids(inputs), inputs.positions, kv_caches, step_metadata(graph, inputs)
+    )  # [T, E]
+    logits = gather_logits(model.compute_logits(hidden[inputs.logits_indices]), graph.mesh)
+    return logits, hidden, kv_caches
+
+
+def merge_model(graph: StepGraph, params: list) -> nnx.Module:
+    """Inside a step function: the model of ``graph`` with the state leaves ``params``."""
+    return nnx.merge(graph.graphdef, jax.tree.unflatten(graph.state_def, params))
+
+
+def step_metadata(graph: StepGraph, inputs: StepInputs) -> PagedAttentionMetadata:
+    """Inside a step function: the step's attention metadata (its views of ``inputs``)."""
+    return PagedAttentionMetadata(
         slot_mapping=inputs.slot_mapping,
         block_tables=inputs.block_tables,
         context_lens=inputs.context_lens,
@@ -107,12 +122,13 @@ def forward_step(graph: StepGraph, params: list, kv_caches: list, inputs: StepIn
         mesh=graph.mesh,
         kv_layout=graph.kv_layout,
     )
-    # Async scheduling: tokens sampled by the previous step come straight from its output.
+
+
+def step_input_ids(inputs: StepInputs) -> jax.Array:
+    """Inside a step function: ``[T]`` token ids, those sampled by the previous step (async
+    scheduling) taken straight from its output."""
     prev = inputs.prev_index  # [T]
-    input_ids = jnp.where(prev >= 0, inputs.prev_tokens[jnp.maximum(prev, 0)], inputs.input_ids)
-    hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, metadata)  # [T, E]
-    logits = gather_logits(model.compute_logits(hidden[inputs.logits_indices]), graph.mesh)
-    return logits, hidden, kv_caches
+    return jnp.where(prev >= 0, inputs.prev_tokens[jnp.maximum(prev, 0)], inputs.input_ids)
 
 
 @functools.partial(jax.jit, static_argnames="graph")
@@ -127,6 +143,30 @@ def sample_step(graph: StepGraph, logits: jax.Array, md: SamplingMetadata):
     return out, padded
 
 
+@jax.jit
+def gather_rows(hidden: jax.Array, indices: jax.Array) -> jax.Array:
+    """``hidden [T, E]``, ``indices [N]`` int32 -> ``hidden[indices]`` ``[N, E]`` (its own small
+    executable per (T, N), so the logits after it compile per N alone)."""
+    return hidden[indices]
+
+
+@functools.partial(jax.jit, static_argnames="graph")
+def spec_logits_step(graph: StepGraph, params: list, hidden: jax.Array):
+    """Speculative decoding: the target's logits at the verified positions, ``hidden [R * W,
+    E]`` (``gather_rows`` of the forward's at ``VerifyPlan.indices``) -> f32 ``[R * W, V]``."""
+    graph.traces["spec_logits"] += 1
+    model = merge_model(graph, params)
+    return gather_logits(model.compute_logits(hidden), graph.mesh)
+
+
+@functools.partial(jax.jit, static_argnames="graph")
+def spec_sample_step(graph: StepGraph, logits: jax.Array, md: SamplingMetadata):
+    """Speculative decoding: :func:`jaxserve.worker.sampler.sample` over the verified
+    positions (``logits [R * W, V]``, ``md`` from ``SamplingMetadata.expand``)."""
+    graph.traces["spec_sampler"] += 1
+    return sample(logits, md)
+
+
 @functools.partial(jax.jit, static_argnames="graph")
 def prompt_logprobs_step(graph: StepGraph, params: list, hidden: jax.Array, targets: jax.Array):
     """Raw-model logprob, rank and top-``MAX_LOGPROBS`` of each target token.
@@ -136,7 +176,7 @@ def prompt_logprobs_step(graph: StepGraph, params: list, hidden: jax.Array, targ
     time so only ``[chunk, V]`` logits exist at once.
     """
     graph.traces["prompt_logprobs"] += 1
-    model = nnx.merge(graph.graphdef, jax.tree.unflatten(graph.state_def, params))
+    model = merge_model(graph, params)
     t = hidden.shape[0]
     chunk = min(PROMPT_LOGPROBS_CHUNK, t & -t)
 
@@ -176,6 +216,9 @@ class RunnerFields(Protocol):
     kv_caches: list | None
     aot_forward: dict[int, Any]
     aot_prompt_logprobs: dict[int, Any]
+    aot_draft_prefill: dict[int, Any]
+    draft: Any  # jaxserve.worker.draft_model.DraftModel | None
+    num_spec_tokens: int
     warm_buckets: set[int]
     compile_seconds: float
 
@@ -266,7 +309,9 @@ def profile_peak_activation_bytes(runner: RunnerFields) -> int:
 def initialize_kv_cache(runner: RunnerFields) -> KVCacheSpec:
     """Sizes the runner's KV pool (``kv_cache_alloc``), allocates it into ``runner.kv_caches``
     and logs it. On a device with memory stats and without ``num_gpu_blocks_override``, first
-    profiles the largest bucket's activation memory (one extra compile).
+    profiles the largest bucket's activation memory (one extra compile). With a draft model
+    (speculative decoding) the blocks are sized for both pools and the draft's is allocated too
+    (its activations, smaller than the target's, are not profiled).
 
     Raises:
       ValueError: the memory left holds fewer than 2 blocks.
@@ -280,6 +325,8 @@ def initialize_kv_cache(runner: RunnerFields) -> KVCacheSpec:
         peak = profile_peak_activation_bytes(runner)
         runner.compile_seconds += time.perf_counter() - t0
     layout = runner.kv_layout
+    speculative = runner.config.speculative
+    lookahead = 0 if speculative is None else speculative.num_lookahead_tokens  # Scheduler's too
     spec = determine_kv_cache_spec(
         num_layers=layout.num_tensors,
         num_kv_heads=arch.num_kv_heads,
@@ -294,17 +341,23 @@ def initialize_kv_cache(runner: RunnerFields) -> KVCacheSpec:
             layout.sliding_windows,
             runner.max_model_len,
             runner.block_size,
-            runner.config.scheduler.max_num_batched_tokens,
+            runner.config.scheduler.max_num_batched_tokens + lookahead,
         ),
         device=devices,
         peak_activation_bytes=peak,
         num_shards=runner.mesh.size,
+        extra_bytes_per_token=0 if runner.draft is None else runner.draft.bytes_per_token,
     )
     if jax.process_count() > 1:  # every process must allocate the same pool
         spec = dataclasses.replace(spec, num_blocks=min_over_processes(spec.num_blocks))
     log_kv_cache_spec(spec)
     runner.kv_spec = spec
     runner.kv_caches = allocate_kv_caches(spec, runner.kv_sharding)
+    if runner.draft is not None:  # its own pool, with the target's blocks
+        runner.draft.allocate(
+            runner.draft.spec(spec.num_blocks, spec.block_size, runner.mesh.size),
+            runner.kv_sharding,
+        )
     return spec
 
 
@@ -344,6 +397,11 @@ def warmup(runner: RunnerFields, *, progress: bool = True) -> float:
         runner.aot_prompt_logprobs[size] = prompt_logprobs_step.lower(
             graph, state, hidden_info, targets
         ).compile()
+        draft = runner.draft
+        if draft is not None:  # the draft runs over every target step's tokens
+            runner.aot_draft_prefill[size] = draft.compile_prefill(
+                padding_inputs(runner, size), runner.kv_sharding
+            )
         s = seq_bucket(size, runner.max_num_seqs)
         if s not in warm_seqs:
             warm_seqs.add(s)
@@ -357,6 +415,8 @@ def warmup(runner: RunnerFields, *, progress: bool = True) -> float:
                 jax.block_until_ready(sample_step(graph, logits, md))
         runner.warm_buckets.add(size)
     bar.close()
+    if runner.num_spec_tokens:
+        warmup_speculative(runner)
     seconds = time.perf_counter() - t0
     runner.compile_seconds += seconds
     logger.info(
@@ -366,3 +426,75 @@ def warmup(runner: RunnerFields, *, progress: bool = True) -> float:
         seconds,
     )
     return seconds
+
+
+SPEC_WARMUP_ROWS = 16
+"""Speculative decoding's row buckets compiled at warm-up go up to this many requests with
+drafts (or ``disable_by_batch_size``, if smaller); larger ones compile on first use (logged)."""
+
+
+def spec_row_buckets(runner: RunnerFields, token_bucket: int | None = None) -> list[int]:
+    """Speculative decoding's row buckets R (powers of two) that warm-up compiles: up to
+    ``SPEC_WARMUP_ROWS`` requests with drafts in one step, ``max_num_seqs``,
+    ``disable_by_batch_size`` and, in a step of ``token_bucket`` tokens, half of them (each has
+    its token and a draft or more)."""
+    spec = runner.config.speculative
+    most = min(runner.max_num_seqs, SPEC_WARMUP_ROWS)
+    if spec is not None and spec.disable_by_batch_size is not None:
+        most = min(most, spec.disable_by_batch_size)
+    if token_bucket is not None:
+        most = min(most, max(token_bucket // 2, 1))
+    out, r = [], 1
+    while r < most:
+        out.append(r)
+        r *= 2
+    return out + [r]
+
+
+def warmup_speculative(runner: RunnerFields) -> None:
+    """Runs, on all-padding inputs, the speculative step functions of the warm row buckets
+    (``spec_row_buckets``): the gather of the verified positions' hidden states (per token
+    bucket), their logits and sampler variants, and with a draft model its device-side
+    acceptance and its proposals. Each input is the output of the step function that feeds it
+    at serving time (jit caches key on how an argument is placed)."""
+    graph, state, k = runner.graph, runner.params, runner.num_spec_tokens
+    width = k + 1
+    gathered: dict[int, jax.Array] = {}
+    last = None
+    for size in runner.token_buckets:
+        logits_info, hidden_info, _ = runner.aot_forward[size].out_info
+        hidden = jax.device_put(
+            np.zeros(hidden_info.shape, hidden_info.dtype), hidden_info.sharding
+        )
+        for r in spec_row_buckets(runner, size):
+            gathered[r] = gather_rows(hidden, np.zeros(r * width, np.int32))
+        if last is None:
+            logits = jax.device_put(
+                np.zeros(logits_info.shape, logits_info.dtype), logits_info.sharding
+            )
+            md = SamplingMetadata.from_params(
+                [SamplingRow(runner.warmup_sampling[0], 0, 0, (), ())], pad_to=logits_info.shape[0]
+            )
+            _, last = sample_step(graph, logits, md)  # the padded tokens a draft continues
+    samples = {}
+    for r in spec_row_buckets(runner):
+        logits = spec_logits_step(graph, state, gathered[r])
+        for params in runner.warmup_sampling:
+            md = SamplingMetadata.from_params([SamplingRow(params, 0, 0, (), ())], pad_to=r)
+            samples[r] = spec_sample_step(graph, logits, md.expand(np.arange(r), width))
+        jax.block_until_ready(samples[r])
+    draft = runner.draft
+    if draft is None:
+        return
+    p = runner.input_batch.max_blocks_per_req
+    tables = np.zeros((len(runner.kv_layout.groups), graph.max_seqs, p), np.int32)  # [G, S, P]
+    ctx = np.zeros(graph.max_seqs, np.int32)
+    for r in spec_row_buckets(runner):
+        rows = np.zeros(r, np.int32)
+        accepted = accept_on_device(last, samples[r].token_ids, rows, np.zeros((r, k), np.int32))
+        jax.block_until_ready(accepted)
+        if draft.num_rows(r) == r:
+            for tokens, num_accepted in ((last, None), accepted):  # without and with drafts
+                jax.block_until_ready(
+                    draft.propose(tables, ctx, tokens, num_accepted, rows[:0], rows[:0], num_rows=r)
+                )

@@ -140,6 +140,7 @@ def determine_kv_cache_spec(
     peak_activation_bytes: int = 0,
     num_shards: int = 1,
     blocks_per_seq: int | None = None,
+    extra_bytes_per_token: int = 0,
 ) -> KVCacheSpec:
     """Chooses the number of KV blocks (see the module docstring for the rule).
 
@@ -159,6 +160,8 @@ def determine_kv_cache_spec(
       blocks_per_seq: one ``max_model_len`` sequence's blocks, all KV-cache groups together
         (``blocks_per_sequence``), for the CPU default; None: ``ceil(max_model_len /
         block_size)``.
+      extra_bytes_per_token: bytes per token slot of another pool with the same blocks (a
+        speculative draft model's K/V, split the same way); the blocks are sized for both.
 
     Returns:
       The KVCacheSpec.
@@ -179,7 +182,7 @@ def determine_kv_cache_spec(
     )
     if num_gpu_blocks_override is not None:
         return KVCacheSpec(num_blocks=int(num_gpu_blocks_override), source="override", **common)
-    per_device = per_token // num_shards
+    per_device = (per_token + extra_bytes_per_token) // num_shards
     devices = (
         [device] if isinstance(device, jax.Device) or not isinstance(device, Sequence) else device
     )

@@ -69,14 +69,20 @@ from jaxserve.worker.compilation import (
     WARMUP_SAMPLING,
     StepGraph,
     forward_step,
+    gather_rows,
     prompt_logprobs_step,
     sample_step,
+    spec_logits_step,
+    spec_sample_step,
 )
+from jaxserve.worker.draft_model import DraftModel
 from jaxserve.worker.kv_offload import HostKVCache, num_host_blocks, staging_memory_kind
+from jaxserve.worker.ngram_proposer import NgramProposer
 from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
+from jaxserve.worker.spec_decode import VerifyPlan, accept, accept_on_device, plan_verification
 
 if TYPE_CHECKING:
-    from jaxserve.config import EngineConfig
+    from jaxserve.config import EngineConfig, SpeculativeConfig
     from jaxserve.core.sched_output import SchedulerOutput
     from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.structured import StepTokenMask
@@ -107,6 +113,11 @@ class PendingStep:
       index: req_id -> sequence index, when every sequence samples (else None); shared with
         the next steps while the batch stays the same (read-only).
       row_changes: ``InputBatch.row_changes`` at dispatch.
+      verify: speculative decoding: the step's VerifyPlan (None: no drafts in it).
+      spec_sampled: the verified positions' sampler output (device arrays), or None.
+      speculate: ``SchedulerOutput.speculate``: propose drafts after the step.
+      draft_seqs: the draft model's proposing sequences (indices into the step's), or None.
+      draft_ids: their drafts, int32 ``[R, K]`` on the device, or None.
     """
 
     batch: StepBatch
@@ -116,6 +127,11 @@ class PendingStep:
     row_epochs: np.ndarray
     index: dict[str, int] | None = None
     row_changes: int = -1
+    verify: VerifyPlan | None = None
+    spec_sampled: object = None
+    speculate: bool = False
+    draft_seqs: list[int] | None = None
+    draft_ids: object = None
 
 
 @dataclasses.dataclass
@@ -246,6 +262,15 @@ class ModelRunner:
         # built from them (BatchBuilder.build_steady).
         self._last_batch: StepBatch | None = None
         self._last_params: list[SamplingParams] = []
+        self.num_spec_tokens = 0
+        self.ngram: NgramProposer | None = None
+        self.set_speculative_config(config.speculative)
+        self.draft: DraftModel | None = None  # attach_draft_model
+        self.aot_draft_prefill: dict[int, Any] = {}
+        # The draft's cache per row: positions whose draft K/V is valid (see _draft_prefill),
+        # and whether any step ran without the draft (cached blocks may lack its K/V since).
+        self._draft_len = np.zeros(sched.max_num_seqs, np.int64)
+        self._draft_skipped = False
         logger.info(
             "model runner: attention backend %s%s, KV head dim %d, token buckets %s, "
             "sequence buckets %s, KV-cache groups %s (%d array pairs)",
@@ -364,6 +389,77 @@ class ModelRunner:
         (:func:`jaxserve.worker.compilation.warmup`). Requires ``initialize_kv_cache`` first."""
         return compilation.warmup(self, progress=progress)
 
+    def attach_draft_model(self, model: nnx.Module, arch: ModelArchConfig) -> None:
+        """Speculative decoding with a draft model (``--speculative-config`` method
+        ``draft_model``): places it beside the target, before ``initialize_kv_cache`` (which
+        sizes the blocks for both pools and allocates the draft's).
+
+        Raises:
+          ValueError: its vocabulary is not the target's, or its heads cannot be split over
+            the mesh (``speculative_config.model`` named); the target has no full-attention
+            KV-cache group (``draft_kv_group``).
+        """
+        assert self.kv_caches is None, "attach_draft_model() before initialize_kv_cache()"
+        kv_group = self.draft_kv_group()
+        if arch.vocab_size != self.arch.vocab_size:
+            raise ValueError(
+                f"speculative_config.model: the draft model's vocabulary ({arch.vocab_size} "
+                f"tokens) is not the target's ({self.arch.vocab_size}); it must share the "
+                "tokenizer"
+            )
+        try:
+            self.draft = DraftModel(
+                model,
+                arch,
+                mesh=self.mesh,
+                step_mesh=self.step_mesh,
+                backend=self.backend,
+                interpret=self.interpret,
+                num_speculative_tokens=self.num_spec_tokens,
+                token_multiple=token_bucket_multiple(self.backend),
+                kv_group=kv_group,
+            )
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
+        logger.info(
+            "draft model: %d layers, hidden %d, %d KV heads of %d; K = %d",
+            arch.num_layers,
+            arch.hidden_size,
+            self.draft.arch.num_kv_heads,
+            arch.head_dim,
+            self.num_spec_tokens,
+        )
+
+    def draft_kv_group(self) -> int:
+        """The target's KV-cache group whose block tables hold a draft model's cache: the first
+        full-attention group (module docstring of ``worker/draft_model.py``).
+
+        Raises:
+          ValueError: every layer of the target slides (the hybrid KV cache keeps no group whose
+            tables hold a whole sequence); one line naming ``--speculative-config``.
+        """
+        windows = self.kv_layout.sliding_windows
+        for g, window in enumerate(windows):
+            if window is None:
+                return g
+        raise ValueError(
+            "--speculative-config: a draft model needs a full-attention KV-cache group for its "
+            f"cache, and every layer of this model slides (group windows {list(windows)}); use "
+            '"method": "ngram", or --disable-hybrid-kv-cache-manager'
+        )
+
+    def set_speculative_config(self, spec: SpeculativeConfig | None) -> None:
+        """Speculative decoding's K (0 = off) and, for the n-gram method, its proposer (the
+        engine tests share one runner between engines with and without it)."""
+        self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
+        self.ngram = (
+            NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+            if spec is not None and spec.method == "ngram"
+            else None
+        )
+
     def reset_requests(self) -> None:
         """Forgets every request's row (e.g. before serving a new scheduler after the previous
         one was dropped); the KV pool's contents are left as they are."""
@@ -402,7 +498,16 @@ class ModelRunner:
         """Executables this runner has traced per step function (a test checks serving adds
         none); profiling's probe compiles are not counted."""
         traces = self.graph.traces
-        return {name: traces[name] for name in ("forward", "sampler", "prompt_logprobs")}
+        names = ("forward", "sampler", "prompt_logprobs")
+        if self.num_spec_tokens:
+            names += ("spec_logits", "spec_sampler")
+        counts = {name: traces[name] for name in names}
+        if self.draft is not None:
+            draft = self.draft.graph.traces
+            counts.update(
+                draft_prefill=draft["draft_prefill"], draft_propose=draft["draft_propose"]
+            )
+        return counts
 
     # ------------------------------------------------------------------ one step
 
@@ -471,6 +576,9 @@ class ModelRunner:
             logits, hidden, self.kv_caches = forward_step(
                 graph, self.params, self.kv_caches, batch.inputs
             )
+        draft = self.draft
+        if draft is not None:
+            self._draft_prefill(sched, batch)
         num_variants = graph.traces["sampler"]
         sampled, self._prev_tokens = sample_step(graph, logits, md)
         if graph.traces["sampler"] != num_variants:
@@ -486,6 +594,14 @@ class ModelRunner:
                 md.needs_full_sort,
                 md.any_token_mask,
             )
+        verify = plan_verification(batch, self.num_spec_tokens)
+        spec_sampled = None
+        if verify is not None:  # the drafts' positions, sampled as the sampler above would
+            spec_hidden = gather_rows(hidden, verify.indices)
+            spec_logits = spec_logits_step(graph, self.params, spec_hidden)
+            spec_sampled = spec_sample_step(
+                graph, spec_logits, md.expand(verify.rows, verify.width)
+            )
         plp = None
         if batch.prompt_logprob_targets is not None:
             aot = self.aot_prompt_logprobs.get(batch.token_bucket)
@@ -495,7 +611,10 @@ class ModelRunner:
                 if aot is not None
                 else prompt_logprobs_step(graph, self.params, hidden, targets)
             )
-        for x in jax.tree.leaves((sampled, plp)):
+        draft_seqs = draft_ids = None
+        if draft is not None and sched.speculate:
+            draft_seqs, draft_ids = self._propose_draft(batch, verify, spec_sampled)
+        for x in jax.tree.leaves((sampled, plp, spec_sampled, draft_ids)):
             x.copy_to_host_async()
         self.timing.launch_s += time.perf_counter() - t1
         self.timing.aside_cpu_s += time.thread_time() - c1
@@ -515,7 +634,18 @@ class ModelRunner:
         t2 = time.perf_counter()
         self.timing.host_s += t2 - t0
         return PendingStep(
-            batch, sampled, plp, params, ib.row_epoch[batch.rows], index, ib.row_changes
+            batch,
+            sampled,
+            plp,
+            params,
+            ib.row_epoch[batch.rows],
+            index,
+            ib.row_changes,
+            verify,
+            spec_sampled,
+            sched.speculate,
+            draft_seqs,
+            draft_ids,
         )
 
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
@@ -525,17 +655,21 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = pending.batch
         t1, c1 = time.perf_counter(), time.thread_time()
-        sampled, plp = jax.device_get((pending.sampled, pending.plp))
+        sampled, plp, spec_sampled, draft_ids = jax.device_get(
+            (pending.sampled, pending.plp, pending.spec_sampled, pending.draft_ids)
+        )
         if self.host_kv is not None:
             # This step's saves ran before it; under async scheduling the pending ones may be
             # the next step's: not waited for here (the next start() finishes them).
             self.host_kv.finish(wait=False)
         t2 = time.perf_counter()
         self.timing.aside_cpu_s += time.thread_time() - c1
-        output = self._make_output(pending, sampled, plp)
+        output = self._make_output(pending, sampled, plp, spec_sampled)
         # The sampled tokens join their rows, unless the row changed hands or moved on.
         ib = self.input_batch
         rows, ends = batch.rows, batch.start_positions + batch.num_scheduled
+        if batch.num_spec is not None:
+            ends = ends - batch.num_spec  # drafts are not known tokens: they follow them
         if pending.row_changes == ib.row_changes and output.sampled_flat is not None:
             # no row changed hands since dispatch, every sequence sampled: two checks, not four
             keep = (ib.num_tokens[rows] == ends) & (ends < ib.max_model_len)
@@ -550,15 +684,130 @@ class ModelRunner:
             ib.token_ids[rows, ends] = sampled.token_ids[: batch.num_reqs]
             ib.num_tokens[rows] = ends + 1
         elif keep.any():
-            rows, ends = rows[keep], ends[keep]
-            ib.token_ids[rows, ends] = sampled.token_ids[: batch.num_reqs][keep]
-            ib.num_tokens[rows] = ends + 1
+            ib.token_ids[rows[keep], ends[keep]] = sampled.token_ids[: batch.num_reqs][keep]
+            ib.num_tokens[rows[keep]] = ends[keep] + 1
+        if pending.verify is not None:  # a drafted row's tokens: its accepted drafts, then one
+            for i in pending.verify.seqs.tolist():
+                if keep[i]:
+                    tokens = output.sampled_token_ids[i]
+                    row, end = rows[i], ends[i]
+                    assert end + len(tokens) <= ib.max_model_len, "a row overflows max_model_len"
+                    ib.token_ids[row, end : end + len(tokens)] = tokens
+                    ib.num_tokens[row] = end + len(tokens)
+        if pending.speculate and self.ngram is not None:
+            output.draft_token_ids = self._propose_ngram(pending, keep)
+        elif pending.draft_seqs is not None:
+            req_ids = batch.req_ids
+            output.draft_token_ids = {
+                req_ids[i]: draft_ids[r].tolist()
+                for r, i in enumerate(pending.draft_seqs)
+                if keep[i]
+            }
         t3 = time.perf_counter()
         timing = self.timing
         timing.num_steps += 1
         timing.device_s += t2 - t1
         timing.output_s += t3 - t2
         return output
+
+    def _draft_prefill(self, sched: SchedulerOutput, batch: StepBatch) -> None:
+        """Keeps the draft's cache up with the target's while speculation is on.
+
+        A speculating step runs the draft over the step's tokens, after catching up the rows
+        whose draft cache is behind the step's start (tokens computed while speculation was
+        off, by ``disable_by_batch_size``, in ``catch_up`` pieces). A step that does not
+        speculate skips the draft: at a large batch it would cost a share of every step for
+        drafts nobody uses. A new row starts with its prefix-cache hit valid for the draft
+        unless some step ever skipped it (a cached block may then lack the draft's K/V: its
+        hit is caught up from position 0)."""
+        ib, draft = self.input_batch, self.draft
+        to_row = ib.req_id_to_row
+        for new in sched.scheduled_new_reqs:
+            self._draft_len[to_row[new.req_id]] = (
+                0 if self._draft_skipped else new.num_computed_tokens
+            )
+        if not sched.speculate:
+            self._draft_skipped = True
+            return
+        behind = self._draft_len[batch.rows] < batch.start_positions
+        if behind.any():
+            self._draft_catch_up(batch, np.flatnonzero(behind))
+        draft.prefill(batch.inputs, self.aot_draft_prefill.get(batch.token_bucket))
+        self._draft_len[batch.rows] = batch.start_positions + batch.num_scheduled
+
+    def _draft_catch_up(self, batch: StepBatch, seqs: np.ndarray) -> None:
+        """Runs the draft over the positions ``[draft_len, start)`` of the step's sequences
+        ``seqs``, in pieces of at most the largest token bucket (a row's pieces in order)."""
+        most = self.token_buckets[-1]
+        rows = batch.rows[seqs]
+        ids = [batch.req_ids[i] for i in seqs.tolist()]
+        pos = self._draft_len[rows].copy()
+        end = batch.start_positions[seqs]
+        while True:
+            left = end - pos
+            todo = np.flatnonzero(left > 0)
+            if todo.size == 0:
+                break
+            take = np.zeros(len(todo), np.int64)
+            room = most
+            for j, i in enumerate(todo.tolist()):  # fill one piece, rows in order
+                take[j] = min(left[i], room)
+                room -= take[j]
+                if room == 0:
+                    break
+            keep = take > 0
+            todo, take = todo[keep], take[keep]
+            piece = self.builder.build_from_arrays(
+                [ids[i] for i in todo.tolist()], rows[todo], pos[todo], take
+            )
+            self.draft.prefill(piece.inputs, self.aot_draft_prefill.get(piece.token_bucket))
+            pos[todo] += take
+
+    def _propose_draft(
+        self, batch: StepBatch, verify: VerifyPlan | None, spec_sampled
+    ) -> tuple[list[int] | None, jax.Array | None]:
+        """Dispatches the draft model's proposals for the next step of each request that
+        samples in ``batch`` and whose sampling allows speculation; returns (their sequence
+        indices, the drafts on the device), or (None, None) when none proposes."""
+        ib = self.input_batch
+        seqs = [
+            i
+            for i in np.flatnonzero(batch.sample_mask).tolist()
+            if not ib.params[batch.rows[i]].needs_output_history
+        ]
+        if not seqs:
+            return None, None
+        last, num_accepted = self._prev_tokens, None
+        if verify is not None:  # the accepted drafts and the token after them, on the device
+            last, num_accepted = accept_on_device(
+                last, spec_sampled.token_ids, verify.rows, verify.drafts
+            )
+        num_spec = np.zeros(len(seqs), np.int32)
+        if batch.num_spec is not None:
+            num_spec[:] = batch.num_spec[seqs]
+        inputs = batch.inputs
+        drafts = self.draft.propose(
+            inputs.block_tables,
+            inputs.context_lens,
+            last,
+            num_accepted,
+            np.asarray(seqs),
+            num_spec,
+        )
+        return seqs, drafts
+
+    def _propose_ngram(self, pending: PendingStep, keep: np.ndarray) -> dict[str, list[int]]:
+        """N-gram drafts for the next step of each request that sampled in ``pending`` (its row
+        just took the tokens) and whose sampling allows speculation."""
+        batch, ib = pending.batch, self.input_batch
+        drafts: dict[str, list[int]] = {}
+        propose = self.ngram.propose
+        for i in np.flatnonzero(keep & batch.sample_mask).tolist():
+            if pending.params[i].needs_output_history:
+                continue
+            row = batch.rows[i]
+            drafts[batch.req_ids[i]] = propose(ib.token_ids[row, : ib.num_tokens[row]])
+        return drafts
 
     def _seed(self, req_id: str, params: SamplingParams) -> int:
         if params.seed is not None:
@@ -616,9 +865,10 @@ class ModelRunner:
         step_index = np.zeros(batch.seq_bucket, np.int32)
         # the output index of the token each row samples (counts a token still in flight; a
         # partial prompt chunk samples nothing: 0)
-        step_index[:n] = np.maximum(
-            batch.start_positions + batch.num_scheduled - ib.num_prompt_tokens[batch.rows], 0
-        )
+        ends = batch.start_positions + batch.num_scheduled
+        if batch.num_spec is not None:
+            ends = ends - batch.num_spec  # a drafted row samples after its known tokens first
+        step_index[:n] = np.maximum(ends - ib.num_prompt_tokens[batch.rows], 0)
         bitmask = self._token_bitmask(batch, token_mask)
         key = (tuple(batch.req_ids), batch.seq_bucket)
         if cache is not None and cache[0] == key:
@@ -658,12 +908,20 @@ class ModelRunner:
         self._md_cache = (key, md, batch) if stable else None
         return md
 
-    def _make_output(self, pending: PendingStep, sampled, plp) -> ModelRunnerOutput:
+    def _make_output(
+        self, pending: PendingStep, sampled, plp, spec_sampled=None
+    ) -> ModelRunnerOutput:
         batch, params = pending.batch, pending.params
         n = batch.num_reqs
         tokens = sampled.token_ids[:n].tolist()
         flat = index = None
-        if batch.sample_mask.all():
+        verify = pending.verify
+        if verify is not None:  # drafted rows: their accepted drafts and one token each
+            mask = batch.sample_mask.tolist()
+            sampled_ids = [[t] if m else [] for t, m in zip(tokens, mask)]
+            for i, ids in zip(verify.seqs.tolist(), accept(verify, spec_sampled.token_ids)):
+                sampled_ids[i] = ids
+        elif batch.sample_mask.all():
             mask = [True] * n
             sampled_ids = OneTokenEach(tokens)
             flat, index = tokens, pending.index
@@ -679,16 +937,17 @@ class ModelRunner:
                 if k is None or not mask[i]:
                     logprobs.append([])
                     continue
-                logprobs.append(
-                    [
-                        TokenLogprobs(
-                            token_ids=[tokens[i]] + lp.top_ids[i, :k].tolist(),
-                            logprobs=[float(lp.token_logprobs[i])]
-                            + lp.top_logprobs[i, :k].tolist(),
-                            rank=int(lp.token_ranks[i]),
-                        )
-                    ]
-                )
+                logprobs.append([_token_logprobs(lp, i, tokens[i], k)])
+            if verify is not None:  # each kept token's logprobs at its own position
+                slp = spec_sampled.logprobs
+                for r, i in enumerate(verify.seqs.tolist()):
+                    k = params[i].logprobs
+                    if k is not None:
+                        base = r * verify.width
+                        logprobs[i] = [
+                            _token_logprobs(slp, base + j, t, k)
+                            for j, t in enumerate(sampled_ids[i])
+                        ]
         prompt_lps: dict[str, list[TokenLogprobs]] = {}
         if plp is not None:
             targets = batch.prompt_logprob_targets
@@ -717,3 +976,12 @@ class ModelRunner:
             prompt_logprobs_dict=prompt_lps,
             sampled_flat=flat,
         )
+
+
+def _token_logprobs(lp, i: int, token: int, k: int) -> TokenLogprobs:
+    """Row ``i`` of a host ``LogprobsTensors``: the chosen ``token`` and the top ``k``."""
+    return TokenLogprobs(
+        token_ids=[token] + lp.top_ids[i, :k].tolist(),
+        logprobs=[float(lp.token_logprobs[i])] + lp.top_logprobs[i, :k].tolist(),
+        rank=int(lp.token_ranks[i]),
+    )

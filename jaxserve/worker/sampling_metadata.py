@@ -240,6 +240,23 @@ class SamplingMetadata:
             any_token_mask=token_bitmask.shape[1] > 1,
         )
 
+    def expand(self, rows: np.ndarray, width: int) -> SamplingMetadata:
+        """The metadata of ``len(rows) * width`` rows: row ``rows[i]`` repeated ``width`` times,
+        its j-th copy sampling output position ``step_index + j`` (speculative decoding: the
+        target's distribution at each of a request's draft positions, with the knobs, seed and
+        per-position key of that output index). Host (numpy) metadata only.
+
+        Args:
+          rows: int ``[R]`` rows of this metadata.
+          width: copies per row (1 + the most drafts a request carries).
+        """
+        take = np.repeat(np.asarray(rows, np.int64), width)
+        arrays = {name: getattr(self, name)[take] for name in _DATA_FIELDS}
+        arrays["step_index"] = arrays["step_index"] + np.tile(
+            np.arange(width, dtype=np.int32), len(rows)
+        )
+        return dataclasses.replace(self, **arrays)
+
 
 def _check_token_bitmask(token_bitmask: np.ndarray | None, s: int) -> np.ndarray:
     """The step's token bitmask, or the ``int32[S, 1]`` placeholder when no row is masked.
@@ -368,10 +385,9 @@ _STATIC_FIELDS = (
     "needs_full_sort",
     "any_token_mask",
 )
+_DATA_FIELDS = tuple(
+    f.name for f in dataclasses.fields(SamplingMetadata) if f.name not in _STATIC_FIELDS
+)
 jax.tree_util.register_dataclass(
-    SamplingMetadata,
-    data_fields=[
-        f.name for f in dataclasses.fields(SamplingMetadata) if f.name not in _STATIC_FIELDS
-    ],
-    meta_fields=list(_STATIC_FIELDS),
+    SamplingMetadata, data_fields=list(_DATA_FIELDS), meta_fields=list(_STATIC_FIELDS)
 )

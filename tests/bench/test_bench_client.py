@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 
 from jaxserve.bench.client import completion_payload, send_completion
 from jaxserve.bench.metrics_scrape import parse_metrics, run_figures, snapshot
+from jaxserve.bench.serve import format_table
 from jaxserve.bench.stats import RequestResult, compute_metrics, summarize
 from jaxserve.bench.workloads import (
     BenchRequest,
@@ -185,6 +186,44 @@ def test_metrics_deltas_and_peaks(prefix):
     assert fig["timeline"]["waiting"] == [7, 2]
     no_queries = run_figures(before, before, [])
     assert no_queries["prefix_cache_hit_rate"] is None and no_queries["preemptions"] == 0
+
+
+SPEC_EXPOSITION = """# TYPE {p}spec_decode_num_drafts counter
+{p}spec_decode_num_drafts_total{{model_name="m"}} {drafts}
+# TYPE {p}spec_decode_num_draft_tokens counter
+{p}spec_decode_num_draft_tokens_total{{model_name="m"}} {tokens}
+# TYPE {p}spec_decode_num_accepted_tokens counter
+{p}spec_decode_num_accepted_tokens_total{{model_name="m"}} {acc}
+# TYPE {p}spec_decode_num_accepted_tokens_per_pos counter
+{p}spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {p0}
+{p}spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="1"}} {p1}
+"""
+
+
+@pytest.mark.parametrize("prefix", ["jaxserve:", "vllm:"])
+def test_speculative_decoding_figures(prefix):
+    def snap(**kw):
+        return snapshot(parse_metrics(SPEC_EXPOSITION.format(p=prefix, **kw)))
+
+    before = snap(drafts=10, tokens=20, acc=5, p0=4, p1=1)
+    after = snap(drafts=110, tokens=220, acc=155, p0=94, p1=61)  # 100 drafts of 2 tokens
+    spec = run_figures(before, after, [])["spec_decode"]
+    assert spec["num_drafts"] == 100 and spec["draft_tokens"] == 200
+    assert spec["accepted_tokens"] == 150
+    assert spec["acceptance_rate"] == pytest.approx(75.0)
+    assert spec["acceptance_length"] == pytest.approx(2.5)  # 1 + 150 / 100
+    assert spec["per_position_acceptance_rates"] == pytest.approx([0.9, 0.6])
+    assert run_figures(before, before, [])["spec_decode"] is None  # no draft in the run
+    table = format_table(
+        {
+            "completed": 1, "failed": 0, "request_rate": "inf", "max_concurrency": 1,
+            "duration": 1.0, "total_input_tokens": 1, "total_output_tokens": 1,
+            "request_throughput": 1.0, "output_throughput": 1.0, "total_token_throughput": 1.0,
+            "percentiles": [], "server": run_figures(before, after, []),
+            **{f"{s}_{k}_ms": 1.0 for s in ("mean", "median") for k in ("ttft", "tpot", "itl", "e2el")},
+        }
+    )  # fmt: skip
+    assert "Acceptance length:" in table and "2.50" in table and "Position 1:" in table
 
 
 # ---- the client against a scripted server --------------------------------------------------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import types
@@ -55,12 +56,14 @@ def base(model_dir):
 @pytest.fixture(scope="session")
 def make_engine(base):
     """``make_engine(**knobs)``: a fresh LLMEngine (scheduler, empty prefix cache) on the shared
-    runner. Knobs are SchedulerConfig / CacheConfig field names, plus ``num_gpu_blocks``."""
+    runner. Knobs are SchedulerConfig / CacheConfig field names, plus ``num_gpu_blocks`` and
+    ``speculative`` (a SpeculativeConfig; the n-gram method only: the runner is shared)."""
     from jaxserve.engine.llm_engine import LLMEngine
 
-    def make(**knobs):
+    def make(speculative=None, **knobs):
         base.runner.reset_requests()
-        config = variant_config(base.config, **knobs)
+        base.runner.set_speculative_config(speculative)
+        config = dataclasses.replace(variant_config(base.config, **knobs), speculative=speculative)
         return LLMEngine(config, base.runner, base.arch, base.tokenizer, base.generation_config)
 
     return make

@@ -23,7 +23,7 @@ from typing import Any
 from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import EngineStats
 from jaxserve.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.tokenizer.detokenizer import IncrementalDetokenizer
 from jaxserve.tokenizer.loading import load_served_tokenizer
 
@@ -340,12 +340,17 @@ class FakeEngine:
                     req.metrics.last_token_time = now
                     req.metrics.num_generation_tokens += 1
                 sample.text += delta_text
+            delta = params.output_kind == RequestOutputKind.DELTA  # only what is new
             completions.append(
                 CompletionOutput(
                     index=sample.index,
-                    text=sample.text,
-                    token_ids=list(sample.token_ids),
-                    logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+                    text=delta_text if delta else sample.text,
+                    token_ids=delta_ids if delta else list(sample.token_ids),
+                    logprobs=delta_lps
+                    if delta
+                    else list(sample.logprobs)
+                    if sample.logprobs is not None
+                    else None,
                     finish_reason=sample.finish_reason,
                     stop_reason=sample.stop_reason,
                     delta_text=delta_text,

@@ -1,6 +1,7 @@
-"""The reference backend's key-chunked attention against the whole-row oracle
-(``ragged_paged_attention_reference``): ragged mixes of prefill chunks and decodes, several
-chunks per sequence, padding tokens and sequences, soft cap and sliding window."""
+"""The xla backend's tiled attention against the whole-row oracle
+(``ragged_paged_attention_reference``): ragged mixes of prefill chunks and decodes, decode rows
+of very different contexts, prefill chunks over several query tiles and key chunks, chunks of
+2..rows tokens, padding tokens and sequences, soft cap and sliding window, bfloat16."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.chunked_attention import chunked_paged_attention
+from jaxserve.model.chunked_attention import CpuAttentionTiling, chunked_paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 # (query_len, context_len): a long prefill chunk after a cached prefix, decodes at chunk edges,
 # a fresh prompt, one token context.
 SEQS = [(20, 70), (1, 33), (1, 32), (1, 64), (9, 9), (1, 1), (1, 50)]
+# Decode rows of very different contexts (one long row among short ones), a fresh prompt of
+# several tiles, a 2-token chunk and a chunk as long as a tile on cached prefixes.
+MIXED = [(1, 3), (1, 150), (33, 33), (1, 7), (2, 61), (8, 100), (1, 1), (1, 96)]
 
 
 def make_args(rng, seqs, *, num_tokens, num_seq_slots, hkv, group, head_dim, block_size, pages):
@@ -43,12 +47,27 @@ def make_args(rng, seqs, *, num_tokens, num_seq_slots, hkv, group, head_dim, blo
     )
 
 
+def check(args, seqs, tiling, *, atol=2e-5, **kw):
+    ref = ragged_paged_attention_reference(*args, **kw)
+    got = jax.jit(lambda *a: chunked_paged_attention(*a, tiling=tiling, **kw))(*args)
+    real = sum(q for q, _ in seqs)
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    np.testing.assert_allclose(got[:real], ref[:real], atol=atol, rtol=0)
+    np.testing.assert_array_equal(got[real:], 0.0)  # padding tokens
+
+
 @pytest.mark.parametrize(
-    "keys_per_chunk,soft_cap,sliding_window",
-    [(16, None, None), (32, 30.0, None), (8, None, 13), (1024, None, None)],
+    "tiling,soft_cap,sliding_window",
+    [
+        (CpuAttentionTiling(16, 3, 8, 16), None, None),
+        (CpuAttentionTiling(8, 2, 4, 32), 30.0, None),
+        (CpuAttentionTiling(8, 5, 8, 8), None, 13),
+        (CpuAttentionTiling(1024, 1, 64, 1024), None, 5),  # one chunk per row; window < block
+        (CpuAttentionTiling(), None, None),  # the defaults (one key chunk covers every row)
+    ],
 )
-def test_chunked_matches_reference(keys_per_chunk, soft_cap, sliding_window):
-    rng = np.random.default_rng(keys_per_chunk)
+def test_chunked_matches_reference(tiling, soft_cap, sliding_window):
+    rng = np.random.default_rng(tiling.decode_keys)
     args = make_args(
         rng,
         SEQS,
@@ -60,11 +79,49 @@ def test_chunked_matches_reference(keys_per_chunk, soft_cap, sliding_window):
         block_size=8,
         pages=10,  # 80 keys per row, not a multiple of every chunk size
     )
-    kw = dict(sm_scale=0.25, soft_cap=soft_cap, sliding_window=sliding_window)
-    ref = ragged_paged_attention_reference(*args, **kw)
-    got = jax.jit(lambda *a: chunked_paged_attention(*a, keys_per_chunk=keys_per_chunk, **kw))(
-        *args
+    check(args, SEQS, tiling, sm_scale=0.25, soft_cap=soft_cap, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_rows_read_their_own_context(sliding_window):
+    """Decode rows from 1 to 150 tokens of context beside prefill chunks of 2, 8 and 33 tokens
+    (several tiles of 4 rows and key chunks of 16): each row attends exactly to its own keys."""
+    rng = np.random.default_rng(7)
+    args = make_args(
+        rng,
+        MIXED,
+        num_tokens=64,  # 48 real tokens + padding
+        num_seq_slots=16,
+        hkv=1,
+        group=4,
+        head_dim=8,
+        block_size=8,
+        pages=20,
     )
-    real = sum(q for q, _ in SEQS)
-    np.testing.assert_allclose(np.asarray(got[:real]), np.asarray(ref[:real]), atol=2e-5, rtol=0)
-    assert np.all(np.isfinite(np.asarray(got)))
+    tiling = CpuAttentionTiling(decode_keys=16, decode_items=4, prefill_rows=4, prefill_keys=16)
+    check(args, MIXED, tiling, sm_scale=0.3, sliding_window=sliding_window)
+
+
+def test_bfloat16_and_empty_batch():
+    rng = np.random.default_rng(3)
+    args = make_args(
+        rng,
+        SEQS,
+        num_tokens=40,
+        num_seq_slots=8,
+        hkv=2,
+        group=2,
+        head_dim=16,
+        block_size=8,
+        pages=10,
+    )
+    bf16 = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
+    check(bf16, SEQS, CpuAttentionTiling(8, 4, 8, 16), atol=2e-2, sm_scale=0.25)
+    # no real sequence: nothing attends, every row is zero
+    empty = (*args[:5], jnp.zeros_like(args[5]), jnp.int32(0))
+    check(empty, [], CpuAttentionTiling(8, 4, 8, 16), sm_scale=0.25)
+
+
+def test_tiling_rejects_non_positive_sizes():
+    with pytest.raises(ValueError, match="prefill_rows"):
+        CpuAttentionTiling(prefill_rows=0)

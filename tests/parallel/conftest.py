@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from tp_harness import HERE, TP_SIZES, subprocess_env
+from tp_harness import HERE, REPO, TP_SIZES, subprocess_env
 
 
 def _harness(*args: str) -> subprocess.Popen:
@@ -35,8 +35,9 @@ def _collect(proc: subprocess.Popen, timeout: float) -> list[dict]:
 @pytest.fixture(scope="session")
 def tp_results() -> dict[tuple[str, int, str], dict]:
     """``{(model, tp, backend): result}`` of ``tp_harness.run`` for the bundled model and every
-    fixture at TP 1/2/4/8 (xla attention), and qwen3 at TP 2 with the Pallas GPU kernel
-    (interpreted on CPU), keyed "pallas"."""
+    fixture at TP 1/2/4/8 (xla attention), qwen3 at TP 2 with the Pallas GPU kernel
+    (interpreted on CPU), keyed "pallas", and the bundled model at TP 2 speculating with its
+    draft model (K = 3), keyed "spec"."""
     sizes = ",".join(map(str, TP_SIZES))
     procs = [
         (
@@ -74,10 +75,18 @@ def tp_results() -> dict[tuple[str, int, str], dict]:
         "--max-tokens",
         "4",
     )
+    draft = os.path.join(REPO, "jaxserve", "checkpoints", "tiny-llama-draft")
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    speculating = _harness(
+        "--devices", "2", "--tp", "2", "--model", "bundled",
+        "--speculative-config", json.dumps(spec),
+    )  # fmt: skip
     results = {}
     for proc, backend in procs:
         for r in _collect(proc, timeout=900):
             results[(r["model"], r["tp"], backend)] = r
     for r in _collect(pallas, timeout=900):
         results[(r["model"], r["tp"], "pallas")] = r
+    for r in _collect(speculating, timeout=900):
+        results[(r["model"], r["tp"], "spec")] = r
     return results

@@ -35,6 +35,19 @@ def test_greedy_tokens_equal_one_device(tp_results, model, tp):
 
 
 @pytest.mark.slow
+def test_speculative_decoding_at_tp_2_keeps_the_greedy_tokens(tp_results):
+    """The bundled model at TP 2 speculating with its draft (both models split over the mesh,
+    the draft's K/V pool too) gives the one-device tokens, with drafts accepted, through the
+    workload's preemptions and prefix-cache hits."""
+    spec = tp_results[("bundled", 2, "spec")]
+    assert "error" not in spec, spec.get("error")
+    assert spec["placement"]["mesh"] == {"model": 2}
+    assert spec["tokens"] == tp_results[("bundled", 1, "xla")]["tokens"]
+    assert spec["stats"]["spec_decode_drafts"] > 0
+    assert spec["stats"]["spec_decode_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ("bundled", *FIXTURE_MODELS))
 def test_workload_covers_prefix_caching_chunked_prefill_and_preemption(tp_results, model):
     stats = tp_results[(model, 1, "xla")]["stats"]

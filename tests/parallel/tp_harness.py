@@ -61,9 +61,12 @@ def model_path(name: str) -> str | None:
     return None if name == "bundled" else os.path.join(FIXTURES, name)
 
 
-def run(name: str, tp: int, backend: str, max_tokens: int = MAX_TOKENS) -> dict:
+def run(
+    name: str, tp: int, backend: str, max_tokens: int = MAX_TOKENS, speculative_config: str = ""
+) -> dict:
     from jaxserve import LLM, SamplingParams
 
+    extra = {"speculative_config": speculative_config} if speculative_config else {}
     try:
         llm = LLM(
             model_path(name),
@@ -76,6 +79,7 @@ def run(name: str, tp: int, backend: str, max_tokens: int = MAX_TOKENS) -> dict:
             # test_hybrid_kv_engine.py).
             disable_hybrid_kv_cache_manager=name == "mistral",
             **ENGINE_KWARGS,
+            **extra,
         )
     except ValueError as e:
         return {"model": name, "tp": tp, "error": str(e)}
@@ -93,6 +97,8 @@ def run(name: str, tp: int, backend: str, max_tokens: int = MAX_TOKENS) -> dict:
         "stats": {
             "preemptions": stats.num_preemptions_total,
             "prefix_cache_hits": stats.prefix_cache_hits_total,
+            "spec_decode_drafts": stats.spec_decode_num_drafts_total,
+            "spec_decode_accepted_tokens": stats.spec_decode_num_accepted_tokens_total,
         },
         "placement": {
             "mesh": dict(runner.mesh.shape),
@@ -111,6 +117,7 @@ def main() -> None:
     parser.add_argument("--tp", default="1,2,4,8")
     parser.add_argument("--backend", default="xla")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--speculative-config", default="", help="vLLM's JSON, as serve's")
     args = parser.parse_args()
     import jax
 
@@ -118,7 +125,8 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", args.devices)
     for name in args.model:
         for tp in (int(t) for t in args.tp.split(",")):
-            print(json.dumps(run(name, tp, args.backend, args.max_tokens)), flush=True)
+            result = run(name, tp, args.backend, args.max_tokens, args.speculative_config)
+            print(json.dumps(result), flush=True)
     sys.stdout.flush()
 
 

@@ -1,0 +1,137 @@
+"""Speculative decoding (n-gram) end to end: outputs identical with speculation on and off across
+the engine matrix (async and synchronous loops, chunked prefill, prefix caching off, preemption;
+stop strings and ids, max_tokens inside a draft, n > 1, logprobs, seeded sampling with filters,
+logit_bias, and the requests that fall back to one token per step: penalties, bad_words), no KV
+block leaked, drafts counted in the stats and the ledgers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.sampling_params import SamplingParams
+
+NGRAM = SpeculativeConfig(
+    method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1
+)
+COPY_TEXTS = (
+    "one two three four five six seven eight nine ten. one two three four five six seven",
+    "And God said, Let there be light: and there was light. And God saw the light",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+)
+MAX_TOKENS = 24
+
+
+def _greedy_requests(base, prompts, stops: tuple[int, str] | None = None) -> list:
+    """Copy-heavy texts and random-token prompts, greedy, with max_tokens ending inside a
+    draft; with ``stops`` (a stop id and a stop string that occur mid-output), two requests that
+    stop on them."""
+    tok = base.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    reqs = [(f"copy{i}", tok.encode(t), greedy) for i, t in enumerate(COPY_TEXTS)]
+    reqs += [(f"rand{i}", prompts[i], greedy) for i in (3, 9, 13)]
+    text = tok.encode(COPY_TEXTS[0])
+    reqs += [(f"max{n}", text, greedy.clone(max_tokens=n)) for n in (1, 3, 6)]  # K = 4
+    if stops is not None:
+        stop_id, stop_str = stops
+        other = tok.encode(COPY_TEXTS[1])
+        reqs.append(("stop_id", other, greedy.clone(stop_token_ids=[stop_id])))
+        reqs.append(("stop_str", other, greedy.clone(stop=[stop_str])))
+    return reqs
+
+
+def _feature_requests(base) -> list:
+    """One request per sampling feature on a copy-heavy prompt: logprobs, seeded sampling with
+    top-k / top-p / min-p, n > 1, logit_bias, min_tokens, and the two that fall back to one
+    token per step (a penalty, bad_words)."""
+    tok = base.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    features = {
+        "logprobs": greedy.clone(logprobs=3),
+        "seeded": SamplingParams(
+            temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, max_tokens=MAX_TOKENS
+        ),
+        "n2": SamplingParams(temperature=1.0, n=2, seed=11, max_tokens=MAX_TOKENS),
+        "bias": greedy.clone(logit_bias={tok.encode(" two")[-1]: 3.0}),
+        "min_tokens": greedy.clone(min_tokens=5, ignore_eos=False),
+        "penalty": greedy.clone(repetition_penalty=1.3),
+        "bad_words": greedy.clone(bad_words=["three"]),
+    }
+    text = tok.encode(COPY_TEXTS[0])
+    return [(name, text, params) for name, params in features.items()]
+
+
+def _outputs(done) -> dict:
+    return {
+        rid: [(c.token_ids, c.text, c.finish_reason) for c in out.outputs]
+        for rid, out in done.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def baseline(base, make_engine, run, prompts):
+    """(greedy requests, features requests, their outputs without speculation)."""
+    probe = run(make_engine(), [("probe", *_greedy_requests(base, prompts)[1][1:])])
+    out = probe["probe"].outputs[0]
+    stops = (out.token_ids[MAX_TOKENS // 2], out.text[len(out.text) // 2 :][:4])
+    greedy = _greedy_requests(base, prompts, stops)
+    features = _feature_requests(base)
+    return greedy, features, run(make_engine(), greedy + features)
+
+
+def _assert_drained(engine):
+    kv = engine.scheduler.kv_cache_manager
+    assert not engine.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_gpu_blocks - 1 and not kv.req_to_blocks
+
+
+def _check(engine, got, want) -> dict:
+    """Same outputs as without speculation, drained, drafts counted; returns the ledgers."""
+    assert _outputs(got) == {rid: _outputs(want)[rid] for rid in got}
+    _assert_drained(engine)
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens_total > 0
+    assert 0 < stats.spec_decode_num_drafts_total <= stats.spec_decode_num_draft_tokens_total
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos_total) == (
+        stats.spec_decode_num_accepted_tokens_total
+    )
+    ledgers = {rid: led for rid, out in got.items() for led in out.ledgers}
+    assert sum(led.num_accepted_tokens for led in ledgers.values()) == (
+        stats.spec_decode_num_accepted_tokens_total
+    )
+    return ledgers
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_sampling_features_identical_with_speculation(make_engine, run, baseline, async_scheduling):
+    greedy, features, want = baseline
+    engine = make_engine(speculative=NGRAM, async_scheduling=async_scheduling)
+    got = run(engine, greedy + features)
+    ledgers = _check(engine, got, want)
+    for a, b in zip(got["logprobs"].outputs[0].logprobs, want["logprobs"].outputs[0].logprobs):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert math.isclose(a[t].logprob, b[t].logprob, rel_tol=1e-4, abs_tol=1e-4)
+    for rid in ("penalty", "bad_words"):  # one token per step: never a draft
+        assert ledgers[rid].num_drafts == 0, rid
+    assert ledgers["seeded"].num_drafts > 0 and ledgers["logprobs"].num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"max_num_batched_tokens": 32, "long_prefill_token_threshold": 16},
+        {"enable_prefix_caching": False},
+        {"num_gpu_blocks": 24},  # preemptions
+    ],
+    ids=["chunked", "no-prefix-cache", "preempt"],
+)
+def test_greedy_identical_with_speculation(make_engine, run, baseline, knobs):
+    greedy, _, want = baseline
+    engine = make_engine(speculative=NGRAM, **knobs)
+    _check(engine, run(engine, greedy), want)
+    if "num_gpu_blocks" in knobs:
+        assert engine.get_stats().num_preemptions_total > 0
