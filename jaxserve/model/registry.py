@@ -23,12 +23,16 @@ from __future__ import annotations
 import importlib
 
 _LLAMA = "jaxserve.model.models.llama"
+_GEMMA = "jaxserve.model.models.gemma"
 _MODELS: dict[str, tuple[str, str]] = {
     # HF architecture: (module, class)
     "LlamaForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "MistralForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "Qwen2ForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "Qwen3ForCausalLM": (_LLAMA, "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": (_GEMMA, "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": (_GEMMA, "GemmaForCausalLM"),
+    "Gemma3ForConditionalGeneration": (_GEMMA, "GemmaForCausalLM"),  # its language model
 }
 
 # Added by register_model: a class, or "package.module:Class" imported on first use.

@@ -1,6 +1,8 @@
 """Logits parity with Hugging Face transformers on the golden fixtures (scripts/make_golden.py):
 tiny random Llama (llama3 RoPE, biases), Mistral (sliding window), Qwen2 (q/k/v bias, tied),
-Qwen3 (q/k norm, head_dim != hidden/heads, tied). No torch needed here."""
+Qwen3 (q/k norm, head_dim != hidden/heads, tied), Gemma 2 (soft caps, alternating windows),
+Gemma 3 (q/k norm, local/global RoPE, 2 local : 1 global) and the language model of a Gemma 3
+multimodal checkpoint. No torch needed here."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ ATOL = 1e-4
 
 def _golden(name):
     g = np.load(f"{golden_path(name)}/golden.npz")
-    return [(g[f"prompt_{i}"].tolist(), g[f"logits_{i}"]) for i in range(len(g.files) // 2)]
+    n = sum(f.startswith("prompt_") for f in g.files)
+    return [(g[f"prompt_{i}"].tolist(), g[f"logits_{i}"]) for i in range(n)]
 
 
 @pytest.mark.parametrize("name", GOLDEN_ARCHS)
@@ -36,12 +39,23 @@ def test_fixture_configs_exercise_each_switch():
     assert cfgs["qwen2"].qkv_bias and not cfgs["qwen2"].o_bias and cfgs["qwen2"].tie_word_embeddings
     assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim == 24
     assert not cfgs["llama"].tie_word_embeddings
+    g2, g3, mm = cfgs["gemma2"], cfgs["gemma3"], cfgs["gemma3_mm"]
+    assert g2.layer_sliding_windows == (4, None, 4) and g2.sliding_rope is None
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping) == (1.5, 8.0)
+    assert g2.hidden_act == "gelu_pytorch_tanh" and g2.rms_norm_unit_offset
+    for g in (g3, mm):
+        assert g.layer_sliding_windows == (4, 4, None) and g.qk_norm and g.head_dim == 24
+        assert (g.rope.theta, g.rope.rope_type, g.sliding_rope.theta) == (1e6, "linear", 1e4)
+        assert g.query_pre_attn_scalar == 24 and g.tie_word_embeddings
+    # transformers' Gemma3ForConditionalGeneration ignores its text config's final soft cap
+    assert mm.final_logit_softcapping is None and g3.final_logit_softcapping is None
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma2", "gemma3"])
 def test_paged_logits_match_transformers(name):
     """Chunked prefill of the long prompt (past the sliding window) and the short prompt in the
-    same ragged batch, then one decode step; every position against transformers."""
+    same ragged batch, then one decode step; every position against transformers. Gemma 2:
+    soft caps through the paged path; Gemma 3: local and global RoPE."""
     model, _, _ = load_model(golden_path(name), dtype="float32")
     (p0, e0), (p1, e1) = _golden(name)
     runner = PagedRunner(model, {"p0": p0, "p1": p1}, block_size=4)
