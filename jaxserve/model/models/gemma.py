@@ -21,9 +21,9 @@ comments: T tokens (B, L on the dense path), e hidden, v vocab.
 
 Checkpoints (``GemmaForCausalLM.weight_source``): parameter paths are HF's module names without
 the language model's prefix: ``model.`` for ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``; for
-``Gemma3ForConditionalGeneration`` ``model.language_model.`` (transformers >= 4.52) or
-``language_model.model.`` (the checkpoints Google published), the vision tower's tensors are
-not read. GGUF (llama.cpp's ``gemma2`` / ``gemma3``): as the Llama family's names, plus
+``Gemma3ForConditionalGeneration`` ``language_model.model.`` (the checkpoints Google published,
+and transformers 5's ``save_pretrained``) or ``model.language_model.`` (transformers 4.52-4.x);
+the vision tower's tensors are not read. GGUF (llama.cpp's ``gemma2`` / ``gemma3``): as the Llama family's names, plus
 
     blk.N.post_attention_norm   post_attention_layernorm
     blk.N.ffn_norm              pre_feedforward_layernorm
@@ -65,9 +65,10 @@ _GGUF_LAYER_NAMES = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 # Prefixes of the language model's tensors in a Gemma3ForConditionalGeneration checkpoint:
-# transformers >= 4.52 writes the first, Google's published checkpoints the second.
-_MULTIMODAL_PREFIXES = ("model.language_model.", "language_model.model.")
-_MULTIMODAL_HEADS = ("lm_head.", "language_model.lm_head.")
+# Google's published checkpoints (and transformers 5's save_pretrained) use the first,
+# transformers 4.52-4.x the second.
+_MULTIMODAL_PREFIXES = ("language_model.model.", "model.language_model.")
+_MULTIMODAL_HEADS = ("language_model.lm_head.", "lm_head.")
 NAMINGS = ("hf", "gguf", "jaxserve")
 
 

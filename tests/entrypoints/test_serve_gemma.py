@@ -1,0 +1,140 @@
+"""`jaxserve serve` on a Gemma checkpoint (the Gemma 2 golden fixture: soft caps, alternating
+sliding-window layers), asked through the official openai client: greedy tokens and logprobs
+are transformers', and chat requests use the chat template of the fixture's
+tokenizer_config.json (Gemma's turn markup, the system prompt joined to the first user turn,
+other roles refused with a 400)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden", "gemma2")
+NAME = "gemma2-tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("gemma2") / "serve.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve.cli",
+        "serve",
+        FIXTURE,
+        "--port",
+        str(port),
+        "--served-model-name",
+        NAME,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--block-size",
+        "8",
+        "--num-gpu-blocks-override",
+        "64",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-num-seqs",
+        "4",
+        "--token-buckets",
+        "16,64",
+        "--attention-backend",
+        "xla",
+        "--no-warmup",
+    ]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"serve exited {proc.returncode}:\n{log.read_text()}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"serve did not come up:\n{log.read_text()}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def client(server_url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server_url + "/v1", api_key="unused")
+
+
+def test_completion_tokens_and_logprobs_are_transformers(client):
+    from jaxserve.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(FIXTURE)
+    golden = np.load(os.path.join(FIXTURE, "golden.npz"))
+    prompt, want = golden["prompt_0"].tolist(), golden["greedy_0"].tolist()
+    assert [m.id for m in client.models.list().data] == [NAME]
+    out = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=len(want), temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in want]
+    np.testing.assert_allclose(
+        lp.token_logprobs, golden["greedy_logprobs_0"][np.arange(len(want)), want], atol=1e-4
+    )
+
+
+def test_chat_uses_the_gemma_template_from_tokenizer_config(client, server_url):
+    import httpx2 as httpx
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    ids = httpx.post(
+        server_url + "/tokenize", json={"model": NAME, "messages": messages}, timeout=30
+    ).json()["tokens"]
+    text = httpx.post(server_url + "/detokenize", json={"model": NAME, "tokens": ids}).json()
+    assert text["prompt"] == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    )
+    reply = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=6, temperature=0
+    )
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.usage.completion_tokens >= 1 and reply.choices[0].message.role == "assistant"
+
+
+def test_chat_role_the_template_refuses_is_a_400(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="Gemma turns are user or assistant"):
+        client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}],
+            max_tokens=2,
+        )
