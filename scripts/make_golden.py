@@ -312,7 +312,16 @@ def main() -> None:
         default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "golden"),
     )
     parser.add_argument("--only", nargs="*", help="fixture names to write (default: all)")
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        help="Gemma fixtures with this head_dim instead (vLLM's CPU attention takes 32, 64, ...,"
+        " not the committed fixtures' 16 / 24): for scripts/gemma_peer_parity.py, not committed",
+    )
     args = parser.parse_args()
+    if args.head_dim:
+        for _, _, extra, _ in GEMMA_FIXTURES.values():
+            (extra.get("text_config") or extra)["head_dim"] = args.head_dim
     for seed, name in enumerate([*FIXTURES, *GEMMA_FIXTURES]):
         if args.only and name not in args.only:
             continue
