@@ -53,14 +53,28 @@ def test_fixture_configs_exercise_each_switch():
     assert mm.final_logit_softcapping is None and g3.final_logit_softcapping is None
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma2", "gemma3"])
-def test_paged_logits_match_transformers(name):
+PAGED_CASES = [(n, "xla") for n in ("mistral", "qwen2", "gemma2", "gemma3")]
+PAGED_CASES += [
+    pytest.param("gemma2", backend, marks=pytest.mark.slow, id=f"gemma2-{backend}")
+    for backend in ("pallas-gpu", "pallas-tpu")
+]
+
+
+@pytest.mark.parametrize("name,backend", PAGED_CASES)
+def test_paged_logits_match_transformers(name, backend):
     """Chunked prefill of the long prompt (past the sliding window) and the short prompt in the
     same ragged batch, then one decode step; every position against transformers. Gemma 2:
-    soft caps through the paged path; Gemma 3: local and global RoPE."""
+    soft caps, windows and query_pre_attn_scalar through the paged path, on the xla backend and
+    both Pallas kernels (interpreted on CPU); Gemma 3: local and global RoPE."""
     model, _, _ = load_model(golden_path(name), dtype="float32")
     (p0, e0), (p1, e1) = _golden(name)
-    runner = PagedRunner(model, {"p0": p0, "p1": p1}, block_size=4)
+    runner = PagedRunner(
+        model,
+        {"p0": p0, "p1": p1},
+        block_size=4,
+        backend=backend,
+        interpret=backend != "xla",
+    )
     got = {"p0": [], "p1": []}
     for schedule in ({"p0": 6, "p1": 2}, {"p0": 4, "p1": 1}, {"p0": 1}):
         for seq, logits in runner.step(schedule).items():
