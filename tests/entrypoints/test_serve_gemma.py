@@ -7,14 +7,10 @@ other roles refused with a 400)."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import numpy as np
 import pytest
+from server_harness import serve_cli
 
 pytestmark = pytest.mark.slow
 
@@ -22,66 +18,15 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden", "g
 NAME = "gemma2-tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("gemma2") / "serve.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxserve.cli",
-        "serve",
-        FIXTURE,
-        "--port",
-        str(port),
-        "--served-model-name",
-        NAME,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "128",
-        "--block-size",
-        "8",
-        "--num-gpu-blocks-override",
-        "64",
-        "--max-num-batched-tokens",
-        "64",
-        "--max-num-seqs",
-        "4",
-        "--token-buckets",
-        "16,64",
-        "--attention-backend",
-        "xla",
-        "--no-warmup",
-    ]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"serve exited {proc.returncode}:\n{log.read_text()}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"serve did not come up:\n{log.read_text()}")
-            time.sleep(0.5)
+    args = [FIXTURE, "--served-model-name", NAME, "--dtype", "float32", "--max-model-len", "128"]
+    args += ["--block-size", "8", "--num-gpu-blocks-override", "64"]
+    args += ["--max-num-batched-tokens", "64", "--max-num-seqs", "4", "--token-buckets", "16,64"]
+    args += ["--attention-backend", "xla", "--no-warmup"]
+    with serve_cli(args, str(log)) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.fixture(scope="module")
