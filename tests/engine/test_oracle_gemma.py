@@ -78,7 +78,11 @@ def oracle(gemma):
     [
         dict(long_prefill_token_threshold=16, enable_prefix_caching=True),
         dict(long_prefill_token_threshold=4096, enable_prefix_caching=False, max_num_seqs=1),
-        dict(num_gpu_blocks=20, long_prefill_token_threshold=32),
+        # The hybrid KV cache's three groups (global, and one per local layer): a block holds
+        # one layer's K/V, and the longest request (141 + 10 tokens) may hold 39 blocks at
+        # once (19 global, 10 per window for a 64-token chunk: blocks_per_sequence), so 40
+        # leave it room alone and the twelve requests must preempt.
+        dict(num_gpu_blocks=40, long_prefill_token_threshold=32),
     ],
     ids=["chunked-prefix-caching", "whole-prefill-one-at-a-time", "preemption"],
 )

@@ -51,6 +51,11 @@ ENGINE_KWARGS = dict(
     compilation_cache_dir="",
 )
 
+# Gemma's fixtures run on the hybrid KV cache: three groups (one global layer, two local ones of
+# window 4), so a block holds one layer's K/V and a request may hold up to 18 blocks (a 32-token
+# chunk on top of each window); 23 usable blocks still preempt (TP under per-group tables).
+GEMMA_POOL = dict(num_gpu_blocks_override=24)
+
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a child JAX process on CPU: the parent's device flags removed, the
@@ -81,7 +86,7 @@ def run(name: str, tp: int, backend: str, max_tokens: int = MAX_TOKENS) -> dict:
             # here (the hybrid cache's own tests cover its windows; tests/engine/
             # test_hybrid_kv_engine.py).
             disable_hybrid_kv_cache_manager=name == "mistral",
-            **ENGINE_KWARGS,
+            **{**ENGINE_KWARGS, **(GEMMA_POOL if name in GEMMA_MODELS else {})},
         )
     except ValueError as e:
         return {"model": name, "tp": tp, "error": str(e)}
