@@ -2,7 +2,10 @@
 
 Reads both config layouts in the wild: transformers <= 4 (``rope_theta`` and ``rope_scaling`` at
 the top level) and transformers >= 5 (``rope_parameters`` holding ``rope_theta`` and
-``rope_type``). Jax-free, so the engine config can import it cheaply.
+``rope_type``; Gemma 3: one per layer type). Gemma configs may omit fields whose
+transformers defaults they rely on (a ``Gemma3ForConditionalGeneration`` config's
+``text_config`` names only a few); we fill them from those defaults (``_GEMMA_DEFAULTS``).
+Jax-free, so the engine config can import it cheaply.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from typing import Any
 from jaxserve.model.registry import supported_architectures
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+"""MLP gate activations, HF names (``jaxserve.model.layers.mlp.ACTIVATIONS``)."""
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
 
 class ModelLoadError(ValueError):
@@ -58,10 +64,22 @@ class ModelArchConfig:
       qkv_bias: q/k/v projections have a bias (Qwen2, Llama ``attention_bias``).
       o_bias: the output projection has a bias (Llama ``attention_bias``).
       mlp_bias: the MLP projections have a bias (Llama ``mlp_bias``).
-      qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+      qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3).
+      hidden_act: the MLP's gate activation, one of ``SUPPORTED_ACTIVATIONS`` (Gemma:
+        "gelu_pytorch_tanh", GeGLU).
+      rms_norm_unit_offset: every RMSNorm scales by ``1 + weight`` in float32 (Gemma) instead of
+        ``weight`` (``jaxserve.model.layers.norm.RMSNorm``).
+      query_pre_attn_scalar: attention scores are scaled by ``query_pre_attn_scalar ** -0.5``
+        (Gemma) instead of ``head_dim ** -0.5``; None: the latter.
+      attn_logit_softcapping: attention scores become ``cap * tanh(s / cap)`` after the scale
+        (Gemma 2), or None.
+      final_logit_softcapping: the LM head's logits become ``cap * tanh(x / cap)`` (Gemma 2),
+        or None.
       layer_sliding_windows: per layer, the sliding-window size in tokens (a query attends to the
         keys at positions ``> q_pos - window``, HF ``sliding_window_overlay``) or None for full
         causal attention.
+      sliding_rope: the RoPE of the sliding-window layers when it differs from ``rope`` (Gemma 3:
+        local base 10,000, no scaling, while global layers use ``rope``), else None.
       bos_token_id: from config.json, or None.
       eos_token_ids: from config.json (int or list), possibly empty.
       torch_dtype: the checkpoint's dtype name as HF writes it ("bfloat16", "float32", ...), or None.
@@ -83,7 +101,13 @@ class ModelArchConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    hidden_act: str = "silu"
+    rms_norm_unit_offset: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     layer_sliding_windows: tuple[int | None, ...] = ()
+    sliding_rope: RopeConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -108,6 +132,15 @@ class ModelArchConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ModelLoadError(
+                f"unsupported hidden_act {self.hidden_act!r} for {self.architecture}; supported: "
+                f"{', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not float(value) > 0:
+                raise ModelLoadError(f"config field {name} must be positive or null, got {value}")
         if not self.layer_sliding_windows:
             object.__setattr__(self, "layer_sliding_windows", (None,) * self.num_layers)
         if len(self.layer_sliding_windows) != self.num_layers:
@@ -120,9 +153,13 @@ class ModelArchConfig:
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelArchConfig:
         """Parses a HF ``config.json`` dict.
 
+        A ``Gemma3ForConditionalGeneration`` config is read for its language model alone
+        (``text_config``; the vision tower is not served).
+
         Raises:
-          ModelLoadError: unsupported architecture (naming it and the supported list), hidden_act
-            other than silu, unsupported rope type, or a missing size field (naming it).
+          ModelLoadError: unsupported architecture (naming it and the supported list), an
+            unsupported hidden_act or rope type, a bidirectional Gemma 3 (an embedding model),
+            or a missing size field (naming it).
         """
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(hf.get("model_type", ""))
@@ -131,11 +168,10 @@ class ModelArchConfig:
                 f"unsupported architecture {arch or hf.get('model_type')!r}; supported: "
                 f"{', '.join(supported_architectures())}"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(
-                f"unsupported hidden_act {act!r} for {arch}; only 'silu' is implemented"
-            )
+        gemma = arch in GEMMA_ARCHITECTURES
+        if gemma:
+            hf = _gemma_hf_config(hf, arch)
+        act = hf.get("hidden_activation") if gemma else hf.get("hidden_act", "silu")
 
         def req(name):
             if hf.get(name) is None:
@@ -146,8 +182,13 @@ class ModelArchConfig:
         num_layers = req("num_hidden_layers")
         hidden = req("hidden_size")
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_gemma2 = arch == "Gemma2ForCausalLM"
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
+        if gemma and not is_gemma2:  # Gemma 3: global and local RoPE
+            rope, sliding_rope = _parse_gemma3_ropes(hf)
+        else:
+            rope, sliding_rope = _parse_rope(hf), None
         return cls(
             architecture=arch,
             vocab_size=req("vocab_size"),
@@ -158,14 +199,27 @@ class ModelArchConfig:
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_parse_rope(hf),
+            rope=rope,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM" or (gemma and not is_gemma2),
+            hidden_act=act,
+            rms_norm_unit_offset=gemma,
+            query_pre_attn_scalar=_opt_float(hf.get("query_pre_attn_scalar")) if gemma else None,
+            # Gemma 3 has the field but transformers and vLLM ignore it (always None in practice).
+            attn_logit_softcapping=_opt_float(hf.get("attn_logit_softcapping"))
+            if is_gemma2
+            else None,
+            # transformers' Gemma3ForConditionalGeneration never applies it (vLLM does); every
+            # released Gemma 3 config has null.
+            final_logit_softcapping=_opt_float(hf.get("final_logit_softcapping"))
+            if gemma and arch != "Gemma3ForConditionalGeneration"
+            else None,
             layer_sliding_windows=_parse_sliding_windows(hf, arch, num_layers),
+            sliding_rope=sliding_rope,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos)
             if isinstance(eos, list)
@@ -190,7 +244,71 @@ _ARCH_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
+
+# transformers' Gemma2Config / Gemma3TextConfig defaults, for the fields a config may omit.
+_GEMMA_COMMON_DEFAULTS = dict(
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    bos_token_id=2,
+    eos_token_id=1,
+)
+_GEMMA_DEFAULTS = {
+    "Gemma2ForCausalLM": dict(
+        _GEMMA_COMMON_DEFAULTS,
+        vocab_size=256000,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    ),
+    "Gemma3ForCausalLM": dict(
+        _GEMMA_COMMON_DEFAULTS,
+        vocab_size=262208,
+        max_position_embeddings=131072,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        sliding_window_pattern=6,
+    ),
+}
+_GEMMA_DEFAULTS["Gemma3ForConditionalGeneration"] = _GEMMA_DEFAULTS["Gemma3ForCausalLM"]
+
+
+def _gemma_hf_config(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A Gemma config with transformers' defaults filled in; for a
+    ``Gemma3ForConditionalGeneration`` its ``text_config``, with the top level's dtype, tied
+    embeddings and special ids where the text config has none.
+
+    Raises:
+      ModelLoadError: ``use_bidirectional_attention`` (EmbeddingGemma, not a causal LM).
+    """
+    if arch == "Gemma3ForConditionalGeneration":
+        text = dict(hf.get("text_config") or {})
+        for key in ("torch_dtype", "dtype", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+            if text.get(key) is None and hf.get(key) is not None:
+                text[key] = hf[key]
+        hf = text
+    if hf.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            f"{arch} with use_bidirectional_attention (an embedding model) is not supported"
+        )
+    return {**_GEMMA_DEFAULTS[arch], **hf}
+
+
+def _opt_float(x: Any) -> float | None:
+    return None if x is None else float(x)
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:
@@ -241,6 +359,19 @@ def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
     )
 
 
+def _parse_gemma3_ropes(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's (global, local) RoPE: transformers >= 5 nests them in ``rope_parameters`` by
+    layer type; older configs give the global one as ``rope_theta`` + ``rope_scaling`` and the
+    local base as ``rope_local_base_freq``."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = _parse_rope({"rope_parameters": params["full_attention"], "rope_theta": 1e6})
+        local = params.get("sliding_attention") or {}
+        return full, _parse_rope({"rope_parameters": local, "rope_theta": 1e4})
+    full = _parse_rope({k: v for k, v in hf.items() if k != "rope_parameters"})
+    return full, RopeConfig(theta=float(hf["rope_local_base_freq"]))
+
+
 def _parse_sliding_windows(
     hf: dict[str, Any], arch: str, num_layers: int
 ) -> tuple[int | None, ...]:
@@ -254,6 +385,11 @@ def _parse_sliding_windows(
         return tuple(window if t == "sliding_attention" else None for t in hf["layer_types"])
     if arch == "MistralForCausalLM":
         return (window,) * num_layers
+    if arch == "Gemma2ForCausalLM":  # even layers local, odd layers global
+        return tuple(window if i % 2 == 0 else None for i in range(num_layers))
+    if arch in GEMMA_ARCHITECTURES:  # Gemma 3: every sliding_window_pattern-th layer global
+        pattern = int(hf["sliding_window_pattern"])
+        return tuple(window if (i + 1) % pattern else None for i in range(num_layers))
     # Qwen2/3 before layer_types: layers from max_window_layers on use the window.
     first = int(hf.get("max_window_layers", num_layers))
     return tuple(window if i >= first else None for i in range(num_layers))

@@ -6,8 +6,9 @@ and the config parsing and path checks that consult it, stay jax-free. Adding a 
 module under ``jaxserve/model/models/`` and one line in ``_MODELS`` (docs/ADDING_A_MODEL.md); a
 plugin adds one at run time with ``register_model``.
 
-A family class is a Flax NNX module with (``jaxserve.model.models.llama.LlamaForCausalLM`` is
-the first):
+A family class is a Flax NNX module with (``jaxserve.model.models.llama.LlamaForCausalLM`` and
+``jaxserve.model.models.gemma.GemmaForCausalLM``; the forward passes come from their base,
+``jaxserve.model.layers.causal_lm.CausalLM``):
 
     Cls(config: ModelArchConfig, *, dtype, rngs: nnx.Rngs)     random weights of the config
     model(input_ids [T], positions [T], kv_caches, metadata) -> (hidden [T, e], kv_caches)
@@ -23,12 +24,16 @@ from __future__ import annotations
 import importlib
 
 _LLAMA = "jaxserve.model.models.llama"
+_GEMMA = "jaxserve.model.models.gemma"
 _MODELS: dict[str, tuple[str, str]] = {
     # HF architecture: (module, class)
     "LlamaForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "MistralForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "Qwen2ForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "Qwen3ForCausalLM": (_LLAMA, "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": (_GEMMA, "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": (_GEMMA, "GemmaForCausalLM"),
+    "Gemma3ForConditionalGeneration": (_GEMMA, "GemmaForCausalLM"),  # its language model
 }
 
 # Added by register_model: a class, or "package.module:Class" imported on first use.

@@ -14,7 +14,8 @@ Layouts (torch stores a Linear weight ``[out, in]``; we store ``[*in, *out]``):
               axes: transpose, then split the axes (q_proj ``[h*d, e]`` -> ``[e, h, d]``)
 
 and, before any of them, GGUF's q/k row permutation undone (``permuted_heads``): llama.cpp's
-converter interleaves the rotary pairs of each head's rows for ``llama`` models.
+converter interleaves the rotary pairs of each head's rows for ``llama`` models; and a constant
+``offset`` taken off (llama.cpp stores Gemma's RMSNorm scales as ``1 + weight``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ class Layout:
       num_in_axes: "linear": how many of our leading axes are the torch weight's input.
       permuted_heads: > 0 when the stored rows carry llama.cpp's q/k permutation over this
         many heads (undone first).
+      offset: the stored values are ours plus this (subtracted on reading); 0: none.
     """
 
     kind: str = "copy"
     num_in_axes: int = 0
     permuted_heads: int = 0
+    offset: float = 0.0
 
     def __post_init__(self):
         if self.kind not in LAYOUT_KINDS:
@@ -63,6 +66,8 @@ class Layout:
         dtype and array type."""
         if self.permuted_heads:
             x = unpermute_qk(x, self.permuted_heads)
+        if self.offset:
+            x = x - self.offset  # a Python float: keeps x's dtype (numpy and jax)
         if self.kind == "flatten":
             return x.reshape(our_shape)
         if self.kind == "linear":
@@ -77,11 +82,47 @@ class Layout:
             x = x.reshape(math.prod(x.shape[: self.num_in_axes]), -1).T
         if self.permuted_heads:
             x = permute_qk(x, self.permuted_heads)
+        if self.offset:
+            x = x + self.offset
         return x
 
 
 COPY = Layout()
 FLATTEN = Layout("flatten")
+
+# llama.cpp's tensor names (its ``gguf-py`` tensor_mapping) for the module paths every family
+# shares; a family adds its own norms (their roles differ: Llama's ``post_attention_layernorm``
+# is llama.cpp's ``ffn_norm``, Gemma's is ``post_attention_norm``).
+GGUF_LAYER_NAMES = {
+    # our module path after "layers.N." -> GGUF name after "blk.N."
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+}
+GGUF_TOP_NAMES = {"embed_tokens": "token_embd", "lm_head": "output", "norm": "output_norm"}
+
+
+def gguf_name(module: list[str], leaf: str, layer_names: dict[str, str]) -> str:
+    """The GGUF tensor name of our parameter ``module + [leaf]``, e.g. ``["layers", "3",
+    "self_attn", "q_proj"], "weight"`` -> ``"blk.3.attn_q.weight"``.
+
+    Args:
+      layer_names: the family's map of module paths inside a layer (``GGUF_LAYER_NAMES`` plus
+        its norms).
+
+    Raises:
+      KeyError: a module the maps do not name.
+    """
+    if module[0] == "layers":
+        return f"blk.{module[1]}.{layer_names['.'.join(module[2:])]}.{leaf}"
+    return f"{GGUF_TOP_NAMES[module[0]]}.{leaf}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,10 +7,12 @@ import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -55,6 +57,47 @@ def running_server(args: Any):
         srv.close()
         llm.shutdown()
     assert not srv.internal_errors
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_cli(args: list[str], log: str, timeout_s: float = 300):
+    """Runs ``jaxserve serve *args --port <free port>`` (CPU) in a subprocess, output to the file
+    ``log``; yields its base URL once /health answers 200, then terminates it.
+
+    Raises:
+      AssertionError: the server exited, or was not healthy within ``timeout_s`` (with its log).
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *args, "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu")
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"serve exited {proc.returncode}:\n{open(log).read()}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"serve did not come up:\n{open(log).read()}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 class LiveServer:

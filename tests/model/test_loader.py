@@ -207,6 +207,8 @@ def test_presets_have_the_published_parameter_counts():
         "llama-3.2-1b": 1_235_814_400,
         "qwen2.5-0.5b": 494_032_768,
         "qwen3-0.6b": 596_049_920,
+        "gemma-2-2b": 2_614_341_888,
+        "gemma-3-1b": 999_885_952,
     }
     for name, count in expected.items():
         cfg = ModelArchConfig.from_hf_config(PRESET_HF_CONFIGS[name])

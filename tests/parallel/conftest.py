@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from tp_harness import HERE, REPO, TP_SIZES, subprocess_env
+from tp_harness import GEMMA_MODELS, GEMMA_TP_SIZES, HERE, REPO, TP_SIZES, subprocess_env
 
 
 def _harness(*args: str) -> subprocess.Popen:
@@ -35,9 +35,9 @@ def _collect(proc: subprocess.Popen, timeout: float) -> list[dict]:
 @pytest.fixture(scope="session")
 def tp_results() -> dict[tuple[str, int, str], dict]:
     """``{(model, tp, backend): result}`` of ``tp_harness.run`` for the bundled model and every
-    fixture at TP 1/2/4/8 (xla attention), qwen3 at TP 2 with the Pallas GPU kernel
-    (interpreted on CPU), keyed "pallas", and the bundled model at TP 2 speculating with its
-    draft model (K = 3), keyed "spec"."""
+    fixture at TP 1/2/4/8 (xla attention), the Gemma fixtures at TP 1/2/4, qwen3 at TP 2 with
+    the Pallas GPU kernel (interpreted on CPU), keyed "pallas", and the bundled model at TP 2
+    speculating with its draft model (K = 3), keyed "spec"."""
     sizes = ",".join(map(str, TP_SIZES))
     procs = [
         (
@@ -63,6 +63,10 @@ def tp_results() -> dict[tuple[str, int, str], dict]:
             "xla",
         ),
     ]
+    gemma = ["--tp", ",".join(map(str, GEMMA_TP_SIZES))]
+    for name in GEMMA_MODELS:
+        gemma += ["--model", name]
+    procs.append((_harness("--devices", "4", *gemma), "xla"))
     pallas = _harness(
         "--devices",
         "2",

@@ -1,13 +1,22 @@
-"""Tensor parallelism on simulated CPU devices: greedy float32 tokens at TP 2/4/8 are those of
-TP 1 (prefix caching, chunked prefill and preemption on the way), placement by the logical axis
-rules, KV heads split or replicated, the Pallas kernel per shard, and heads that cannot split."""
+"""Tensor parallelism on simulated CPU devices: greedy float32 tokens at TP 2/4/8 (Gemma 2 and
+Gemma 3: TP 2/4) are those of TP 1 (prefix caching, chunked prefill and preemption on the way),
+placement by the logical axis rules, KV heads split or replicated, the Pallas kernel per shard,
+and heads that cannot split."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from tp_harness import ENGINE_KWARGS, FIXTURE_MODELS, MAX_TOKENS, PROMPTS, model_path
+from tp_harness import (
+    ENGINE_KWARGS,
+    FIXTURE_MODELS,
+    GEMMA_MODELS,
+    GEMMA_TP_SIZES,
+    MAX_TOKENS,
+    PROMPTS,
+    model_path,
+)
 
 from jaxserve.model import default_model_path
 from jaxserve.model.arch_config import ModelArchConfig
@@ -18,6 +27,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 CASES = [(m, tp) for m in ("bundled", *FIXTURE_MODELS) for tp in (2, 4, 8)]
+CASES += [(m, tp) for m in GEMMA_MODELS for tp in GEMMA_TP_SIZES[1:]]
 
 
 def _arch(name: str) -> ModelArchConfig:
@@ -48,7 +58,7 @@ def test_speculative_decoding_at_tp_2_keeps_the_greedy_tokens(tp_results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ("bundled", *FIXTURE_MODELS))
+@pytest.mark.parametrize("model", ("bundled", *FIXTURE_MODELS, *GEMMA_MODELS))
 def test_workload_covers_prefix_caching_chunked_prefill_and_preemption(tp_results, model):
     stats = tp_results[(model, 1, "xla")]["stats"]
     assert stats["preemptions"] > 0

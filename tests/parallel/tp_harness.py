@@ -3,7 +3,8 @@ one JSON line per engine (run in a subprocess: JAX fixes the device count at fir
 
     python tp_harness.py --devices 8 --model llama --tp 1,2,4,8 [--backend xla]
 
-``--model`` names a fixture under tests/fixtures/tp, or "bundled" for checkpoints/tiny-llama.
+``--model`` names a fixture under tests/fixtures/tp, a Gemma golden fixture (tests/fixtures/golden:
+4 query / 2 KV heads, so TP 4 replicates KV heads), or "bundled" for checkpoints/tiny-llama.
 The workload covers prefix caching (prompts sharing two blocks), chunked prefill (a prompt
 longer than the per-request chunk) and preemption (a pool too small for every request at once).
 Each line: {"model", "tp", "tokens": [[...] per prompt], "stats": {...}, "placement": {...}} or
@@ -20,7 +21,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 FIXTURES = os.path.join(HERE, "..", "fixtures", "tp")
+GOLDEN = os.path.join(HERE, "..", "fixtures", "golden")
 FIXTURE_MODELS = ("llama", "qwen2", "qwen3", "mistral")
+GEMMA_MODELS = ("gemma2", "gemma3")
+GEMMA_TP_SIZES = (1, 2, 4)
 TP_SIZES = (1, 2, 4, 8)
 
 SHARED = [1, 17, 23, 5, 99, 42, 7, 64, 11, 3, 250, 31, 77, 18, 90, 120]  # two blocks of 8
@@ -47,6 +51,11 @@ ENGINE_KWARGS = dict(
     compilation_cache_dir="",
 )
 
+# Gemma's fixtures run on the hybrid KV cache: three groups (one global layer, two local ones of
+# window 4), so a block holds one layer's K/V and a request may hold up to 18 blocks (a 32-token
+# chunk on top of each window); 23 usable blocks still preempt (TP under per-group tables).
+GEMMA_POOL = dict(num_gpu_blocks_override=24)
+
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a child JAX process on CPU: the parent's device flags removed, the
@@ -58,7 +67,9 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 def model_path(name: str) -> str | None:
     """The fixture's directory, or None (the bundled checkpoint) for "bundled"."""
-    return None if name == "bundled" else os.path.join(FIXTURES, name)
+    if name == "bundled":
+        return None
+    return os.path.join(GOLDEN if name in GEMMA_MODELS else FIXTURES, name)
 
 
 def run(
@@ -78,7 +89,7 @@ def run(
             # here (the hybrid cache's own tests cover its windows; tests/engine/
             # test_hybrid_kv_engine.py).
             disable_hybrid_kv_cache_manager=name == "mistral",
-            **ENGINE_KWARGS,
+            **{**ENGINE_KWARGS, **(GEMMA_POOL if name in GEMMA_MODELS else {})},
             **extra,
         )
     except ValueError as e:

@@ -1,10 +1,13 @@
 """Grouped-query self-attention with RoPE: the projections around the attention call.
 
-q/k/v projections (``Linear``, optional biases) -> optional per-head q/k RMSNorm (Qwen3) ->
-RoPE -> ``jaxserve.model.attention`` (the paged KV cache and kernels, or the dense causal path)
--> o projection. Heads stay a separate axis throughout (``[..., T, h, d]``), as the kernels
-read them. Switches come from ``ModelArchConfig``: ``qkv_bias``, ``o_bias``, ``qk_norm``,
-``layer_sliding_windows``, ``rope``.
+q/k/v projections (``Linear``, optional biases) -> optional per-head q/k RMSNorm (Qwen3,
+Gemma 3) -> RoPE -> ``jaxserve.model.attention`` (the paged KV cache and kernels, or the dense
+causal path) -> o projection. Heads stay a separate axis throughout (``[..., T, h, d]``), as the
+kernels read them. Switches come from ``ModelArchConfig``: ``qkv_bias``, ``o_bias``,
+``qk_norm``, ``rms_norm_unit_offset``, ``query_pre_attn_scalar`` (the softmax scale),
+``attn_logit_softcapping``, ``layer_sliding_windows``, ``rope`` and ``sliding_rope`` (this
+layer's RoPE). Each layer hands its own window and soft cap to the attention call, the one
+seam every backend sits behind.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class SelfAttention(nnx.Module):
 
     Args:
       cfg: the architecture.
-      layer_idx: this layer's index (its sliding window is ``cfg.layer_sliding_windows[i]``).
+      layer_idx: this layer's index (its sliding window is ``cfg.layer_sliding_windows[i]``; a
+        sliding-window layer uses ``cfg.sliding_rope`` when the config has one).
       dtype: parameter dtype.
       rngs: initialiser keys.
     """
@@ -41,8 +45,10 @@ class SelfAttention(nnx.Module):
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, dtype, rngs: nnx.Rngs):
         e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.sliding_window = cfg.layer_sliding_windows[layer_idx]
-        self.sm_scale = d**-0.5
-        self.rotary = RotaryEmbedding(cfg.rope, d)
+        self.sm_scale = (cfg.query_pre_attn_scalar or d) ** -0.5
+        self.soft_cap = cfg.attn_logit_softcapping
+        local = self.sliding_window is not None and cfg.sliding_rope is not None
+        self.rotary = RotaryEmbedding(cfg.sliding_rope if local else cfg.rope, d)
         qkv = dict(in_axes=("embed",), bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.q_proj = Linear(e, (hq, d), out_axes=("q_heads", "head_dim"), **qkv)
         self.k_proj = Linear(e, (hkv, d), out_axes=("kv_heads", "head_dim"), **qkv)
@@ -56,8 +62,13 @@ class SelfAttention(nnx.Module):
             dtype=dtype,
             rngs=rngs,
         )
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, "head_dim") if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, "head_dim") if cfg.qk_norm else None
+        norm = dict(unit_offset=cfg.rms_norm_unit_offset)
+        self.q_norm = (
+            RMSNorm(d, cfg.rms_norm_eps, dtype, "head_dim", **norm) if cfg.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(d, cfg.rms_norm_eps, dtype, "head_dim", **norm) if cfg.qk_norm else None
+        )
 
     def __call__(
         self,
@@ -76,20 +87,13 @@ class SelfAttention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
+        kw = dict(
+            sm_scale=self.sm_scale, soft_cap=self.soft_cap, sliding_window=self.sliding_window
+        )
         if metadata is None:
-            out = dense_causal_attention(
-                q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window
-            )
+            out = dense_causal_attention(q, k, v, **kw)
         else:
-            out, kv_cache = paged_attention(
-                q,
-                k,
-                v,
-                kv_cache,
-                metadata,
-                sm_scale=self.sm_scale,
-                sliding_window=self.sliding_window,
-            )
+            out, kv_cache = paged_attention(q, k, v, kv_cache, metadata, **kw)
         return self.o_proj(out), kv_cache
 
     def replicate_heads(self, q_replicas: int, kv_replicas: int) -> None:

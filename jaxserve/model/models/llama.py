@@ -36,36 +36,29 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.model.layers.causal_lm import CausalLM
 from jaxserve.model.layers.embedding import Embedding
 from jaxserve.model.layers.mlp import GatedMLP
 from jaxserve.model.layers.norm import RMSNorm
 from jaxserve.model.layers.self_attention import SelfAttention
-from jaxserve.model.weight_mapping import COPY, FLATTEN, Layout, TensorSource, flat_name
+from jaxserve.model.weight_mapping import (
+    COPY,
+    FLATTEN,
+    GGUF_LAYER_NAMES,
+    Layout,
+    TensorSource,
+    flat_name,
+    gguf_name,
+)
 
 if TYPE_CHECKING:
     from jaxserve.model.arch_config import ModelArchConfig
-    from jaxserve.model.attention import KVCache, PagedAttentionMetadata
 
 
-# Our module path (after "layers.N.") -> GGUF tensor name (after "blk.N.").
-_GGUF_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_GGUF_TOP_NAMES = {"embed_tokens": "token_embd", "lm_head": "output", "norm": "output_norm"}
+_GGUF_LAYER_NAMES = {**GGUF_LAYER_NAMES, "post_attention_layernorm": "ffn_norm"}
 # Architectures whose GGUF q/k rows llama.cpp's converter permutes (GGUF "llama", "mistral").
 _PERMUTED_QK = ("LlamaForCausalLM", "MistralForCausalLM")
 NAMINGS = ("hf", "gguf", "jaxserve")
@@ -79,7 +72,12 @@ class DecoderLayer(nnx.Module):
         self.self_attn = SelfAttention(cfg, layer_idx, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(
-            cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            bias=cfg.mlp_bias,
+            dtype=dtype,
+            rngs=rngs,
+            activation=cfg.hidden_act,
         )
 
     def __call__(self, x, positions, kv_cache=None, metadata=None):
@@ -91,7 +89,7 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
-class LlamaForCausalLM(nnx.Module):
+class LlamaForCausalLM(CausalLM):
     """The causal LM: token embedding, decoder layers, final RMSNorm, LM head.
 
     Parameters mirror Hugging Face's module names without the ``model.`` prefix:
@@ -143,10 +141,7 @@ class LlamaForCausalLM(nnx.Module):
             name = flat_name(path) if module == ["lm_head"] else "model." + flat_name(path)
             return TensorSource((name,), layout)
         if naming == "gguf":
-            if module[0] == "layers":
-                name = f"blk.{module[1]}.{_GGUF_LAYER_NAMES['.'.join(module[2:])]}.{leaf}"
-            else:
-                name = f"{_GGUF_TOP_NAMES[module[0]]}.{leaf}"
+            name = gguf_name(module, leaf, _GGUF_LAYER_NAMES)
             if proj in ("q_proj", "k_proj") and config.architecture in _PERMUTED_QK:
                 heads = config.num_heads if proj == "q_proj" else config.num_kv_heads
                 layout = dataclasses.replace(layout, permuted_heads=heads)
@@ -159,48 +154,3 @@ class LlamaForCausalLM(nnx.Module):
                 return TensorSource((flat_name(path), ".".join(old)))
             return TensorSource((flat_name(path),))
         raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
-
-    def __call__(
-        self,
-        input_ids: jax.Array,
-        positions: jax.Array,
-        kv_caches: list[KVCache],
-        metadata: PagedAttentionMetadata,
-    ) -> tuple[jax.Array, list[KVCache]]:
-        """Paged forward over a flat (ragged) token batch.
-
-        Args:
-          input_ids: int32 ``[T]``; positions: int32 ``[T]`` (padding tokens: any valid position).
-          kv_caches: the pool's ``(k_cache, v_cache)`` pairs, each ``[num_blocks, block_size,
-            Hkv, D]`` in the model dtype (one per layer, or per layer of a KV-cache group when
-            groups share them: ``metadata.for_layer``); donate them into the jitted step.
-          metadata: ``PagedAttentionMetadata`` of the step.
-
-        Returns:
-          ``(hidden [T, e]`` after the final norm, model dtype; ``kv_caches`` with this step's
-          K/V written).
-        """
-        x = self.embed_tokens(input_ids)  # [T, e]
-        caches = list(kv_caches)
-        for i, layer in enumerate(self.layers):
-            pair, layer_md = metadata.for_layer(i)
-            x, caches[pair] = layer(x, positions, caches[pair], layer_md)
-        return self.norm(x), caches
-
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """``hidden [..., e]`` (output of ``__call__``) -> float32 logits ``[..., v]``."""
-        return (self.embed_tokens if self.lm_head is None else self.lm_head).attend(hidden)
-
-    def forward_dense(self, input_ids: jax.Array) -> jax.Array:
-        """Dense causal forward: int32 ``[B, L]`` at positions 0..L-1 -> float32 logits ``[B, L, v]``.
-
-        No cache; for the dense oracle, HF parity tests and training. Right-padding does not
-        change the logits of earlier positions.
-        """
-        positions = jnp.broadcast_to(
-            jnp.arange(input_ids.shape[-1], dtype=jnp.int32), input_ids.shape
-        )
-        x = self.embed_tokens(input_ids)  # [B, L, e]
-        for layer in self.layers:
-            x, _ = layer(x, positions)
-        return self.compute_logits(self.norm(x))

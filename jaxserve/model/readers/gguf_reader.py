@@ -34,7 +34,12 @@ _ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",  # a multimodal Gemma 3's GGUF holds its language model
 }
+# Block counts of the 27B Gemmas, whose attention scale llama.cpp takes from hidden / heads
+# (query_pre_attn_scalar 144 and 168) where the others use head_dim: GGUF has no key for it.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # GGUF architectures of the Llama layout, whose q bias means Llama's ``attention_bias``.
 _LLAMA_ARCHS = ("llama", "mistral")
 
@@ -90,9 +95,15 @@ def gguf_hf_config(reader, path: str = "") -> dict[str, Any]:
     ``torch_dtype`` (what ``--dtype auto`` picks) is "bfloat16" for F16/BF16 files and
     "float32" otherwise: quantised weights dequantise to float32 exactly.
 
+    Gemma (``gemma2``, ``gemma3``): the soft caps, sliding window and its pattern, and the
+    local RoPE base are read where the file has them, with llama.cpp's defaults otherwise
+    (caps 50 / 30, window 4,096, every 2nd / 6th layer global, local base 10,000);
+    ``query_pre_attn_scalar``, which GGUF does not carry, follows llama.cpp (hidden / heads for
+    the 27B models, head_dim otherwise).
+
     Raises:
-      ModelLoadError: an architecture outside the Llama family, per-layer head counts, or RoPE
-        scaling we do not implement (naming the key).
+      ModelLoadError: an architecture we do not serve, per-layer head counts, or RoPE scaling
+        we do not implement (naming the key).
     """
     arch = field(reader, "general.architecture")
     if arch not in _ARCHS:
@@ -151,9 +162,37 @@ def gguf_hf_config(reader, path: str = "") -> dict[str, Any]:
     if window:
         hf["sliding_window"] = int(window)
         hf["use_sliding_window"] = True
+    if arch in _GEMMA_27B_LAYERS:
+        hf.update(_gemma_fields(reader, arch, hf))
     kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
     hf["torch_dtype"] = "bfloat16" if kinds and kinds <= {"F16", "BF16"} else "float32"
     return hf
+
+
+def _gemma_fields(reader, arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma fields of the HF config from a ``gemma2`` / ``gemma3`` GGUF's metadata."""
+    layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": hf.get("sliding_window", 4096),
+        "query_pre_attn_scalar": hf["hidden_size"] // heads
+        if layers == _GEMMA_27B_LAYERS[arch]
+        else hf["head_dim"],
+    }
+    if arch == "gemma2":
+        for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+            out[key] = _f32(field(reader, f"{arch}.{key}", default))
+        return out
+    out["rope_theta"] = _f32(field(reader, f"{arch}.rope.freq_base", 1e6))
+    out["rope_local_base_freq"] = _f32(field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+    pattern = field(reader, f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # per layer: True = sliding window
+        out["layer_types"] = [
+            "sliding_attention" if p else "full_attention" for p in pattern[:layers]
+        ]
+    else:
+        out["sliding_window_pattern"] = int(pattern)
+    return out
 
 
 def _f32(x: float) -> float:
