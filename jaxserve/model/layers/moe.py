@@ -145,6 +145,7 @@ def grouped_matmul(
         raise ValueError(f"impl must be one of {GROUPED_MATMUL_IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+    x, w = jnp.asarray(x), jnp.asarray(w)
     if impl == "tiled":
         return tiled_grouped_matmul(x, w, group_sizes)
     y = jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
