@@ -85,10 +85,13 @@ def build(hf: dict, args, root: str, name: str, **extra):
         dtype="float32",
         block_size=16,
         max_num_seqs=max_b,
-        max_num_batched_tokens=max(max_b, 256),
-        max_model_len=args.input_len + args.steps + 32,
-        num_gpu_blocks_override=max_b * (-(-(args.input_len + args.steps + 32) // 16)) + 8,
-        token_buckets=",".join(str(b) for b in sorted({*args.batches, max(max_b, 256)})),
+        # One step prefills every request, so all of them decode together afterwards.
+        max_num_batched_tokens=max(max_b * args.input_len, 256),
+        max_model_len=args.input_len + args.steps + 64,
+        num_gpu_blocks_override=max_b * (-(-(args.input_len + args.steps + 64) // 16)) + 8,
+        token_buckets=",".join(
+            str(b) for b in sorted({*args.batches, max(max_b * args.input_len, 256)})
+        ),
         enable_prefix_caching=False,
         warmup=True,
         compilation_cache_dir="",
@@ -103,7 +106,8 @@ def decode_steps(engine, batch: int, args, seed: int) -> list[float]:
     from jaxserve import SamplingParams
 
     rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 4, ignore_eos=True)
+    # Long enough that the first requests still run when the last one's prefill is done.
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 48, ignore_eos=True)
     ids = [f"{seed}-{batch}-{i}" for i in range(batch)]
     for rid in ids:
         prompt = rng.integers(3, 4096, args.input_len).tolist()
@@ -177,7 +181,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batches", default="1,64,256", help="running decodes, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps per run")
-    parser.add_argument("--input-len", type=int, default=16)
+    parser.add_argument("--input-len", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--num-experts", type=int, default=8)

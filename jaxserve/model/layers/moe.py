@@ -19,7 +19,7 @@ One step of ``SparseMoeBlock`` over ``T`` tokens with ``E`` experts, top ``k``:
 
 ``grouped_matmul`` is ``jax.lax.ragged_dot`` (XLA's grouped GEMM) on GPU and TPU. On CPU, JAX
 lowers ``ragged_dot`` to a dense product over every group (each row times all E matrices,
-masked: 220x the time of one matmul at E = 64 on this box), so the CPU path is
+masked: E times the FLOPs), so the CPU path is
 ``tiled_grouped_matmul``: a ``lax.fori_loop`` over the (row tile, expert) pairs that hold rows,
 MegaBlocks' block-sparse schedule, whose cost follows the rows present. Both compute the same
 function (tests compare them).
