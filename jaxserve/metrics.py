@@ -77,15 +77,16 @@ REQUEST_FAMILIES = (
 """The families fed from the RequestOutputs (finish reasons, latencies, lengths)."""
 
 EXPERT_LOAD_FAMILIES = ("moe_expert_tokens", "moe_expert_load_max_over_mean")
-"""The opt-in MoE families (``--expert-load-metrics``, ``EngineMetrics.add_expert_load``)."""
+"""The opt-in MoE families (``--expert-load-metrics``, ``EngineMetrics.add_expert_load``); not
+in ``METRIC_NAMES``, since only a MoE engine with the flag has them."""
 
 METRIC_NAMES = (
     *(stat.metric for stat in EXPORTED),
     *REQUEST_FAMILIES,
     "cache_config_info",
-    *EXPERT_LOAD_FAMILIES,
 )
-"""Every metric family, without its namespace (counters get ``_total`` in the exposition)."""
+"""Every metric family an engine always exports, without its namespace (counters get
+``_total`` in the exposition)."""
 
 # vLLM V1's buckets (seconds).
 TTFT_BUCKETS = (
