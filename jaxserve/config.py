@@ -47,6 +47,10 @@ class ModelConfig:
         "llama3_json", "hermes" (Qwen2.5 / Qwen3 ``<tool_call>``), "mistral" (``[TOOL_CALLS]``),
         or "" (no parser: ``tool_choice: "auto"`` is refused; "required" and named functions
         work without one).
+      structured_outputs_bounded_numbers: JSON numbers a schema leaves unbounded are bounded
+        (integers within int64, floats with |x| <= 1e15 and at most 9 decimals; see
+        ``jaxserve.structured.json_numbers``), so forced JSON always finishes; a
+        request may say otherwise (``structured_outputs.bounded_numbers``).
 
     Raises:
       ValueError: an unknown dtype, load_format or tool_call_parser, or a negative
@@ -60,6 +64,7 @@ class ModelConfig:
     max_model_len: int = 0
     seed: int = 0
     tool_call_parser: str = ""
+    structured_outputs_bounded_numbers: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -405,6 +410,14 @@ class EngineArgs:
             choices=["", *TOOL_CALL_PARSERS],
         ),
     )
+    structured_outputs_bounded_numbers: bool = dataclasses.field(
+        default=True,
+        metadata=_meta(
+            "bound JSON numbers a schema leaves unbounded (integers within int64, floats "
+            "|x| <= 1e15 with at most 9 decimals) so forced JSON finishes; a request may "
+            "override it with structured_outputs.bounded_numbers"
+        ),
+    )
     block_size: int = dataclasses.field(default=16, metadata=_meta("tokens per KV block"))
     gpu_memory_utilization: float = dataclasses.field(
         default=0.9,
@@ -660,6 +673,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 seed=self.seed,
                 tool_call_parser=self.tool_call_parser,
+                structured_outputs_bounded_numbers=self.structured_outputs_bounded_numbers,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
