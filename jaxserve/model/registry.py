@@ -23,12 +23,16 @@ from __future__ import annotations
 import importlib
 
 _LLAMA = "jaxserve.model.models.llama"
+_MOE = "jaxserve.model.models.mixtral"
 _MODELS: dict[str, tuple[str, str]] = {
     # HF architecture: (module, class)
     "LlamaForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "MistralForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "Qwen2ForCausalLM": (_LLAMA, "LlamaForCausalLM"),
     "Qwen3ForCausalLM": (_LLAMA, "LlamaForCausalLM"),
+    "MixtralForCausalLM": (_MOE, "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": (_MOE, "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": (_MOE, "Qwen3MoeForCausalLM"),
 }
 
 # Added by register_model: a class, or "package.module:Class" imported on first use.
