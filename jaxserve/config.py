@@ -291,6 +291,9 @@ class ObservabilityConfig:
         ids too (by default its ``BlockStored`` events carry hashes only).
       data_parallel_rank: this engine's replica index (labels its KV events; a bound endpoint's
         port is offset by it).
+      expert_load_metrics: count the tokens routed to each expert of a MoE model on the host
+        and export them (``jaxserve.model.expert_load``); off by default, since it costs a
+        device-to-host copy per MoE layer per step.
 
     Raises:
       ValueError: an unknown namespace, an endpoint that is not ``tcp://``, ``ipc://`` or
@@ -301,6 +304,7 @@ class ObservabilityConfig:
     kv_events_endpoint: str = ""
     kv_events_include_token_ids: bool = False
     data_parallel_rank: int = 0
+    expert_load_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics_namespace not in ("jaxserve", "vllm"):
@@ -426,6 +430,8 @@ class ParallelConfig:
     Attributes:
       tensor_parallel_size: devices of the 1-D ``("model",)`` mesh the weights, KV heads and
         attention heads are split over (``jaxserve.model.sharding``).
+      enable_expert_parallel: a MoE model's experts are split over the same devices (``E / N``
+        whole experts each) instead of each expert's width; attention stays tensor-parallel.
       distributed_coordinator: ``HOST:PORT`` of process 0's coordinator for a multi-process
         (multi-host) mesh, or None for one process.
       num_processes: processes forming the mesh (``jax.distributed.initialize``).
@@ -441,6 +447,7 @@ class ParallelConfig:
     distributed_coordinator: str | None = None
     num_processes: int = 1
     process_id: int = 0
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -875,6 +882,21 @@ class EngineArgs:
             "devices to split the model over (attention heads, MLP width, vocabulary, KV heads)"
         ),
     )
+    enable_expert_parallel: bool = dataclasses.field(
+        default=False,
+        metadata=_meta(
+            "MoE models: split the experts over the --tensor-parallel-size devices (whole "
+            "experts each) instead of each expert's width; attention stays tensor-parallel"
+        ),
+    )
+    expert_load_metrics: bool = dataclasses.field(
+        default=False,
+        metadata=_meta(
+            "MoE models: count the tokens routed to each expert and export them on /metrics "
+            "(moe_expert_tokens, moe_expert_load_max_over_mean); a device-to-host copy per MoE "
+            "layer per step"
+        ),
+    )
     distributed_coordinator: str | None = dataclasses.field(
         default=None,
         metadata=_meta("HOST:PORT of process 0 for a multi-process (multi-host) mesh"),
@@ -1088,6 +1110,7 @@ class EngineArgs:
                 kv_events_endpoint=self.kv_events_endpoint,
                 kv_events_include_token_ids=self.kv_events_include_token_ids,
                 data_parallel_rank=self.data_parallel_rank,
+                expert_load_metrics=self.expert_load_metrics,
             ),
             ledger_history=self.ledger_history,
             parallel=self.parallel_config(),
@@ -1131,6 +1154,7 @@ class EngineArgs:
         """
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
             distributed_coordinator=self.distributed_coordinator,
             num_processes=self.num_processes,
             process_id=self.process_id,

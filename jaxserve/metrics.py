@@ -43,8 +43,10 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from jaxserve.model.expert_load import ExpertLoadRecorder, max_over_mean
 from jaxserve.stats_schema import EXPORTED, GAUGE
 
 if TYPE_CHECKING:
@@ -74,12 +76,17 @@ REQUEST_FAMILIES = (
 )
 """The families fed from the RequestOutputs (finish reasons, latencies, lengths)."""
 
+EXPERT_LOAD_FAMILIES = ("moe_expert_tokens", "moe_expert_load_max_over_mean")
+"""The opt-in MoE families (``--expert-load-metrics``, ``EngineMetrics.add_expert_load``); not
+in ``METRIC_NAMES``, since only a MoE engine with the flag has them."""
+
 METRIC_NAMES = (
     *(stat.metric for stat in EXPORTED),
     *REQUEST_FAMILIES,
     "cache_config_info",
 )
-"""Every metric family, without its namespace (counters get ``_total`` in the exposition)."""
+"""Every metric family an engine always exports, without its namespace (counters get
+``_total`` in the exposition)."""
 
 # vLLM V1's buckets (seconds).
 TTFT_BUCKETS = (
@@ -345,6 +352,15 @@ class EngineMetrics:
             self._requests.pop(request_id, None)
             self.request_success["abort"].inc(num_samples)
 
+    def add_expert_load(self, recorder: ExpertLoadRecorder) -> None:
+        """Exports a MoE model's expert load (``--expert-load-metrics``) from ``recorder``
+        (``jaxserve.model.expert_load``), read at each scrape: the counter
+        ``moe_expert_tokens{layer, expert}`` (tokens routed since start) and the gauge
+        ``moe_expert_load_max_over_mean{layer}`` (the busiest expert's tokens over the mean,
+        over the steps since the previous scrape; 1 is perfect balance; absent when no token
+        passed)."""
+        self.registry.register(_ExpertLoadCollector(self.prefix, self.model_name, recorder))
+
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
@@ -432,6 +448,43 @@ class EngineMetrics:
             self.request_decode_time.observe(decode)
             if state.max_sample_tokens > 1:
                 self.time_per_output_token.observe(decode / (state.max_sample_tokens - 1))
+
+
+class _ExpertLoadCollector:
+    """A custom collector over an ``ExpertLoadRecorder`` (see ``EngineMetrics.add_expert_load``).
+    The gauge's interval starts at the previous ``collect``."""
+
+    def __init__(self, prefix: str, model_name: str, recorder: ExpertLoadRecorder) -> None:
+        self.prefix, self.model_name, self.recorder = prefix, model_name, recorder
+        self._seen = recorder.totals()
+        self._lock = threading.Lock()
+
+    def collect(self):
+        totals = self.recorder.totals()
+        with self._lock:
+            recent, self._seen = totals - self._seen, totals
+        tokens = CounterMetricFamily(
+            self.prefix + "moe_expert_tokens",
+            "Tokens routed to each expert of each MoE layer (top-k: k per token), real tokens.",
+            labels=["model_name", "layer", "expert"],
+        )
+        balance = GaugeMetricFamily(
+            self.prefix + "moe_expert_load_max_over_mean",
+            "Per MoE layer, the busiest expert's tokens over the mean since the previous scrape "
+            "(1 = balanced).",
+            labels=["model_name", "layer"],
+        )
+        ratio = max_over_mean(recent)
+        for row, layer in enumerate(self.recorder.layers):
+            for expert, count in enumerate(totals[row]):
+                tokens.add_metric([self.model_name, str(layer), str(expert)], float(count))
+            if ratio[row] == ratio[row]:  # not NaN: some token passed
+                balance.add_metric([self.model_name, str(layer)], float(ratio[row]))
+        yield tokens
+        yield balance
+
+    def describe(self):
+        return []
 
 
 def _escape(value: str) -> str:

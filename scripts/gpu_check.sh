@@ -13,6 +13,8 @@
 # (PART=3 is now longer than one 10-minute call: lower its budgets (SLEEP_BUDGET,
 # HYBRID_TEST_BUDGET, HYBRID_BENCH_BUDGET, SPEC_BUDGET) to fit, or run it where calls are longer.)
 # (PART=2 and 3 use BACKEND, default pallas, since part 1's test log is not there.)
+#   PART=moe OUT=... bash scripts/gpu_check.sh # MoE at Mixtral-8x7B shapes only (~6 min), #30
+# (not part of "all": run it as its own call.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -22,6 +24,22 @@ mkdir -p "$OUT"
 
 PART=${PART:-all}
 backend=${BACKEND:-pallas}
+if [ "$PART" = moe ]; then
+echo "== MoE (#30): one Mixtral-8x7B feed-forward (e 4096, 8 experts of f 14336, top-2, bf16), dropless grouped matmul (ragged_dot) vs a dense SwiGLU of width 2f (same FLOPs) (budget ${MOE_LAYER_BUDGET:-120}s)"
+timeout -k 10 "${MOE_LAYER_BUDGET:-120}" "$PY" benchmarks/bench_moe.py --layer --hidden-size 4096 \
+    --expert-width 14336 --num-experts 8 --top-k 2 --dtype bfloat16 --impl ragged_dot \
+    --tokens 1,64,256,2048,8192 --reps 20 2>&1 | tail -6 | tee "$OUT/moe_layer.log"
+echo "moe layer exit: ${PIPESTATUS[0]}" | tee -a "$OUT/moe_layer.log"
+echo "== MoE (#30): offline engine, Mixtral-8x7B shapes (46.7 B, 93 GB bf16 on one H200), dummy weights, xla attention (budget ${MOE_OFFLINE_BUDGET:-240}s)"
+timeout -k 10 "${MOE_OFFLINE_BUDGET:-240}" "$PY" benchmarks/bench_offline.py --model mixtral-8x7b \
+    --load-format dummy --dtype bfloat16 --max-num-seqs 256 --max-num-batched-tokens 4096 \
+    --token-buckets 256,4096 --temperature 1.0 --gpu-memory-utilization 0.95 \
+    --compilation-cache-dir /tmp/jaxserve-xla --attention-backend xla --report-every-s 10 \
+    --num-prompts 512 --input-len 512 --output-len 256 --time-limit-s "${MOE_GEN_S:-90}" \
+    2>&1 | tee "$OUT/offline_mixtral.log"
+echo "moe offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/offline_mixtral.log"
+exit 0
+fi
 if [ "$PART" != 2 ] && [ "$PART" != 3 ]; then
 TEST_BUDGET=${TEST_BUDGET:-150} BENCH_BUDGET=${BENCH_BUDGET:-160} OUT="$OUT" bash scripts/gpu_kernel_check.sh
 

@@ -88,6 +88,53 @@ FIXTURES = {
         dict(head_dim=24, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False),
         2,
     ),
+    # Mixtral: 8 experts of width 32, top-2 renormalised, untied.
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+        2,
+    ),
+    # Qwen2-MoE: q/k/v bias, top-4 of 8 not renormalised, a shared expert with its sigmoid gate,
+    # and layer 1 dense (mlp_only_layers).
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+        ),
+        2,
+    ),
+    # Qwen3-MoE: q/k norm, head_dim 24, top-2 of 8 renormalised, tied.
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            head_dim=24,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+        ),
+        2,
+    ),
 }
 
 # Gemma: 3 layers, windows of 4 tokens (shorter than the long prompt), query_pre_attn_scalar
@@ -170,7 +217,8 @@ PROMPTS = [
 @torch.no_grad()
 def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
     """Weights ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms 1 + N(0, 0.1), biases N(0, 0.1);
-    then rounded to bfloat16 (the saved precision)."""
+    then rounded to bfloat16 (the saved precision). Fan-in is the last axis (torch Linear
+    ``[out, in]``; transformers' stacked experts ``[E, out, in]``)."""
     for name, p in model.named_parameters():
         if "norm" in name:
             p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
@@ -179,7 +227,7 @@ def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
         elif "embed_tokens" in name:
             p.copy_(torch.randn(p.shape, generator=gen))
         else:
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
         p.copy_(p.to(torch.bfloat16).to(torch.float32))
 
 
@@ -207,7 +255,7 @@ def randomize_gemma(model: torch.nn.Module, gen: torch.Generator) -> None:
 
 def make_fixture(name: str, out_root: str, seed: int) -> None:
     config_cls, model_cls, extra, eos = FIXTURES[name]
-    config = config_cls(**COMMON, **extra)
+    config = config_cls(**{**COMMON, **extra})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).eval()

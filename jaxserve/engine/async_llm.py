@@ -354,6 +354,10 @@ class AsyncLLM:
             namespace=self.engine_config.observability.metrics_namespace,
             max_model_len=self.engine_config.scheduler.max_model_len,
         )
+        # --expert-load-metrics on a MoE model: the runner's recorder, read at each scrape.
+        expert_load = getattr(getattr(engine, "runner", None), "expert_load", None)
+        if expert_load is not None and metrics is None:
+            self.metrics.add_expert_load(expert_load)
         self._cond = threading.Condition()
         self._inbox: list[InboxMessage] = []
         self._streams: dict[str, RequestStream] = {}  # engine thread only

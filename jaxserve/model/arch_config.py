@@ -49,6 +49,44 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE), HF's names in brackets.
+
+    Attributes:
+      num_experts: routed experts per sparse layer (``num_local_experts`` / ``num_experts``).
+      top_k: experts each token reaches (``num_experts_per_tok``); dropless, no capacity factor.
+      intermediate_size: each expert's SwiGLU width (``moe_intermediate_size``; Mixtral's
+        ``intermediate_size``).
+      norm_topk_prob: renormalise the top-k softmax probabilities to sum to 1 (Mixtral always;
+        Qwen's ``norm_topk_prob``).
+      shared_expert_intermediate_size: width of the always-on shared expert and its sigmoid gate
+        (Qwen2-MoE), 0 for none.
+      sparse_layers: per layer, True where the feed-forward is the MoE block, False where it is
+        a dense SwiGLU of ``ModelArchConfig.intermediate_size`` (Qwen's ``mlp_only_layers`` and
+        ``decoder_sparse_step``).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    sparse_layers: tuple[bool, ...] = ()
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ModelLoadError(
+                    f"config field {name} must be positive, got {getattr(self, name)}"
+                )
+        if self.top_k > self.num_experts:
+            raise ModelLoadError(
+                f"num_experts_per_tok ({self.top_k}) exceeds the number of experts "
+                f"({self.num_experts})"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelArchConfig:
     """The model's shape and per-architecture switches; static (hashable) under jit.
 
@@ -83,6 +121,7 @@ class ModelArchConfig:
       bos_token_id: from config.json, or None.
       eos_token_ids: from config.json (int or list), possibly empty.
       torch_dtype: the checkpoint's dtype name as HF writes it ("bfloat16", "float32", ...), or None.
+      moe: the mixture-of-experts feed-forward, or None for a dense model.
     """
 
     architecture: str
@@ -111,6 +150,7 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         for name in (
@@ -148,6 +188,11 @@ class ModelArchConfig:
                 f"layer_types has {len(self.layer_sliding_windows)} entries, expected num_hidden_layers "
                 f"= {self.num_layers}"
             )
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ModelLoadError(
+                f"the MoE config names {len(self.moe.sparse_layers)} layers, expected "
+                f"num_hidden_layers = {self.num_layers}"
+            )
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelArchConfig:
@@ -181,7 +226,7 @@ class ModelArchConfig:
         num_heads = req("num_attention_heads")
         num_layers = req("num_hidden_layers")
         hidden = req("hidden_size")
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         is_gemma2 = arch == "Gemma2ForCausalLM"
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
@@ -202,10 +247,11 @@ class ModelArchConfig:
             rope=rope,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attention_bias,
+            qkv_bias=(is_qwen2 and bool(hf.get("qkv_bias", True))) or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM" or (gemma and not is_gemma2),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+            or (gemma and not is_gemma2),
             hidden_act=act,
             rms_norm_unit_offset=gemma,
             query_pre_attn_scalar=_opt_float(hf.get("query_pre_attn_scalar")) if gemma else None,
@@ -225,6 +271,7 @@ class ModelArchConfig:
             if isinstance(eos, list)
             else (() if eos is None else (int(eos),)),
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            moe=_parse_moe(hf, arch, num_layers),
         )
 
     @classmethod
@@ -247,7 +294,11 @@ _ARCH_BY_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+_MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 # transformers' Gemma2Config / Gemma3TextConfig defaults, for the fields a config may omit.
 _GEMMA_COMMON_DEFAULTS = dict(
@@ -376,14 +427,15 @@ def _parse_sliding_windows(
     hf: dict[str, Any], arch: str, num_layers: int
 ) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window", False):
+    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    if arch in qwen and not hf.get("use_sliding_window", False):
         window = None
-    if window is None:
+    if not window:  # None, or Qwen2-MoE's 0 with the window off
         return (None,) * num_layers
     window = int(window)
     if hf.get("layer_types"):
         return tuple(window if t == "sliding_attention" else None for t in hf["layer_types"])
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * num_layers
     if arch == "Gemma2ForCausalLM":  # even layers local, odd layers global
         return tuple(window if i % 2 == 0 else None for i in range(num_layers))
@@ -393,3 +445,38 @@ def _parse_sliding_windows(
     # Qwen2/3 before layer_types: layers from max_window_layers on use the window.
     first = int(hf.get("max_window_layers", num_layers))
     return tuple(window if i >= first else None for i in range(num_layers))
+
+
+def _parse_moe(hf: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None:
+    """The MoE fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config, None for other architectures.
+
+    Raises:
+      ModelLoadError: a missing expert count or top-k (naming the field), or bad sizes.
+    """
+    if arch not in _MOE_ARCHS:
+        return None
+    num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not num_experts:
+        raise ModelLoadError(f"config.json of {arch} lacks num_local_experts / num_experts")
+    if hf.get("num_experts_per_tok") is None:
+        raise ModelLoadError("config.json lacks the required field 'num_experts_per_tok'")
+    if arch == "MixtralForCausalLM":
+        # Every layer sparse; the experts are intermediate_size wide; top-k always renormalised.
+        width, norm, shared, sparse = hf["intermediate_size"], True, 0, (True,) * num_layers
+    else:
+        if hf.get("moe_intermediate_size") is None:
+            raise ModelLoadError("config.json lacks the required field 'moe_intermediate_size'")
+        width = hf["moe_intermediate_size"]
+        norm = bool(hf.get("norm_topk_prob", False))
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        dense = set(hf.get("mlp_only_layers") or ())
+        step = int(hf.get("decoder_sparse_step") or 1)
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return MoEConfig(
+        num_experts=int(num_experts),
+        top_k=int(hf["num_experts_per_tok"]),
+        intermediate_size=int(width),
+        norm_topk_prob=norm,
+        shared_expert_intermediate_size=shared if arch == "Qwen2MoeForCausalLM" else 0,
+        sparse_layers=sparse,
+    )

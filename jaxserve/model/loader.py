@@ -90,20 +90,28 @@ def load_weights(cfg: ModelArchConfig, dtype, reader: CheckpointReader) -> nnx.M
     flat = []
     for path, var in nnx.to_flat_state(abs_state):
         source = model.weight_source(path, cfg, reader.naming)
-        name = next((n for n in source.names if n in reader), None)
-        if name is None:
-            raise ModelLoadError(
-                f"{reader.error_prefix}tensor {source.name} not found in {reader.where}"
-            )
-        want, got = source.layout.stored_shape(var.shape), reader.spec(name).shape
-        if got != want:
-            raise ModelLoadError(
-                f"{reader.error_prefix}shape mismatch for tensor {name}: expected {list(want)}, "
-                f"got {list(got)} in {reader.where}"
-            )
-        x = source.layout.to_ours(jnp.asarray(reader.read(name)), var.shape)
+        if source.stacked:  # one tensor per expert, stacked on our leading axis
+            parts = [_read(reader, (n,), source.layout, var.shape[1:]) for n in source.stacked]
+            x = jnp.stack(parts)
+        else:
+            x = _read(reader, source.names, source.layout, var.shape)
         flat.append((path, var.replace(x.astype(dtype))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _read(reader: CheckpointReader, names: tuple[str, ...], layout, shape: tuple[int, ...]):
+    """The first of ``names`` that ``reader`` has, shape-checked, read and turned by ``layout``
+    into ``shape`` (a jax array in the stored dtype)."""
+    name = next((n for n in names if n in reader), None)
+    if name is None:
+        raise ModelLoadError(f"{reader.error_prefix}tensor {names[0]} not found in {reader.where}")
+    want, got = layout.stored_shape(shape), reader.spec(name).shape
+    if got != want:
+        raise ModelLoadError(
+            f"{reader.error_prefix}shape mismatch for tensor {name}: expected {list(want)}, "
+            f"got {list(got)} in {reader.where}"
+        )
+    return layout.to_ours(jnp.asarray(reader.read(name)), shape)
 
 
 def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> nnx.Module:

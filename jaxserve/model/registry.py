@@ -25,6 +25,7 @@ import importlib
 
 _LLAMA = "jaxserve.model.models.llama"
 _GEMMA = "jaxserve.model.models.gemma"
+_MOE = "jaxserve.model.models.mixtral"
 _MODELS: dict[str, tuple[str, str]] = {
     # HF architecture: (module, class)
     "LlamaForCausalLM": (_LLAMA, "LlamaForCausalLM"),
@@ -34,6 +35,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": (_GEMMA, "GemmaForCausalLM"),
     "Gemma3ForCausalLM": (_GEMMA, "GemmaForCausalLM"),
     "Gemma3ForConditionalGeneration": (_GEMMA, "GemmaForCausalLM"),  # its language model
+    "MixtralForCausalLM": (_MOE, "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": (_MOE, "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": (_MOE, "Qwen3MoeForCausalLM"),
 }
 
 # Added by register_model: a class, or "package.module:Class" imported on first use.

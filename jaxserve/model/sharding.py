@@ -16,6 +16,13 @@ exactly one, the one its query heads read. Query heads likewise: ``Hq`` a multip
 ``N`` a multiple of ``Hq`` (only tiny models: the bundled one has 4 heads); then every query head
 is copied ``N / Hq`` times and only the first copy keeps its ``o_proj`` rows (the others are
 zero), so the output is the same sum and each shard runs one head.
+
+Mixture-of-experts layers (``jaxserve.model.layers.moe``): the experts' stacked matrices
+``[E, e, f]`` name an "expert" axis and an "expert_mlp" axis (an expert's width). By default
+(tensor parallel) each expert's width is split, like a dense MLP; with
+``--enable-expert-parallel`` (``EXPERT_PARALLEL_RULES``) whole experts are split instead, ``E / N``
+per device, and their width is not. Attention is tensor-parallel either way. The router
+("router" axis) is replicated: every device routes every token.
 """
 
 from __future__ import annotations
@@ -41,7 +48,22 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "q_heads": MODEL_AXIS,
     "kv_heads": MODEL_AXIS,
     "head_dim": None,
+    "expert": None,
+    "expert_mlp": MODEL_AXIS,
+    "router": None,
 }
+
+EXPERT_PARALLEL_RULES: dict[str, str | None] = {
+    **LOGICAL_AXIS_RULES,
+    "expert": MODEL_AXIS,
+    "expert_mlp": None,
+}
+"""The rules with ``--enable-expert-parallel``: experts split over the mesh, each one whole."""
+
+
+def axis_rules(enable_expert_parallel: bool = False) -> dict[str, str | None]:
+    """The logical axis rules of a placement: ``EXPERT_PARALLEL_RULES`` or the default."""
+    return EXPERT_PARALLEL_RULES if enable_expert_parallel else LOGICAL_AXIS_RULES
 
 
 def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
@@ -156,19 +178,38 @@ def kv_head_replicas(num_heads: int, num_kv_heads: int, tensor_parallel_size: in
     return n // num_kv_heads
 
 
-def check_tensor_parallel(arch: ModelArchConfig, tensor_parallel_size: int) -> tuple[int, int]:
+def check_tensor_parallel(
+    arch: ModelArchConfig, tensor_parallel_size: int, enable_expert_parallel: bool = False
+) -> tuple[int, int]:
     """Checks that ``arch`` splits over ``tensor_parallel_size`` shards; returns the query- and
     KV-head replication factors (``q_head_replicas``, ``kv_head_replicas``).
 
+    A MoE model's experts split by their width (``moe_intermediate_size``), or with
+    ``enable_expert_parallel`` by their number (``num_experts``).
+
     Raises:
-      ValueError: heads, vocabulary or MLP width not divisible (the message names both numbers).
+      ValueError: heads, vocabulary, MLP width, expert width or expert count not divisible (the
+        message names both numbers); expert parallelism asked of a dense model.
     """
     replicas = kv_head_replicas(arch.num_heads, arch.num_kv_heads, tensor_parallel_size)
     q_replicas = q_head_replicas(arch.num_heads, tensor_parallel_size)
-    for field, size in (
-        ("vocab_size", arch.vocab_size),
-        ("intermediate_size", arch.intermediate_size),
-    ):
+    moe = arch.moe
+    if enable_expert_parallel and moe is None:
+        raise ValueError(
+            f"enable_expert_parallel: {arch.architecture} has no experts (a dense model); "
+            "drop the flag"
+        )
+    sizes = [("vocab_size", arch.vocab_size)]
+    if moe is None or not all(moe.sparse_layers):
+        sizes.append(("intermediate_size", arch.intermediate_size))
+    if moe is not None:
+        if enable_expert_parallel:
+            sizes.append(("num_experts", moe.num_experts))
+        else:
+            sizes.append(("moe_intermediate_size", moe.intermediate_size))
+        if moe.shared_expert_intermediate_size:
+            sizes.append(("shared_expert_intermediate_size", moe.shared_expert_intermediate_size))
+    for field, size in sizes:
         if size % tensor_parallel_size:
             raise ValueError(
                 f"{field} ({size}) is not divisible by tensor_parallel_size ({tensor_parallel_size})"
@@ -201,13 +242,14 @@ def replicate_q_heads(model: nnx.Module, replicas: int) -> None:
 
 
 def place_model(
-    model: nnx.Module, arch: ModelArchConfig, mesh: Mesh
+    model: nnx.Module, arch: ModelArchConfig, mesh: Mesh, enable_expert_parallel: bool = False
 ) -> tuple[nnx.Module, ModelArchConfig]:
     """Prepares ``model`` for ``mesh`` and places it there (in place).
 
     Checks that the heads split (``check_tensor_parallel``), replicates KV (and query) heads
     when the mesh is larger than their number, and places every parameter by the logical axis
-    rules.
+    rules (``axis_rules(enable_expert_parallel)``); MoE layers (any module with an
+    ``expert_parallel`` attribute) learn which placement their experts have.
 
     Returns:
       ``(model, arch)`` where ``arch.num_heads`` / ``arch.num_kv_heads`` count the replicated
@@ -216,14 +258,16 @@ def place_model(
     Raises:
       ValueError: the model cannot be split over the mesh (see ``check_tensor_parallel``).
     """
-    q_replicas, replicas = check_tensor_parallel(arch, mesh.size)
+    q_replicas, replicas = check_tensor_parallel(arch, mesh.size, enable_expert_parallel)
     if q_replicas > 1 or replicas > 1:
         _replicate_heads(model, q_replicas, replicas)
         arch = dataclasses.replace(
             arch, num_heads=arch.num_heads * q_replicas, num_kv_heads=arch.num_kv_heads * replicas
         )
         model.config = arch
-    return shard_model(model, mesh), arch
+    for module in [m for _, m in nnx.iter_graph(model) if hasattr(m, "expert_parallel")]:
+        module.expert_parallel = enable_expert_parallel
+    return shard_model(model, mesh, axis_rules(enable_expert_parallel)), arch
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:

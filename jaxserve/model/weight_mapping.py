@@ -16,6 +16,10 @@ Layouts (torch stores a Linear weight ``[out, in]``; we store ``[*in, *out]``):
 and, before any of them, GGUF's q/k row permutation undone (``permuted_heads``): llama.cpp's
 converter interleaves the rotary pairs of each head's rows for ``llama`` models; and a constant
 ``offset`` taken off (llama.cpp stores Gemma's RMSNorm scales as ``1 + weight``).
+
+A stacked parameter (a MoE layer's experts, ours ``[E, ...]``) is stored as E tensors, one per
+expert (``TensorSource.stacked``); each has the layout of our parameter without its leading axis,
+so a sliced read of experts ``[a, b)`` reads only tensors ``a .. b - 1``.
 """
 
 from __future__ import annotations
@@ -133,10 +137,19 @@ class TensorSource:
       names: the tensor's name; further names are older spellings, tried in order when the
         first is absent (our orbax layout before ``Linear`` layers existed).
       layout: the reshape from the stored tensor to ours.
+      stacked: when not empty, our parameter is these tensors (one per index of its leading
+        axis: the experts of a MoE layer) stacked along a new axis 0, each turned by ``layout``
+        into our shape without that axis; ``names`` is then ``stacked[:1]``.
     """
 
     names: tuple[str, ...]
     layout: Layout = COPY
+    stacked: tuple[str, ...] = ()
+
+    @classmethod
+    def stack(cls, names: tuple[str, ...], layout: Layout = COPY) -> TensorSource:
+        """A parameter stored as one tensor per index of its leading axis (``stacked``)."""
+        return cls(tuple(names[:1]), layout, tuple(names))
 
     @property
     def name(self) -> str:

@@ -55,6 +55,7 @@ from jaxserve.core.runner_output import (
 )
 from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
 from jaxserve.model.attention_backends import resolve_attention_backend
+from jaxserve.model.layers.moe import attach_expert_load_recorder
 from jaxserve.model.sharding import kv_cache_sharding, make_mesh, place_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import compilation, sleep_mode
@@ -190,7 +191,13 @@ class ModelRunner:
         # Tensor parallel: the mesh, the weights placed on it, heads replicated if needed
         # (model/sharding.py). ``step_mesh`` is None on one device: no shard_map, no gather.
         self.mesh = make_mesh(config.parallel.tensor_parallel_size)
-        model, self.arch = place_model(model, arch, self.mesh)
+        model, self.arch = place_model(
+            model, arch, self.mesh, config.parallel.enable_expert_parallel
+        )
+        # MoE models, opt-in: tokens per expert counted on the host (model/expert_load.py).
+        self.expert_load = (
+            attach_expert_load_recorder(model) if config.observability.expert_load_metrics else None
+        )
         self.step_mesh = self.mesh if self.mesh.size > 1 else None
         self.kv_sharding = kv_cache_sharding(self.mesh)
         self.backend = resolve_attention_backend(

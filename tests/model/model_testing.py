@@ -16,6 +16,7 @@ from jaxserve.model.attention import PagedAttentionMetadata, cache_head_dim
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
 GOLDEN_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_mm")
+MOE_GOLDEN_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def golden_path(name: str) -> str:

@@ -1,14 +1,16 @@
 """Logits parity with Hugging Face transformers on the golden fixtures (scripts/make_golden.py):
 tiny random Llama (llama3 RoPE, biases), Mistral (sliding window), Qwen2 (q/k/v bias, tied),
 Qwen3 (q/k norm, head_dim != hidden/heads, tied), Gemma 2 (soft caps, alternating windows),
-Gemma 3 (q/k norm, local/global RoPE, 2 local : 1 global) and the language model of a Gemma 3
-multimodal checkpoint. No torch needed here."""
+Gemma 3 (q/k norm, local/global RoPE, 2 local : 1 global), the language model of a Gemma 3
+multimodal checkpoint; and the MoE families: Mixtral (top-2 renormalised), Qwen2-MoE (top-4
+not renormalised, shared expert, a dense layer), Qwen3-MoE (q/k norm, tied). No torch needed
+here."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from model_testing import GOLDEN_ARCHS, PagedRunner, dense_logits, golden_path
+from model_testing import GOLDEN_ARCHS, MOE_GOLDEN_ARCHS, PagedRunner, dense_logits, golden_path
 
 from jaxserve.model.arch_config import ModelArchConfig
 from jaxserve.model.loader import load_model
@@ -22,7 +24,9 @@ def _golden(name):
     return [(g[f"prompt_{i}"].tolist(), g[f"logits_{i}"]) for i in range(n)]
 
 
-@pytest.mark.parametrize("name", [n for n in GOLDEN_ARCHS if not n.startswith("gemma")])
+@pytest.mark.parametrize(
+    "name", [n for n in GOLDEN_ARCHS if not n.startswith("gemma")] + list(MOE_GOLDEN_ARCHS)
+)
 def test_dense_logits_match_transformers(name):
     """(The Gemma fixtures' prompt logits are checked by the greedy test below, in the same
     forward as their continuations.)"""
@@ -51,9 +55,17 @@ def test_fixture_configs_exercise_each_switch():
         assert g.query_pre_attn_scalar == 24 and g.tie_word_embeddings
     # transformers' Gemma3ForConditionalGeneration ignores its text config's final soft cap
     assert mm.final_logit_softcapping is None and g3.final_logit_softcapping is None
+    moe = {
+        name: ModelArchConfig.from_pretrained(golden_path(name)).moe for name in MOE_GOLDEN_ARCHS
+    }
+    assert moe["mixtral"].norm_topk_prob and moe["mixtral"].top_k == 2
+    assert not moe["qwen2_moe"].norm_topk_prob and moe["qwen2_moe"].top_k == 4
+    assert moe["qwen2_moe"].shared_expert_intermediate_size == 48
+    assert moe["qwen2_moe"].sparse_layers == (True, False)
+    assert moe["qwen3_moe"].norm_topk_prob and moe["qwen3_moe"].num_experts == 8
 
 
-PAGED_CASES = [(n, "xla") for n in ("mistral", "qwen2", "gemma2", "gemma3")]
+PAGED_CASES = [(n, "xla") for n in ("mistral", "qwen2", "qwen2_moe", "gemma2", "gemma3")]
 PAGED_CASES += [
     pytest.param("gemma2", backend, marks=pytest.mark.slow, id=f"gemma2-{backend}")
     for backend in ("pallas-gpu", "pallas-tpu")
