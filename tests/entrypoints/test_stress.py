@@ -139,13 +139,14 @@ def _raw_request(server, head: str) -> socket.socket:
 
 
 def _read_reply(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection."""
+    """One response (its head and its Content-Length of body)."""
     reply = b""
-    try:
-        while chunk := sock.recv(65536):
-            reply += chunk
-    except ConnectionResetError:  # the server closed with our unread bytes in its buffer
-        pass
+    while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < int(
+        reply.lower().partition(b"content-length: ")[2].split(b"\r\n")[0] or 0
+    ):
+        chunk = sock.recv(65536)
+        assert chunk, reply
+        reply += chunk
     return reply
 
 

@@ -215,41 +215,38 @@ def body_too_large(limit: int, declared: int | None = None) -> APIError:
     )
 
 
-async def answer_and_close(request: BaseRequest, response: web.Response) -> web.Response:
-    """Sends ``response`` and closes the connection at once, leaving the rest of the request
-    body unread: aiohttp would otherwise read and discard it for up to 10 s (its lingering
-    close) before closing, and that reading is the cost a refused huge body must not have."""
+def closing(response: web.Response) -> web.Response:
+    """``response``, after which its connection is closed. What the client still sends of its
+    body is discarded unparsed for up to aiohttp's ``lingering_time`` (10 s) first: closing at
+    once, with those bytes unread, resets the connection, and a client still sending (httpx
+    sends the whole body before it reads) then gets a connection error instead of the answer."""
     response.force_close()
-    await response.prepare(request)
-    await response.write_eof()
-    request.protocol.force_close()  # the transport sends what is written, then closes
     return response
 
 
-async def _over_limit(request: BaseRequest) -> web.Response | None:
-    """The 413 (sent, its connection closed) when the request's ``Content-Length`` is over the
+def _over_limit(request: BaseRequest) -> web.Response | None:
+    """The 413 (its connection then closed) when the request's ``Content-Length`` is over the
     app's ``BODY_LIMIT``; else None."""
     limit = request.app[BODY_LIMIT]
     declared = request.content_length
     if declared is None or declared <= limit:
         return None
     error = body_too_large(limit, declared)
-    response = json_response(error.body(), status=error.status, headers=error.headers)
-    return await answer_and_close(request, response)
+    return closing(json_response(error.body(), status=error.status, headers=error.headers))
 
 
 @web.middleware
 async def _body_limit_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Refuses a body declared larger than ``BODY_LIMIT`` from its headers, before any
-    handler reads a byte of it (#38: eight 15.7 MB prompts were received and parsed whole to be
+    handler reads it (what arrives meanwhile is discarded unparsed: :func:`closing`) (#38: eight 15.7 MB prompts were received and parsed whole to be
     refused with a 400, slowing a small request beside them 4-11x)."""
-    return await _over_limit(request) or await handler(request)
+    return _over_limit(request) or await handler(request)
 
 
 async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
     """``Expect: 100-continue``: the 413 instead of ``100 Continue`` for a body declared
     over the limit (such a client then never sends it), else aiohttp's default."""
-    response = await _over_limit(request)
+    response = _over_limit(request)
     if response is not None:
         return response
     return await _default_expect_handler(request)
@@ -458,8 +455,8 @@ async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamRe
         return await handler(request)
     except APIError as exc:
         response = json_response(exc.body(), status=exc.status, headers=exc.headers)
-        if exc.headers.get("Connection") == "close":  # a 408 / 413: the rest is not read
-            return await answer_and_close(request, response)
+        if exc.headers.get("Connection") == "close":  # a 408 / 413 / 503 shutting_down
+            return closing(response)
         return response
     except web.HTTPException as exc:
         if exc.status < 400:
