@@ -159,7 +159,7 @@ def _error_of(reply: bytes) -> dict:
 
 def test_a_body_declared_over_the_limit_is_refused_unread(server, monkeypatch):
     """A Content-Length over the body limit is a 413 from the headers alone: the client sends
-    64 KiB of its declared 200 MB and gets the answer at once, the connection closed; nothing is
+    64 KiB of its declared 200 MB and gets the answer at once (Connection: close); nothing is
     prepared. With Expect: 100-continue the 413 comes instead of 100 Continue (#38: eight
     15.7 MB prompts were received and parsed whole to be refused)."""
     prepared = []
@@ -189,7 +189,7 @@ def test_a_body_declared_over_the_limit_is_refused_unread(server, monkeypatch):
 
 def test_a_chunked_body_over_the_limit_is_cut_while_it_arrives(server):
     """A chunked body (no Content-Length) is refused with the 413 as soon as it passes the
-    limit, its connection closed: the client stops well before the 3x the limit it meant to
+    limit (Connection: close): the client stops well before the 3x the limit it meant to
     send."""
     limit = server.app[BODY_LIMIT]
     sock = _raw_request(

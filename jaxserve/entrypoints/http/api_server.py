@@ -203,7 +203,7 @@ async def _read_json_sized(request: web.Request) -> tuple[dict[str, Any], bool]:
 
 def body_too_large(limit: int, declared: int | None = None) -> APIError:
     """The 413 of a body over ``limit`` bytes: declared so (``Content-Length``), or a chunked
-    one that passed it while arriving. Its connection is closed: the rest is never read."""
+    one that passed it while arriving. Its connection is then closed (:func:`closing`)."""
     size = f"declares {declared} bytes" if declared is not None else f"passed {limit} bytes"
     return APIError(
         f"the request body is too large: it {size}, and this server takes at most {limit} bytes "
