@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxserve import sampling_params as caps
 from jaxserve.engine.protocol import EngineClient
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.serving.errors import APIError, bad_request, from_value_error, model_not_found
@@ -182,6 +183,54 @@ def check_prompt_bytes(texts: Sequence[str], info: ServingInfo, field: str = "pr
                 f"(max_model_len) of {info.max_model_len} tokens",
                 param=field,
             )
+
+
+JSON_BYTES_PER_TEXT_BYTE = 6
+"""Most bytes of JSON one byte of UTF-8 text can take in a string: a control character is
+``\\u0001`` (6 bytes); a non-ASCII character written as escapes takes at most 3x its UTF-8
+length (2 bytes -> ``\\uXXXX``, 4 bytes -> a surrogate pair, 12)."""
+
+BODY_FIELDS_ALLOWANCE = 64 * 2**10
+"""Bytes allowed for a request's scalar fields, keys and punctuation beside what the caps bound."""
+
+BODY_SLACK = 2
+"""The body limit is this many times the derived need: room for whitespace, unknown fields a
+client sends along, chat messages' wrapping, tool descriptions, and a batch of a few prompts."""
+
+
+def request_body_limit(info: ServingInfo, ceiling: int) -> int:
+    """Bytes above which no request body can be one this server would serve, so it is refused
+    (413) from its ``Content-Length`` without being read (``api_server``).
+
+    The need of the largest valid request, in JSON at its most escaped
+    (``JSON_BYTES_PER_TEXT_BYTE`` bytes per byte of text): one prompt of ``max_prompt_bytes``
+    (longer text is refused as surely more than max_model_len tokens) or of max_model_len token
+    ids; a structured-output constraint and the tools' schemas of ``MAX_CONSTRAINT_CHARS`` each
+    (``tool_choice: "required"`` compiles all of them as one constraint; with ``auto`` they are
+    rendered into the prompt); the bad words, stop strings, logit bias and allowed token ids at
+    their caps; ``BODY_FIELDS_ALLOWANCE`` for everything else. The limit is ``BODY_SLACK``
+    times that, at most ``ceiling``; ``ceiling`` itself when the prompt bound is unknown
+    (``max_prompt_bytes`` 0).
+
+    Not covered (so refused above the limit although each part is valid): a /v1/completions
+    batch of many long prompts (send fewer per request, or use ``jaxserve run-batch``), and
+    megabytes of unknown fields or whitespace.
+    """
+    if not info.max_prompt_bytes:
+        return ceiling
+    token_id = len(str(max(info.vocab_size - 1, 0))) + 2  # digits, a comma and a space
+    text = JSON_BYTES_PER_TEXT_BYTE
+    need = (
+        max(text * info.max_prompt_bytes, token_id * info.max_model_len)
+        + text * 2 * caps.MAX_CONSTRAINT_CHARS
+        + text * caps.MAX_BAD_WORDS_CHARS
+        + 4 * caps.MAX_BAD_WORDS
+        + caps.MAX_STOP_STRINGS * (text * caps.MAX_STOP_STRING_CHARS + 4)
+        + caps.MAX_LOGIT_BIAS * (token_id + 32)  # "id": a float
+        + caps.MAX_ALLOWED_TOKEN_IDS * token_id
+        + BODY_FIELDS_ALLOWANCE
+    )
+    return min(ceiling, BODY_SLACK * need)
 
 
 SAMPLER_ROW_BUFFERS = 8

@@ -63,6 +63,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
+from aiohttp.web_urldispatcher import _default_expect_handler
 
 from jaxserve.engine.protocol import EngineClient
 from jaxserve.entrypoints.http.cors import CORSPolicy, cors_middleware, install_cors
@@ -78,7 +79,7 @@ from jaxserve.serving.endpoints import (
 )
 from jaxserve.serving.errors import APIError, error_body
 from jaxserve.serving.json_io import dumps, parse_json_body
-from jaxserve.serving.validation import ServingInfo
+from jaxserve.serving.validation import ServingInfo, request_body_limit
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +124,12 @@ KEY_ID = web.RequestKey("api_key_id", str)
 """Which of several API keys authenticated a request (its index, as a string)."""
 INTERNAL_ERRORS = web.AppKey("internal_errors", list)
 ROOT_PATH = web.AppKey("root_path", str)
+BODY_LIMIT = web.AppKey("body_limit", int)
+"""Bytes above which a request body is refused (413) before it is read
+(``validation.request_body_limit``)."""
 
 MAX_BODY_BYTES = 16 * 2**20
+"""The largest request body, whatever the model's limits (``BODY_LIMIT`` is often lower)."""
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/sleep", "/wake_up")
 
@@ -182,6 +187,8 @@ async def _read_json_sized(request: web.Request) -> tuple[dict[str, Any], bool]:
     timeout = request.app[TIMEOUTS_KEY].body_s
     try:
         raw = await asyncio.wait_for(request.read(), timeout)
+    except web.HTTPRequestEntityTooLarge:  # a chunked body (no Content-Length) past the limit:
+        raise body_too_large(request.app[BODY_LIMIT]) from None  # cut where it passed it
     except TimeoutError:
         raise APIError(
             f"the request body did not arrive within {timeout:g} s",
@@ -192,6 +199,57 @@ async def _read_json_sized(request: web.Request) -> tuple[dict[str, Any], bool]:
     if len(raw) > LARGE_BODY_BYTES:  # a 16 MB body takes ~0.2 s to parse: off the loop, in
         return await off_loop(parse_json_body, raw, large=True), True  # the large-body lane
     return parse_json_body(raw), False
+
+
+def body_too_large(limit: int, declared: int | None = None) -> APIError:
+    """The 413 of a body over ``limit`` bytes: declared so (``Content-Length``), or a chunked
+    one that passed it while arriving. Its connection is then closed (:func:`closing`)."""
+    size = f"declares {declared} bytes" if declared is not None else f"passed {limit} bytes"
+    return APIError(
+        f"the request body is too large: it {size}, and this server takes at most {limit} bytes "
+        f"(what the largest request this model can serve needs: a prompt of max_model_len "
+        f"tokens and every field at its cap); send a shorter prompt, or fewer prompts per request",
+        status=413,
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+def closing(response: web.Response) -> web.Response:
+    """``response``, after which its connection is closed. What the client still sends of its
+    body is discarded unparsed for up to aiohttp's ``lingering_time`` (10 s) first: closing at
+    once, with those bytes unread, resets the connection, and a client still sending (httpx
+    sends the whole body before it reads) then gets a connection error instead of the answer."""
+    response.force_close()
+    return response
+
+
+def _over_limit(request: BaseRequest) -> web.Response | None:
+    """The 413 (its connection then closed) when the request's ``Content-Length`` is over the
+    app's ``BODY_LIMIT``; else None."""
+    limit = request.app[BODY_LIMIT]
+    declared = request.content_length
+    if declared is None or declared <= limit:
+        return None
+    error = body_too_large(limit, declared)
+    return closing(json_response(error.body(), status=error.status, headers=error.headers))
+
+
+@web.middleware
+async def _body_limit_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Refuses a body declared larger than ``BODY_LIMIT`` from its headers, before any
+    handler reads it (what arrives meanwhile is discarded unparsed: :func:`closing`) (#38: eight 15.7 MB prompts were received and parsed whole to be
+    refused with a 400, slowing a small request beside them 4-11x)."""
+    return _over_limit(request) or await handler(request)
+
+
+async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue``: the 413 instead of ``100 Continue`` for a body declared
+    over the limit (such a client then never sends it), else aiohttp's default."""
+    response = _over_limit(request)
+    if response is not None:
+        return response
+    return await _default_expect_handler(request)
 
 
 def shutdown_cut_error(window_s: float) -> APIError:
@@ -396,7 +454,10 @@ async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamRe
     try:
         return await handler(request)
     except APIError as exc:
-        return json_response(exc.body(), status=exc.status, headers=exc.headers)
+        response = json_response(exc.body(), status=exc.status, headers=exc.headers)
+        if exc.headers.get("Connection") == "close":  # a 408 / 413 / 503 shutting_down
+            return closing(response)
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -520,16 +581,19 @@ def build_app(
     """
     if root_path and (not root_path.startswith("/") or root_path.endswith("/")):
         raise ValueError(f"root_path must start with '/' and not end with it, got {root_path!r}")
-    middlewares = [_errors_middleware]
+    middlewares = [_errors_middleware, _body_limit_middleware]
     if cors is not None and cors.enabled:
         middlewares.append(cors_middleware(cors))  # before auth: preflights carry no key
     keys = api_keys(api_key)
     if keys:
         middlewares.append(_auth_middleware(keys, root_path))
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    serving = serving or OpenAIServing(llm, info)
+    limit = request_body_limit(serving.info, MAX_BODY_BYTES)
+    app = web.Application(middlewares=middlewares, client_max_size=limit)
     if cors is not None and cors.enabled:
         install_cors(app, cors)
-    app[SERVING] = serving or OpenAIServing(llm, info)
+    app[SERVING] = serving
+    app[BODY_LIMIT] = limit
     app[API_KEY] = keys or None
     app[INTERNAL_ERRORS] = []
     app[TIMEOUTS_KEY] = Timeouts(header_timeout_s, body_timeout_s)
@@ -537,9 +601,17 @@ def build_app(
     app[DRAIN] = Drain()
     app[ROOT_PATH] = root_path
     router = app.router
-    router.add_post("/v1/completions", _generation_handler("/v1/completions"))
-    router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
-    router.add_post("/v1/responses", _generation_handler("/v1/responses"))
+    router.add_post(
+        "/v1/completions", _generation_handler("/v1/completions"), expect_handler=_expect_handler
+    )
+    router.add_post(
+        "/v1/chat/completions",
+        _generation_handler("/v1/chat/completions"),
+        expect_handler=_expect_handler,
+    )
+    router.add_post(
+        "/v1/responses", _generation_handler("/v1/responses"), expect_handler=_expect_handler
+    )
     router.add_get("/v1/responses/{response_id}", _stored_response)
     router.add_delete("/v1/responses/{response_id}", _delete_response)
     router.add_get("/v1/models", _models)
@@ -550,16 +622,18 @@ def build_app(
     router.add_get("/metrics", _metrics)
     router.add_get("/version", _version)
     router.add_get("/openapi.json", _openapi)
-    router.add_post("/tokenize", _tokenize)
-    router.add_post("/detokenize", _detokenize)
-    router.add_post("/sleep", _sleep)
-    router.add_post("/wake_up", _wake_up)
+    router.add_post("/tokenize", _tokenize, expect_handler=_expect_handler)
+    router.add_post("/detokenize", _detokenize, expect_handler=_expect_handler)
+    router.add_post("/sleep", _sleep, expect_handler=_expect_handler)
+    router.add_post("/wake_up", _wake_up, expect_handler=_expect_handler)
     router.add_get("/is_sleeping", _is_sleeping)
     if root_path:
         for route in list(router.routes()):
             if route.method != "HEAD":  # add_get added these; the copies get their own
                 path = route.resource.canonical
-                router.add_route(route.method, root_path + path, route.handler)
+                router.add_route(
+                    route.method, root_path + path, route.handler, expect_handler=_expect_handler
+                )
     return app
 
 
