@@ -118,9 +118,22 @@ def startup_report(llm: AsyncLLM, startup_s: float, args: argparse.Namespace | N
             f"(sequence buckets {list(runner.seq_buckets)})"
         )
     blocks, size = cfg.cache.num_gpu_blocks, cfg.cache.block_size
+    weight_bytes = getattr(cfg.cache, "weight_bytes", 0)
+    if weight_bytes:
+        lines.append(
+            f"weights: {weight_bytes} bytes ({weight_bytes / 2**30:.3f} GiB), quantization "
+            f"{getattr(cfg.model, 'quantization', 'auto')}"
+        )
+    kv_spec = getattr(runner, "kv_spec", None)
+    kv = (
+        f", {kv_spec.bytes_per_token} bytes/token, {kv_spec.total_bytes / 2**30:.3f} GiB, "
+        f"dtype {kv_spec.dtype}"
+        if kv_spec is not None
+        else ""
+    )
     lines.append(
         f"KV pool: {blocks} blocks x {size} tokens ({max(blocks - 1, 0) * size} usable tokens; "
-        f"block 0 is the null block)"
+        f"block 0 is the null block){kv}"
     )
     num_host = getattr(cfg.cache, "num_host_blocks", 0)
     if num_host:
