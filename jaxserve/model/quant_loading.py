@@ -286,6 +286,19 @@ def read_kv_scales(
     return out
 
 
+def estimate_weight_bytes(
+    cfg: ModelArchConfig,
+    dtype,
+    quantization: Quantization,
+    reader: CheckpointReader | None = None,
+) -> int:
+    """Device bytes the weights of ``cfg`` will take under ``quantization``, from the config
+    alone (shapes only, nothing allocated; a GGUF file's per-tensor types need its ``reader``).
+    What a planner sizes memory with before loading anything."""
+    wide = abstract_model(cfg, dtype, {})
+    return weight_bytes(abstract_model(cfg, dtype, plan(wide, cfg, reader, quantization)))
+
+
 def weight_bytes(model: nnx.Module) -> int:
     """Device bytes of ``model``'s parameters (abstract or real), every shard counted once."""
     return sum(

@@ -208,10 +208,10 @@ def _mixed_blocks_gguf(tiny, path):
 def test_blocks_kept_quantized_give_the_dequantised_logits(tiny, tmp_path):
     """Q8_0, Q4_0, Q4_1, Q4_K and Q6_K stay blocks on the device; the step widens them and
     the logits equal the dequantise-on-load path's within 1e-3."""
+    from model_testing import dense_logits
+
     from jaxserve.model.layers.quant import BlockQuant
     from jaxserve.model.quant_loading import weight_bytes
-
-    from model_testing import dense_logits
 
     path = tmp_path / "tiny-blocks.gguf"
     chosen = _mixed_blocks_gguf(tiny, path)

@@ -59,9 +59,9 @@ def quantize_to(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """``x / scale`` in ``dtype`` (int8: rounded to nearest; fp8: saturated to its largest
     finite value, as float8_e4m3fn has no infinity and an overflowing cast gives NaN)."""
     y = x.astype(jnp.float32) / scale
-    qmax = _qmax(dtype)
     if jnp.dtype(dtype) == jnp.int8:
-        y = jnp.round(y)
+        return jnp.clip(jnp.round(y), -128, 127).astype(dtype)
+    qmax = _qmax(dtype)
     return jnp.clip(y, -qmax, qmax).astype(dtype)
 
 
@@ -108,7 +108,9 @@ class ChannelQuant:
         in_axes = tuple(range(x.ndim - num_in, x.ndim))
         if acts == "dynamic":  # one scale per token: max |x| over its inputs
             amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=in_axes, keepdims=True)
-            x_scale = jnp.maximum(amax, 1e-12) / _qmax(w.dtype)
+            # compressed-tensors' symmetric range: half the int8 span (127.5), fp8's max
+            half = 127.5 if w.dtype == jnp.int8 else _qmax(w.dtype)
+            x_scale = jnp.maximum(amax, 1e-12) / half
         else:
             x_scale = params["input_scale"].astype(jnp.float32)
         xq = quantize_to(x, x_scale, w.dtype)
