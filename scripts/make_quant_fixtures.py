@@ -91,7 +91,9 @@ def set_scales(model: torch.nn.Module, name: str) -> None:
             if isinstance(mod, torch.nn.Linear):
 
                 def grab(m, args, out, key=mod_name):
-                    static_inputs[key] = max(static_inputs.get(key, 0.0), args[0].abs().max().item())
+                    static_inputs[key] = max(
+                        static_inputs.get(key, 0.0), args[0].abs().max().item()
+                    )
                     static_inputs[key + ".out"] = max(
                         static_inputs.get(key + ".out", 0.0), out.abs().max().item()
                     )

@@ -40,12 +40,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import string
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.quant_config import WeightScheme
+if TYPE_CHECKING:  # quant_config imports arch_config, which reaches the families by name
+    from jaxserve.model.quant_config import WeightScheme
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
