@@ -8,7 +8,8 @@
 # The whole script is ~15 minutes, more than one 10-minute device call: run it as two calls,
 #   PART=1 OUT=... bash scripts/gpu_check.sh   # kernel tests + attention bench + 8B offline (~9 min)
 #   PART=2 OUT=... bash scripts/gpu_check.sh   # offloading, async on/off, host cost, structured (~9 min)
-# (PART=2 uses BACKEND, default pallas, since part 1's test log is not there.)
+#   PART=3 OUT=... bash scripts/gpu_check.sh   # #31: fp8 weights + fp8 KV beside bf16 (~8 min)
+# (PART=2 and 3 use BACKEND, default pallas, since part 1's test log is not there.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -32,6 +33,34 @@ timeout -k 10 "${OFFLINE_BUDGET:-200}" "$PY" benchmarks/bench_offline.py --model
 echo "offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/offline_8b.log"
 fi
 [ "$PART" = 1 ] && exit 0
+
+if [ "$PART" = 3 ]; then
+# issue #31, not yet run on a GPU: Llama-3.1-8B shapes with fp8 weights (float8_e4m3fn per
+# channel, per-token fp8 activations: the dot_general takes both operands in fp8, which XLA
+# should lower to the H200's FP8 tensor cores) and an fp8 KV cache, beside bf16, alternating
+# (bf16, fp8, bf16, fp8) in one run so the ratio is a like-for-like comparison. The start-up
+# lines give the weight bytes and the KV blocks each variant got from the same memory.
+for round in 1 2; do
+  for variant in bf16 fp8; do
+    if [ "$variant" = fp8 ]; then q=(--quantization fp8 --kv-cache-dtype fp8); else q=(); fi
+    echo "== #31 round $round, $variant: offline throughput, 8B shapes (budget ${QUANT_BUDGET:-110}s)"
+    timeout -k 10 "${QUANT_BUDGET:-110}" "$PY" benchmarks/bench_offline.py --model llama-3.1-8b \
+        --load-format dummy --dtype bfloat16 "${q[@]}" --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 --token-buckets 256,8192 --temperature 1.0 \
+        --compilation-cache-dir /tmp/jaxserve-xla --attention-backend "$backend" \
+        --num-prompts 512 --input-len 1000 --output-len 500 --time-limit-s 40 \
+        2>&1 | grep -E "weights:|KV cache|output tok/s|steady decode" | tee -a "$OUT/quant_$variant.log"
+    echo "$variant offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/quant_$variant.log"
+    echo "== #31 round $round, $variant: batch-8 decode step (budget ${QUANT_STEP_BUDGET:-60}s)"
+    timeout -k 10 "${QUANT_STEP_BUDGET:-60}" "$PY" benchmarks/bench_offline.py --model llama-3.1-8b \
+        --load-format dummy --dtype bfloat16 "${q[@]}" --max-num-seqs 8 \
+        --max-num-batched-tokens 256 --token-buckets 8,256 --temperature 1.0 \
+        --compilation-cache-dir /tmp/jaxserve-xla --attention-backend "$backend" \
+        --num-prompts 8 --input-len 32 --output-len 128 2>&1 | tail -3 | tee -a "$OUT/quant_$variant.log"
+  done
+done
+exit 0
+fi
 
 echo "== KV offloading: multi-turn hit rate / TTFT off vs on, and host <-> device GB/s (budget ${OFFLOAD_BUDGET:-150}s)"
 # Two 8B engines (async scheduling, the default loop; 'both' would build four); the copies go
