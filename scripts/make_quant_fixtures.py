@@ -36,6 +36,7 @@ from compressed_tensors.quantization import (
     apply_quantization_config,
     preset_name_to_scheme,
 )
+from make_golden import randomize  # the golden fixtures' weights: N(0, 1/fan_in), bf16-rounded
 
 CONFIG = dict(
     vocab_size=256,
@@ -65,20 +66,6 @@ def scheme_of(name: str) -> QuantizationScheme:
     if name == "W8A16":  # the preset's groups of 128 are wider than this model's rows
         scheme.weights.group_size = 32
     return scheme
-
-
-@torch.no_grad()
-def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """As scripts/make_golden.py: weights ~ N(0, 1/fan_in), embeddings N(0, 1), norms near 1;
-    rounded to bfloat16."""
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-        elif "embed_tokens" in name:
-            p.copy_(torch.randn(p.shape, generator=gen))
-        else:
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-        p.copy_(p.to(torch.bfloat16).to(torch.float32))
 
 
 @torch.no_grad()
