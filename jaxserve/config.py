@@ -426,8 +426,9 @@ class EngineArgs:
         metadata=_meta(
             "weight quantization: auto (the checkpoint's: compressed-tensors config, GGUF "
             "blocks kept quantized, else none), none (GGUF dequantized on load), int8 "
-            "(weight-only, per-channel), fp8 (e4m3 weights per-channel, dynamic per-token "
-            "activations), compressed-tensors, gguf",
+            "(weight-only, per-channel), fp8 (e4m3 weights per-channel, embedding and LM head "
+            "wide; per-token fp8 activations on GPUs with FP8 matmuls, weight-only elsewhere), "
+            "compressed-tensors, gguf",
             choices=list(QUANTIZATION_CHOICES),
         ),
     )

@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxserve.model import quant_loading
 from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError, read_hf_config
+from jaxserve.model.layers.quant import fp8_matmul_supported
 from jaxserve.model.presets import PRESET_HF_CONFIGS
 from jaxserve.model.quant_config import (
     NO_QUANTIZATION,
@@ -232,19 +233,19 @@ def load_model(
                 f"model directory not found: {model_path} (dummy presets: {', '.join(PRESET_HF_CONFIGS)})"
             )
         cfg = ModelArchConfig.from_hf_config(hf)
-        quant = resolve_quantization(quantization, {}, False)
+        quant = resolve_quantization(quantization, {}, False, fp8_matmul_supported())
         model = dummy_model(cfg, resolve_dtype(dtype, cfg), seed)
         return quantize_dummy(model, quant, kv_scales), cfg, {}
     if load_format == "gguf" or (load_format == "auto" and is_gguf_path(model_path)):
         path = os.fspath(model_path)
-        quant = resolve_quantization(quantization, {}, True)
+        quant = resolve_quantization(quantization, {}, True, fp8_matmul_supported())
         with GGUFFileReader(path) as reader:
             cfg = ModelArchConfig.from_hf_config(gguf_hf_config(reader.gguf, path))
             model = load_weights(cfg, resolve_dtype(dtype, cfg), reader, quant, kv_scales)
             return model, cfg, gguf_generation_config(reader.gguf)
     model_dir = os.fspath(model_path)
     hf = read_hf_config(model_dir)
-    quant = resolve_quantization(quantization, hf, False)
+    quant = resolve_quantization(quantization, hf, False, fp8_matmul_supported())
     cfg = ModelArchConfig.from_hf_config(hf)
     jdtype = resolve_dtype(dtype, cfg)
     if load_format == "auto":

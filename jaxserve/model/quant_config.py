@@ -4,10 +4,22 @@
 Weight schemes (``resolve_quantization``):
 
     none                 wide weights (the checkpoint's, GGUF blocks dequantised on load)
-    int8                 quantise on load: int8 weights, one scale per output channel, weight-only
-    fp8                  quantise on load: float8_e4m3fn weights, one scale per output channel,
-                         activations quantised per token (FP8 W8A8 dynamic: the H100/H200's FP8
-                         tensor cores take both operands narrow)
+    int8                 quantise on load: int8 weights, one scale per output channel, weight-only;
+                         the embedding and LM head too (int8 rows, one scale per row)
+    fp8                  quantise on load, as vLLM's ``--quantization fp8`` does: float8_e4m3fn
+                         weights, one scale per output channel, in every projection; the
+                         embedding and LM head stay wide (vLLM's Fp8Config quantizes
+                         ``LinearBase`` layers only, so its ``VocabParallelEmbedding`` /
+                         ``ParallelLMHead`` keep the model dtype). Activations as vLLM chooses by
+                         device: where the device has FP8 matmuls (a CUDA GPU of compute
+                         capability 8.9 or more: Ada, H100/H200) quantised per token (FP8 W8A8
+                         dynamic, both operands fp8 into the tensor cores); elsewhere (CPU, TPU,
+                         older GPUs) weight-only, FP8 W8A16 (vLLM's Marlin path there: "activations
+                         not quantized for marlin"), the weight widened inside the matmul.
+                         ``resolve_quantization``'s ``fp8_matmul`` picks; ``jaxserve.model.layers
+                         .quant.fp8_matmul_supported`` tells. On SmolLM2-135M the fp8 LM head alone
+                         cost +2.0% perplexity and per-token fp8 activations +0.8% on top of
+                         W8A16 (benchmarks/RESULTS.md)
     compressed-tensors   llm-compressor's checkpoints (config.json ``quantization_config``):
                          FP8 W8A8 (dynamic per token, static per tensor), FP8 W8A16, INT8 W8A8
                          (dynamic per token), INT8 W8A16 (per channel or per group, packed)
@@ -69,7 +81,11 @@ class WeightScheme:
 
 
 INT8_ON_LOAD = WeightScheme("int8")
-FP8_ON_LOAD = WeightScheme("float8_e4m3fn", activations="dynamic")
+FP8_ON_LOAD = WeightScheme("float8_e4m3fn")
+"""``--quantization fp8`` where the device has no FP8 matmul (CPU, TPU, GPUs before sm_89):
+weight-only, FP8 W8A16."""
+FP8_W8A8_ON_LOAD = WeightScheme("float8_e4m3fn", activations="dynamic")
+"""``--quantization fp8`` on a device with FP8 matmuls: FP8 W8A8, per-token activations."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +126,15 @@ class Quantization:
 
     Attributes:
       method: "none", "int8", "fp8", "compressed-tensors" or "gguf".
-      on_load: the scheme every projection and embedding is quantised to on load ("int8",
-        "fp8"), else None.
+      on_load: the scheme every projection is quantised to on load ("int8", "fp8"), else None.
+      on_load_embeddings: the embedding and LM head are quantised on load too (weight-only,
+        one scale per row): int8 yes, fp8 no (wide, as vLLM keeps them).
       compressed_tensors: the checkpoint's config ("compressed-tensors"), else None.
     """
 
     method: str = "none"
     on_load: WeightScheme | None = None
+    on_load_embeddings: bool = False
     compressed_tensors: CompressedTensorsConfig | None = None
 
 
@@ -210,13 +228,17 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> CompressedTensorsConfig:
     return CompressedTensorsConfig(tuple(groups), tuple(qc.get("ignore") or ()), bool(kv))
 
 
-def resolve_quantization(flag: str, hf_config: dict[str, Any], is_gguf: bool) -> Quantization:
+def resolve_quantization(
+    flag: str, hf_config: dict[str, Any], is_gguf: bool, fp8_matmul: bool = False
+) -> Quantization:
     """The weight quantization to load with (see the module docstring).
 
     Args:
       flag: ``--quantization``, one of ``QUANTIZATION_CHOICES``.
       hf_config: the checkpoint's config.json dict (``quantization_config``); {} for GGUF.
       is_gguf: the checkpoint is a .gguf file.
+      fp8_matmul: the device multiplies fp8 by fp8 natively (``fp8`` then quantises
+        activations per token, W8A8; else weight-only, W8A16).
 
     Raises:
       ModelLoadError: an unknown flag, an unsupported checkpoint scheme (named), or a flag that
@@ -249,8 +271,10 @@ def resolve_quantization(flag: str, hf_config: dict[str, Any], is_gguf: bool) ->
         return Quantization(flag, compressed_tensors=parse_compressed_tensors(qc))
     if flag == "gguf" and not is_gguf:
         raise ModelLoadError("quantization 'gguf' needs a .gguf file")
-    if flag in ("int8", "fp8"):
-        return Quantization(flag, on_load=INT8_ON_LOAD if flag == "int8" else FP8_ON_LOAD)
+    if flag == "int8":
+        return Quantization(flag, on_load=INT8_ON_LOAD, on_load_embeddings=True)
+    if flag == "fp8":
+        return Quantization(flag, on_load=FP8_W8A8_ON_LOAD if fp8_matmul else FP8_ON_LOAD)
     return Quantization(flag)
 
 

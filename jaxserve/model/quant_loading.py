@@ -5,9 +5,9 @@ Families stay unaware of quantization. For every ``Linear`` and ``Embedding`` of
 family already names its weight's tensor (``weight_source(<path>.weight)``); the method's other
 tensors sit beside it under compressed-tensors' names (``<module>.weight_scale``,
 ``.input_scale``, ``.weight_packed``), and GGUF blocks are the weight tensor's own bytes.
-``plan`` picks each layer's method (``quant_config.Quantization``: on-load int8 / fp8 for every
-projection and embedding, the checkpoint's compressed-tensors groups, or each GGUF tensor's
-type); ``abstract_model`` builds the model with those layers' parameters swapped (shapes only);
+``plan`` picks each layer's method (``quant_config.Quantization``: on-load int8 for every
+projection and embedding, on-load fp8 for every projection (embedding and LM head wide), the
+checkpoint's compressed-tensors groups, or each GGUF tensor's type); ``abstract_model`` builds the model with those layers' parameters swapped (shapes only);
 ``read_layer`` reads one layer's parameters. ``jaxserve.model.loader.load_weights`` drives them.
 
 FP8 KV cache scales (``add_kv_scales``): each attention layer gets float32 ``k_scale`` /
@@ -84,6 +84,7 @@ def plan(
         return {
             path: ChannelQuant(quant.on_load) if isinstance(layer, Linear) else emb
             for path, layer in layers.items()
+            if isinstance(layer, Linear) or quant.on_load_embeddings
         }
     methods: dict[tuple, QuantMethod] = {}
     if reader is None or quant.method not in ("compressed-tensors", "gguf"):

@@ -12,7 +12,9 @@ beside its parameters:
   weight-only: ``(x · W) * s_w``; with activation quantization (W8A8) ``x`` is quantised too,
   per token (dynamic) or with the checkpoint's ``input_scale`` (static), and both operands are
   narrow: ``(q(x) · W) * s_x * s_w`` (int8 x int8 -> int32, fp8 x fp8 -> float32: what the
-  H100/H200's FP8 tensor cores run).
+  H100/H200's FP8 tensor cores run). ``--quantization fp8`` picks its activation scheme by
+  device as vLLM does (``fp8_matmul_supported``): W8A8 dynamic where fp8 matmuls exist, else
+  weight-only (W8A16); its embedding and LM head stay wide (``jaxserve.model.quant_config``).
 * ``BlockQuant``: GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) and compressed-tensors' grouped
   INT8 W8A16, in the checkpoint's ``[O, I]`` orientation (blocks run along the input), as
   int8 / packed 4-bit bytes plus their block scales (``jaxserve.model.readers.gguf_blocks``
@@ -51,6 +53,23 @@ if TYPE_CHECKING:  # quant_config imports arch_config, which reaches the familie
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
+
+
+def fp8_matmul_supported(device=None) -> bool:
+    """Whether ``device`` (default: the first JAX device) multiplies fp8 by fp8 natively, the
+    test vLLM makes to choose FP8 W8A8 over weight-only FP8 (``has_device_capability(89)``): a
+    CUDA GPU of compute capability 8.9 or more (Ada, Hopper: H100/H200, Blackwell). CPU, TPU and
+    older GPUs get False: there ``--quantization fp8`` is FP8 W8A16, the weight widened in the
+    matmul (quantising activations to fp8 there buys no speed and costs accuracy)."""
+    device = jax.devices()[0] if device is None else device
+    if device.platform not in ("gpu", "cuda"):
+        return False
+    cap = getattr(device, "compute_capability", None)
+    try:
+        major, minor = (int(v) for v in str(cap).split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (8, 9)
 
 
 def _qmax(dtype) -> float:
