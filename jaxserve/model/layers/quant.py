@@ -76,10 +76,25 @@ def _qmax(dtype) -> float:
     return INT8_MAX if jnp.dtype(dtype) == jnp.int8 else float(jnp.finfo(dtype).max)
 
 
-def quantize_to(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+def divide_once(a: jax.Array, b) -> jax.Array:
+    """``a / b`` rounded once, as torch (and numpy) divide. XLA rewrites a division by a
+    broadcast divisor (a per-token scale, a constant) into a product with the divisor's
+    reciprocal, two roundings; with compressed-tensors' symmetric int8 range (+-127.5) every
+    token's largest |x| lands exactly on a rounding tie, so that 1-ulp difference turned some
+    tokens' -128 into -127 and left the INT8 W8A8 fixture 0.072 logits from compressed-tensors'
+    reference (1.2e-6 with one rounding). Adding ``0 * a`` makes the divisor full-shape, which
+    XLA does not rewrite; it fuses into the same elementwise loop. (Exact on CPU and GPU; a TPU
+    divides approximately anyway.)"""
+    return a / (b + 0.0 * a)
+
+
+def quantize_to(x: jax.Array, scale: jax.Array, dtype, exact: bool = False) -> jax.Array:
     """``x / scale`` in ``dtype`` (int8: rounded to nearest; fp8: saturated to its largest
-    finite value, as float8_e4m3fn has no infinity and an overflowing cast gives NaN)."""
-    y = x.astype(jnp.float32) / scale
+    finite value, as float8_e4m3fn has no infinity and an overflowing cast gives NaN);
+    ``exact``: the division rounded once (``divide_once``; activations, to match
+    compressed-tensors' quantization at rounding ties)."""
+    x = x.astype(jnp.float32)
+    y = divide_once(x, scale) if exact else x / scale
     if jnp.dtype(dtype) == jnp.int8:
         return jnp.clip(jnp.round(y), -128, 127).astype(dtype)
     qmax = _qmax(dtype)
@@ -131,10 +146,10 @@ class ChannelQuant:
             amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=in_axes, keepdims=True)
             # compressed-tensors' symmetric range: half the int8 span (127.5), fp8's max
             half = 127.5 if w.dtype == jnp.int8 else _qmax(w.dtype)
-            x_scale = jnp.maximum(amax, 1e-12) / half
+            x_scale = divide_once(jnp.maximum(amax, 1e-12), half)
         else:
             x_scale = params["input_scale"].astype(jnp.float32)
-        xq = quantize_to(x, x_scale, w.dtype)
+        xq = quantize_to(x, x_scale, w.dtype, exact=True)
         acc = jnp.int32 if w.dtype == jnp.int8 else jnp.float32
         y = jnp.einsum(eq, xq, w, preferred_element_type=acc).astype(jnp.float32)
         if acts == "dynamic":
