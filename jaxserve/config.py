@@ -18,6 +18,7 @@ from jaxserve.model.attention_backends import (
     ATTENTION_BACKEND_CHOICES,
     canonical_attention_backend,
 )
+from jaxserve.model.quant_config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -58,10 +59,13 @@ class ModelConfig:
       tokenizer: a tokenizer directory or file to use instead of the model's; "" = the model's.
       enable_sleep_mode: the engine may be put to sleep (``POST /sleep``: weights to host
         memory or dropped, KV cache freed) and woken up.
+      quantization: weight quantization (``jaxserve.model.quant_config``): "auto" (the
+        checkpoint's: compressed-tensors, GGUF blocks kept quantized, else none), "none",
+        "int8", "fp8" (quantize on load), "compressed-tensors" or "gguf".
 
     Raises:
-      ValueError: an unknown dtype, load_format or tool_call_parser, or a negative
-        max_model_len (naming it).
+      ValueError: an unknown dtype, load_format, tool_call_parser or quantization, or a
+        negative max_model_len (naming it).
     """
 
     model: str
@@ -75,8 +79,14 @@ class ModelConfig:
     served_model_aliases: tuple[str, ...] = ()
     tokenizer: str = ""
     enable_sleep_mode: bool = False
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                f"got {self.quantization!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "orbax", "gguf", "dummy"):
@@ -109,6 +119,11 @@ class CacheConfig:
       kv_offloading_size: GiB of host memory for the host KV tier (KV offloading); 0 = off.
       kv_offloading_backend: how the host tier is kept: "native" (our own host block pool).
       num_host_blocks: resolved host-tier size in blocks (set by the runner); 0 = off.
+      cache_dtype: ``--kv-cache-dtype``: "auto" (the model dtype), "fp8" / "fp8_e4m3"
+        (float8_e4m3fn) or "fp8_e5m2": an FP8 cache holds about twice the blocks of bfloat16
+        in the same memory (vLLM's field name, so ``cache_config_info`` carries it as vLLM's).
+      weight_bytes: resolved device bytes of the model's weights (set by the engine after
+        loading; 0 = unknown yet), beside ``num_gpu_blocks`` in ``cache_config_info``.
       offload_load_s_per_call, offload_load_s_per_block, offload_recompute_s_per_token: the
         resume cost model, seconds, measured by the runner's start-up probe after warm-up
         (``ModelRunner.measure_offload_costs``): a resumed preempted request loads its host
@@ -127,7 +142,8 @@ class CacheConfig:
     Raises:
       ValueError: block_size not in (8, 16, 32, 64, 128), gpu_memory_utilization outside
         (0, 1], num_gpu_blocks_override < 2, watermark outside [0, 1), kv_offloading_size < 0,
-        an unknown kv_offloading_backend or a kv_cache_groups window < 1 (naming the field).
+        an unknown kv_offloading_backend or cache_dtype (naming the field; cache_dtype as the
+        flag, kv_cache_dtype), or a kv_cache_groups window < 1 (naming the field).
     """
 
     block_size: int = 16
@@ -139,6 +155,8 @@ class CacheConfig:
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
     num_host_blocks: int = 0
+    cache_dtype: str = "auto"
+    weight_bytes: int = 0
     offload_load_s_per_call: float = 0.0
     offload_load_s_per_block: float = 0.0
     offload_recompute_s_per_token: float = 0.0
@@ -160,6 +178,11 @@ class CacheConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if not self.kv_offloading_size >= 0.0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
+        if self.cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                f"got {self.cache_dtype!r}"
+            )
         if self.kv_offloading_backend != "native":
             raise ValueError(
                 f"kv_offloading_backend must be 'native', got {self.kv_offloading_backend!r}"
@@ -757,7 +780,26 @@ class EngineArgs:
             "or dropped (level 2), KV cache freed"
         ),
     )
+    quantization: str = dataclasses.field(
+        default="auto",
+        metadata=_meta(
+            "weight quantization: auto (the checkpoint's: compressed-tensors config, GGUF "
+            "blocks kept quantized, else none), none (GGUF dequantized on load), int8 "
+            "(weight-only, per-channel), fp8 (e4m3 weights per-channel, embedding and LM head "
+            "wide; per-token fp8 activations on GPUs with FP8 matmuls, weight-only elsewhere), "
+            "compressed-tensors, gguf",
+            choices=list(QUANTIZATION_CHOICES),
+        ),
+    )
     block_size: int = dataclasses.field(default=16, metadata=_meta("tokens per KV block"))
+    kv_cache_dtype: str = dataclasses.field(
+        default="auto",
+        metadata=_meta(
+            "KV cache element type: auto (the model dtype), fp8 / fp8_e4m3, fp8_e5m2 "
+            "(per-tensor k/v scales: the checkpoint's k_scale/v_scale, else 1.0)",
+            choices=list(KV_CACHE_DTYPE_CHOICES),
+        ),
+    )
     gpu_memory_utilization: float = dataclasses.field(
         default=0.9,
         metadata=_meta("fraction of device memory for weights, activations and the KV cache"),
@@ -989,7 +1031,9 @@ class EngineArgs:
         from jaxserve.model.preflight import check_model_path  # local: jax-free, but not tiny
 
         path = self.resolved_model_path()
-        max_len = check_model_path(path, self.load_format, need_tokenizer and not self.tokenizer)
+        max_len = check_model_path(
+            path, self.load_format, need_tokenizer and not self.tokenizer, self.quantization
+        )
         config = self.create_engine_config(max_len)
         if self.tokenizer and not _has_tokenizer_files(self.tokenizer):
             raise ValueError(
@@ -1077,6 +1121,7 @@ class EngineArgs:
                 served_model_aliases=tuple(names[1:]),
                 tokenizer=self.tokenizer or "",
                 enable_sleep_mode=self.enable_sleep_mode,
+                quantization=self.quantization,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -1086,6 +1131,7 @@ class EngineArgs:
                 kv_offloading_size=self.kv_offloading_size,
                 kv_offloading_backend=self.kv_offloading_backend,
                 disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,

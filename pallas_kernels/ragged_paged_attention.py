@@ -11,7 +11,7 @@ are ignored.
 Layout (docs/ARCHITECTURE.md):
 
     q               [T, Hq, D]                    model dtype
-    k_cache/v_cache [N, block_size, Hkv, D]       model dtype
+    k_cache/v_cache [N, block_size, Hkv, D]       model dtype, or FP8 (widened per KV tile)
     block_tables    [S, P] int32                  padded with block 0 (null)
     context_lens    [S] int32    tokens in the cache after this step's writes
     query_start_loc [S + 1] int32  cumulative query lengths
@@ -61,6 +61,9 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _M_INIT = float(np.finfo(np.float32).min)
 _LOG2E = math.log2(math.e)
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# FP8 caches (``--kv-cache-dtype fp8``): the kernels widen each KV tile to q's dtype as they read
+# it; the per-tensor scales are applied by the caller (``jaxserve.model.attention``).
+FP8_CACHE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,8 +259,9 @@ def _attention_kernel(
         pages = jnp.sum(jnp.where(pick, chunk[:, None], 0), axis=0)  # [step_pages]
         in_page = lax.rem(kv0, block_size) + jnp.arange(step_tokens_per_page, dtype=jnp.int32)
         slots = (pages[:, None] * block_size + in_page[None, :]).reshape(block_k)
-        k = k_ref[slots]  # [block_k, D]
-        v = v_ref[slots]  # [block_k, D]
+        # [block_k, D], widened to q's dtype here when the cache is FP8
+        k = k_ref[slots].astype(q.dtype)
+        v = v_ref[slots].astype(q.dtype)
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * q_scale
         if soft_cap is not None:
             s = jnp.tanh(s) * (soft_cap * _LOG2E)
@@ -491,9 +495,12 @@ def _check_inputs(
         )
     if not any(q.dtype == d for d in _SUPPORTED_DTYPES):
         raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if v_cache.dtype != k_cache.dtype or not (
+        k_cache.dtype == q.dtype or any(k_cache.dtype == d for d in FP8_CACHE_DTYPES)
+    ):
         raise ValueError(
-            f"k_cache/v_cache dtype ({k_cache.dtype}/{v_cache.dtype}) must equal q dtype ({q.dtype})"
+            f"k_cache/v_cache dtype ({k_cache.dtype}/{v_cache.dtype}) must equal q dtype "
+            f"({q.dtype}), or both be float8_e4m3fn or float8_e5m2 (an FP8 cache)"
         )
     if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
         raise ValueError(
@@ -685,8 +692,9 @@ def ragged_paged_attention_reference(
     token_pos = context_lens[seq] - query_start_loc[seq + 1] + tokens  # [T]
 
     pages = block_tables[seq]  # [T, P]
-    k = k_cache[pages].reshape(num_tokens, num_keys, num_kv_heads, head_dim)
-    v = v_cache[pages].reshape(num_tokens, num_keys, num_kv_heads, head_dim)
+    # an FP8 cache is widened to q's dtype as it is gathered
+    k = k_cache[pages].reshape(num_tokens, num_keys, num_kv_heads, head_dim).astype(q.dtype)
+    v = v_cache[pages].reshape(num_tokens, num_keys, num_kv_heads, head_dim).astype(q.dtype)
     q_grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     hi = lax.Precision.HIGHEST
     logits = (

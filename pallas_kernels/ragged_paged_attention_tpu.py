@@ -224,8 +224,9 @@ def _kernel(
             if sliding_window is not None:
                 mask &= key_pos > row_pos - sliding_window
             for h in range(num_kv_heads):
-                k = k_buf[slot, :, :, h, :].reshape(step_tokens, head_dim)
-                v = v_buf[slot, :, :, h, :].reshape(step_tokens, head_dim)
+                # widened to q's dtype here when the cache is FP8
+                k = k_buf[slot, :, :, h, :].reshape(step_tokens, head_dim).astype(q_ref.dtype)
+                v = v_buf[slot, :, :, h, :].reshape(step_tokens, head_dim).astype(q_ref.dtype)
                 q = q_ref[:, h * group : (h + 1) * group, :].reshape(rows, head_dim)
                 s = lax.dot_general(
                     q,

@@ -9,9 +9,10 @@
 #   PART=1 OUT=... bash scripts/gpu_check.sh   # kernel tests + attention bench + 8B offline (~9 min)
 #   PART=2 OUT=... bash scripts/gpu_check.sh   # offloading, async on/off, host cost, structured (~9 min)
 #   PART=3 OUT=... bash scripts/gpu_check.sh   # features: sleep mode (#35), hybrid KV cache (#29),
-#                                              # speculative decoding at 8B / 1B shapes (#32) (~14 min)
-# (PART=3 is now longer than one 10-minute call: lower its budgets (SLEEP_BUDGET,
-# HYBRID_TEST_BUDGET, HYBRID_BENCH_BUDGET, SPEC_BUDGET) to fit, or run it where calls are longer.)
+#                                              # speculative decoding at 8B / 1B shapes (#32),
+#                                              # fp8 weights + fp8 KV beside bf16 (#31) (~20 min)
+# PART=3 is more than one 10-minute call: PART3 picks its sections, e.g. PART3="sleep hybrid"
+# (~6 min), PART3=spec (~7 min), PART3=quant (~6 min with QUANT_ROUNDS=1, the default).
 # (PART=2 and 3 use BACKEND, default pallas, since part 1's test log is not there.)
 #   PART=moe OUT=... bash scripts/gpu_check.sh # MoE at Mixtral-8x7B shapes only (~6 min), #30
 # (not part of "all": run it as its own call.)
@@ -89,6 +90,9 @@ timeout -k 10 "${STRUCTURED_BUDGET:-120}" "$PY" benchmarks/bench_structured.py -
 echo "structured exit: ${PIPESTATUS[0]}" | tee -a "$OUT/structured.log"
 fi
 [ "$PART" = 2 ] && exit 0
+PART3_SECTIONS=${PART3:-sleep hybrid spec quant}
+
+if [[ " $PART3_SECTIONS " == *" sleep "* ]]; then
 
 echo "== sleep mode: device bytes_in_use freed by levels 1 and 2, sleep / wake-up time (budget ${SLEEP_BUDGET:-200}s)"
 # issue #35: the weights (8B, bf16: ~15 GiB) to host memory or dropped, the KV pool sized from
@@ -98,6 +102,9 @@ timeout -k 10 "${SLEEP_BUDGET:-200}" "$PY" benchmarks/bench_sleep_mode.py llama-
     --repeats 1 2>&1 | grep -v compiling | tee "$OUT/sleep_mode.log"
 echo "sleep mode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/sleep_mode.log"
 
+fi
+
+if [[ " $PART3_SECTIONS " == *" hybrid "* ]]; then
 echo "== hybrid KV cache (#29): the compiled kernel reads a layer's group table with stale entries before the window (budget ${HYBRID_TEST_BUDGET:-120}s)"
 timeout -k 10 "${HYBRID_TEST_BUDGET:-120}" "$PY" -m pytest -q tests/pallas_kernels/test_hybrid_block_tables.py \
     2>&1 | tail -5 | tee "$OUT/hybrid_tests.log"
@@ -106,7 +113,9 @@ echo "== hybrid KV cache: capacity at 32k (pure Python), decode step at 32k on v
 timeout -k 10 "${HYBRID_BENCH_BUDGET:-200}" "$PY" benchmarks/bench_hybrid_kv.py --attention-backend "$backend" \
     --seqs 16 --rounds 5 2>&1 | grep -v compiling | tee "$OUT/hybrid_bench.log"
 echo "hybrid bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/hybrid_bench.log"
+fi
 
+if [[ " $PART3_SECTIONS " == *" spec "* ]]; then
 echo "== speculative decoding (#32), Llama-3.1-8B target, Llama-3.2-1B-shaped draft, dummy bf16 (budget ${SPEC_BUDGET:-420}s)"
 # Dummy weights: the drafts are rejected, so on/off tok/s at batch 1 is the step-time ratio of a
 # step verifying K=4 drafts plus the draft's prefill and 4 proposal steps; the speed-up at a
@@ -119,3 +128,31 @@ timeout -k 10 "${SPEC_BUDGET:-420}" "$PY" benchmarks/bench_spec_decode.py --mode
     --output-len 128 --num-prompts 4 --concurrent 64 --workloads draft,concurrent \
     --json-out "$OUT/spec_decode.json" 2>&1 | grep -v compiling | tee "$OUT/spec_decode.log"
 echo "spec decode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/spec_decode.log"
+fi
+
+if [[ " $PART3_SECTIONS " == *" quant "* ]]; then
+# issue #31, not yet run on a GPU: Llama-3.1-8B shapes with fp8 weights (float8_e4m3fn per
+# channel, per-token fp8 activations: the dot_general takes both operands in fp8, which XLA
+# should lower to the H200's FP8 tensor cores) and an fp8 KV cache, beside bf16, alternating
+# (bf16, fp8, bf16, fp8) in one run so the ratio is a like-for-like comparison. The start-up
+# lines give the weight bytes and the KV blocks each variant got from the same memory.
+for round in $(seq 1 "${QUANT_ROUNDS:-1}"); do
+  for variant in bf16 fp8; do
+    if [ "$variant" = fp8 ]; then q=(--quantization fp8 --kv-cache-dtype fp8); else q=(); fi
+    echo "== #31 round $round, $variant: offline throughput, 8B shapes (budget ${QUANT_BUDGET:-110}s)"
+    timeout -k 10 "${QUANT_BUDGET:-110}" "$PY" benchmarks/bench_offline.py --model llama-3.1-8b \
+        --load-format dummy --dtype bfloat16 "${q[@]}" --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 --token-buckets 256,8192 --temperature 1.0 \
+        --compilation-cache-dir /tmp/jaxserve-xla --attention-backend "$backend" \
+        --num-prompts 512 --input-len 1000 --output-len 500 --time-limit-s 40 \
+        2>&1 | grep -E "weights:|KV cache|output tok/s|steady decode" | tee -a "$OUT/quant_$variant.log"
+    echo "$variant offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/quant_$variant.log"
+    echo "== #31 round $round, $variant: batch-8 decode step (budget ${QUANT_STEP_BUDGET:-60}s)"
+    timeout -k 10 "${QUANT_STEP_BUDGET:-60}" "$PY" benchmarks/bench_offline.py --model llama-3.1-8b \
+        --load-format dummy --dtype bfloat16 "${q[@]}" --max-num-seqs 8 \
+        --max-num-batched-tokens 256 --token-buckets 8,256 --temperature 1.0 \
+        --compilation-cache-dir /tmp/jaxserve-xla --attention-backend "$backend" \
+        --num-prompts 8 --input-len 32 --output-len 128 2>&1 | tail -3 | tee -a "$OUT/quant_$variant.log"
+  done
+done
+fi

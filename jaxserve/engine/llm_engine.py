@@ -167,6 +167,7 @@ class LLMEngine:
         import jax
 
         from jaxserve import distributed
+        from jaxserve.model import quant_loading
         from jaxserve.model.attention_backends import resolve_attention_backend
         from jaxserve.model.loader import load_model
         from jaxserve.model.readers.gguf_reader import is_gguf_path
@@ -184,7 +185,19 @@ class LLMEngine:
         engine_args.check(need_tokenizer=False)  # a bad path or flag fails before loading
         path = engine_args.resolved_model_path()
         model, arch, generation_config = load_model(
-            path, engine_args.dtype, engine_args.load_format, seed=engine_args.seed
+            path,
+            engine_args.dtype,
+            engine_args.load_format,
+            seed=engine_args.seed,
+            quantization=engine_args.quantization,
+            kv_cache_dtype=engine_args.kv_cache_dtype,
+        )
+        weight_bytes = quant_loading.weight_bytes(model)
+        logger.info(
+            "weights: %.3f GiB (quantization %s, KV cache dtype %s)",
+            weight_bytes / 2**30,
+            engine_args.quantization,
+            engine_args.kv_cache_dtype,
         )
         config = engine_args.create_engine_config(arch.max_position_embeddings)
         logger.debug("engine config: %s", config)  # `serve` prints it once, resolved
@@ -229,6 +242,7 @@ class LLMEngine:
                 config.cache,
                 num_gpu_blocks=spec.num_blocks,
                 num_host_blocks=num_host,
+                weight_bytes=weight_bytes,
                 offload_load_s_per_call=load_call,
                 offload_load_s_per_block=load_block,
                 offload_recompute_s_per_token=recompute_token,
@@ -454,8 +468,14 @@ class LLMEngine:
         def load() -> tuple[Any, Any]:
             from jaxserve.model.loader import load_model
 
+            # the weights as first loaded: quantized the same way, with the same FP8 KV scales
             loaded, arch, _ = load_model(
-                model.model, model.dtype, model.load_format, seed=model.seed
+                model.model,
+                model.dtype,
+                model.load_format,
+                seed=model.seed,
+                quantization=model.quantization,
+                kv_cache_dtype=self.config.cache.cache_dtype,
             )
             return loaded, arch
 

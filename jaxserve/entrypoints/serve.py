@@ -197,6 +197,19 @@ def startup_report(llm: AsyncLLM, startup_s: float, args: argparse.Namespace | N
             f"(sequence buckets {list(runner.seq_buckets)})"
         )
     blocks, size = cfg.cache.num_gpu_blocks, cfg.cache.block_size
+    weight_bytes = getattr(cfg.cache, "weight_bytes", 0)
+    if weight_bytes:
+        lines.append(
+            f"weights: {weight_bytes} bytes ({weight_bytes / 2**30:.3f} GiB), quantization "
+            f"{getattr(cfg.model, 'quantization', 'auto')}"
+        )
+    kv_spec = getattr(runner, "kv_spec", None)
+    kv = (
+        f", {kv_spec.bytes_per_token} bytes/token, {kv_spec.total_bytes / 2**30:.3f} GiB, "
+        f"dtype {kv_spec.dtype}"
+        if kv_spec is not None
+        else ""
+    )
     groups = cfg.cache.kv_cache_groups
     if any(w is not None for w in groups):  # sliding-window groups: blocks are per group
         layout = getattr(runner, "kv_layout", None)
@@ -205,12 +218,12 @@ def startup_report(llm: AsyncLLM, startup_s: float, args: argparse.Namespace | N
             f"KV pool: {blocks} blocks x {size} tokens, shared by {len(groups)} KV-cache groups "
             f"({kinds}"
             + ("" if layout is None else f"; a block holds {layout.num_tensors} layers' K/V")
-            + "); block 0 is the null block"
+            + f"); block 0 is the null block{kv}"
         )
     else:
         lines.append(
             f"KV pool: {blocks} blocks x {size} tokens ({max(blocks - 1, 0) * size} usable "
-            f"tokens; block 0 is the null block)"
+            f"tokens; block 0 is the null block){kv}"
         )
     num_host = getattr(cfg.cache, "num_host_blocks", 0)
     if num_host:

@@ -99,7 +99,14 @@ class PagedAttentionMetadata:
     def for_layer(self, layer: int) -> tuple[int, PagedAttentionMetadata]:
         """Layer ``layer``'s pool array pair and its view of the step: its group's ``[T]`` slot
         mapping and ``[S, P]`` block table (static indexing, free under jit), what
-        ``paged_attention`` takes."""
+        ``paged_attention`` takes.
+
+        FP8 KV cache: the k/v scales are not in the metadata nor per pool array pair, but per
+        layer (the checkpoint's ``k_scale`` / ``v_scale`` of that layer, held by the layer and
+        passed with this view to ``paged_attention``). Layers of different groups share an
+        array pair but never a block (a block id belongs to one group at a time), so every FP8
+        value in a pair is read back only by the layer that wrote it, with the scales it was
+        written with; one scale per pair would have to be one layer's, wrong for the others."""
         group, pair = (0, layer) if self.kv_layout is None else self.kv_layout[layer]
         view = dataclasses.replace(
             self,
@@ -129,8 +136,18 @@ def paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Writes this step's K/V into the cache, then runs ragged paged attention.
+
+    FP8 KV cache (a cache of float8_e4m3fn or float8_e5m2, ``--kv-cache-dtype``): the write
+    stores ``k / k_scale`` and ``v / v_scale`` saturated to the FP8 range; every backend widens
+    the FP8 keys and values inside its inner loop (as it reads each KV tile), and the per-tensor
+    scales are applied outside the kernels, where they cost one multiply per query and output
+    element instead of one per key: ``q · (k_scale k8) = (k_scale q) · k8`` and
+    ``sum p (v_scale v8) = v_scale sum p v8``, exact up to rounding. So the kernels take an FP8
+    cache with their signatures unchanged.
 
     Args:
       q: ``[T, Hq, D]`` queries (RoPE applied).
@@ -143,6 +160,9 @@ def paged_attention(
       sm_scale: softmax scale, usually ``head_dim ** -0.5``.
       soft_cap: attention-logit soft cap (``cap * tanh(s / cap)``), or None.
       sliding_window: keys at positions ``> q_pos - sliding_window`` are visible, or None (all).
+      k_scale, v_scale: float32 scalars, this layer's FP8 per-tensor scales (None: 1.0; per
+        layer, not per pool array pair: see ``PagedAttentionMetadata.for_layer``); unused by a
+        cache in the model dtype.
 
     Returns:
       ``(out [T, Hq, D] in q's dtype, (k_cache, v_cache))``; rows for padding tokens are
@@ -156,23 +176,52 @@ def paged_attention(
             f"block_tables must be a layer's [S, P] table, got shape "
             f"{tuple(metadata.block_tables.shape)}: pass metadata.for_layer(i)"
         )
+    out_dtype = q.dtype
+    fp8 = is_fp8(kv_cache[0].dtype)
+    if fp8:
+        one = jnp.ones((), jnp.float32)
+        k_scale = one if k_scale is None else k_scale.astype(jnp.float32)
+        v_scale = one if v_scale is None else v_scale.astype(jnp.float32)
+        q = (q.astype(jnp.float32) * k_scale).astype(out_dtype)
+        k = quantize_kv(k, k_scale, kv_cache[0].dtype)
+        v = quantize_kv(v, v_scale, kv_cache[0].dtype)
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if metadata.mesh is None:
-        return _write_and_attend(q, k, v, kv_cache, metadata, kwargs)
-    # Tensor parallel: each shard writes and reads its own KV heads with its own query heads
-    # (GQA groups never straddle shards, see model/sharding.py), so no collective is needed.
-    heads = PartitionSpec(None, MODEL_AXIS, None)  # [T, H, D]
-    cache = PartitionSpec(None, None, MODEL_AXIS, None)  # [N, bs, Hkv, Dc]
-    md = dataclasses.replace(metadata, mesh=None)
-    md_spec = jax.tree.map(lambda _: PartitionSpec(), md)
-    per_shard = jax.shard_map(
-        lambda q, k, v, kv, md: _write_and_attend(q, k, v, kv, md, kwargs),
-        mesh=metadata.mesh,
-        in_specs=(heads, heads, heads, (cache, cache), md_spec),
-        out_specs=(heads, (cache, cache)),
-        check_vma=False,
-    )
-    return per_shard(q, k, v, kv_cache, md)
+        out, kv_cache = _write_and_attend(q, k, v, kv_cache, metadata, kwargs)
+    else:
+        # Tensor parallel: each shard writes and reads its own KV heads with its own query
+        # heads (GQA groups never straddle shards, see model/sharding.py), so no collective is
+        # needed.
+        heads = PartitionSpec(None, MODEL_AXIS, None)  # [T, H, D]
+        cache = PartitionSpec(None, None, MODEL_AXIS, None)  # [N, bs, Hkv, Dc]
+        md = dataclasses.replace(metadata, mesh=None)
+        md_spec = jax.tree.map(lambda _: PartitionSpec(), md)
+        per_shard = jax.shard_map(
+            lambda q, k, v, kv, md: _write_and_attend(q, k, v, kv, md, kwargs),
+            mesh=metadata.mesh,
+            in_specs=(heads, heads, heads, (cache, cache), md_spec),
+            out_specs=(heads, (cache, cache)),
+            check_vma=False,
+        )
+        out, kv_cache = per_shard(q, k, v, kv_cache, md)
+    if fp8:
+        out = (out.astype(jnp.float32) * v_scale).astype(out_dtype)
+    return out, kv_cache
+
+
+FP8_KV_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def is_fp8(dtype) -> bool:
+    """Whether ``dtype`` is an FP8 KV-cache dtype."""
+    return any(jnp.dtype(dtype) == d for d in FP8_KV_DTYPES)
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """New keys or values ``[T, H, D]`` for an FP8 cache: ``x / scale`` saturated to the
+    format's largest finite value (an overflowing cast would give NaN or inf), then cast."""
+    big = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -big, big).astype(dtype)
 
 
 def _write_and_attend(q, k, v, kv_cache, metadata, kwargs) -> tuple[jax.Array, KVCache]:

@@ -78,7 +78,8 @@ def chunked_paged_attention(
 
     Args:
       q: ``[T, Hq, D]`` queries.
-      k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` with ``Hq % Hkv == 0``.
+      k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` with ``Hq % Hkv == 0``; in q's
+        dtype or FP8 (each chunk is widened to float32 as it is read).
       block_tables: int32 ``[S, P]``; context_lens: int32 ``[S]``; query_start_loc: int32
         ``[S + 1]``; num_seqs: int32 ``[]`` (see ``PagedAttentionMetadata``).
       sm_scale, soft_cap, sliding_window: as in ``paged_attention``.

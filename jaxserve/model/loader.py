@@ -17,8 +17,16 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.model import quant_loading
 from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError, read_hf_config
+from jaxserve.model.layers.quant import fp8_matmul_supported
 from jaxserve.model.presets import PRESET_HF_CONFIGS
+from jaxserve.model.quant_config import (
+    NO_QUANTIZATION,
+    Quantization,
+    kv_cache_dtype_name,
+    resolve_quantization,
+)
 from jaxserve.model.readers.base import CheckpointReader
 from jaxserve.model.readers.gguf_reader import (
     GGUFFileReader,
@@ -73,22 +81,49 @@ def dummy_model(cfg: ModelArchConfig, dtype, seed: int = 0) -> nnx.Module:
     return resolve_model_class(cfg.architecture)(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
-def load_weights(cfg: ModelArchConfig, dtype, reader: CheckpointReader) -> nnx.Module:
+def load_weights(
+    cfg: ModelArchConfig,
+    dtype,
+    reader: CheckpointReader,
+    quantization: Quantization = NO_QUANTIZATION,
+    kv_scales: bool = False,
+) -> nnx.Module:
     """The model of ``cfg``'s architecture with every parameter read from ``reader``.
 
     For each parameter the family names its tensor and layout (``weight_source(path, cfg,
     reader.naming)``); the tensor's stored shape is checked before it is read, then it is
     reshaped to ours and cast to ``dtype``. Tensors no parameter names (rotary ``inv_freq``,
-    ...) are not read.
+    ...) are not read. Layers that ``quantization`` quantizes (``jaxserve.model.quant_loading``)
+    are read whole, their narrow parameters kept as they are; ``kv_scales`` adds each attention
+    layer's FP8 KV-cache scales (the checkpoint's, else 1.0).
 
     Raises:
       ModelLoadError: a tensor is missing, or its stored shape is not the parameter's (naming
         the tensor, the expected and the found shapes).
     """
     model = abstract_model(cfg, dtype)
+    methods = quant_loading.plan(model, cfg, reader, quantization)
+    if methods or kv_scales:
+        model = quant_loading.abstract_model(cfg, dtype, methods, kv_scales)
+    layers = quant_loading.quantizable_layers(model)
+    attention = quant_loading.attention_layers(model) if kv_scales else {}
     graphdef, abs_state = nnx.split(model)
     flat = []
+    read: dict[tuple, dict] = {}  # quantized layer or attention path -> its parameters
     for path, var in nnx.to_flat_state(abs_state):
+        owner, leaf = tuple(path[:-1]), path[-1]
+        if owner in methods or (owner in attention and leaf in quant_loading.KV_SCALE_NAMES):
+            if owner not in read:
+                read[owner] = (
+                    quant_loading.read_layer(
+                        model, owner, layers[owner], methods[owner], cfg, reader
+                    )
+                    if owner in methods
+                    else quant_loading.read_kv_scales(model, owner, cfg, reader)
+                )
+            if leaf in read[owner]:
+                flat.append((path, var.replace(jnp.asarray(read[owner].pop(leaf), var.dtype))))
+                continue
         source = model.weight_source(path, cfg, reader.naming)
         if source.stacked:  # one tensor per expert, stacked on our leading axis
             parts = [_read(reader, (n,), source.layout, var.shape[1:]) for n in source.stacked]
@@ -112,6 +147,18 @@ def _read(reader: CheckpointReader, names: tuple[str, ...], layout, shape: tuple
             f"got {list(got)} in {reader.where}"
         )
     return layout.to_ours(jnp.asarray(reader.read(name)), shape)
+
+
+def quantize_dummy(model: nnx.Module, quantization: Quantization, kv_scales: bool) -> nnx.Module:
+    """Random weights quantized as ``quantization`` says (on-load schemes only: a dummy has no
+    checkpoint scheme), plus FP8 KV-cache scales of 1.0 with ``kv_scales``; in place."""
+    methods = quant_loading.plan(model, model.config, None, quantization)
+    layers = quant_loading.quantizable_layers(model)
+    for path, method in methods.items():
+        quant_loading.quantize_layer(layers[path], method)
+    if kv_scales:
+        quant_loading.add_kv_scales(model)
+    return model
 
 
 def load_safetensors(model_dir: str, cfg: ModelArchConfig, dtype) -> nnx.Module:
@@ -148,7 +195,12 @@ def detect_load_format(model_dir: str) -> str:
 
 
 def load_model(
-    model_path: str | dict, dtype: str = "auto", load_format: str = "auto", seed: int = 0
+    model_path: str | dict,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    seed: int = 0,
+    quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> tuple[nnx.Module, ModelArchConfig, dict[str, Any]]:
     """Loads a model for serving.
 
@@ -161,6 +213,10 @@ def load_model(
       load_format: "auto" (gguf for a ``.gguf`` file, orbax if ``params/`` exists, else
         safetensors), "safetensors", "orbax", "gguf" or "dummy" (random weights, no weight files).
       seed: initialiser seed for "dummy".
+      quantization: ``--quantization`` (``jaxserve.model.quant_config``): "auto", "none",
+        "int8", "fp8", "compressed-tensors" or "gguf".
+      kv_cache_dtype: ``--kv-cache-dtype``; an FP8 cache gives every attention layer its
+        ``k_scale`` / ``v_scale`` (the checkpoint's, else 1.0).
 
     Returns:
       ``(model, ModelArchConfig, generation_config dict)``; the dict is ``{}`` when the directory
@@ -168,11 +224,13 @@ def load_model(
 
     Raises:
       ModelLoadError (a ValueError): missing directory / config / weights (path named),
-        unsupported architecture, missing tensor or shape mismatch (tensor named).
-      ValueError: unknown dtype or load_format.
+        unsupported architecture or quantization scheme (named, before any weight is read),
+        missing tensor or shape mismatch (tensor named).
+      ValueError: unknown dtype, load_format or kv_cache_dtype.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    kv_scales = kv_cache_dtype_name(kv_cache_dtype, "float32") != "float32"
     if load_format == "dummy" and not (isinstance(model_path, str) and os.path.isdir(model_path)):
         if isinstance(model_path, dict):
             hf = model_path
@@ -183,23 +241,29 @@ def load_model(
                 f"model directory not found: {model_path} (dummy presets: {', '.join(PRESET_HF_CONFIGS)})"
             )
         cfg = ModelArchConfig.from_hf_config(hf)
-        return dummy_model(cfg, resolve_dtype(dtype, cfg), seed), cfg, {}
+        quant = resolve_quantization(quantization, {}, False, fp8_matmul_supported())
+        model = dummy_model(cfg, resolve_dtype(dtype, cfg), seed)
+        return quantize_dummy(model, quant, kv_scales), cfg, {}
     if load_format == "gguf" or (load_format == "auto" and is_gguf_path(model_path)):
         path = os.fspath(model_path)
+        quant = resolve_quantization(quantization, {}, True, fp8_matmul_supported())
         with GGUFFileReader(path) as reader:
             cfg = ModelArchConfig.from_hf_config(gguf_hf_config(reader.gguf, path))
-            model = load_weights(cfg, resolve_dtype(dtype, cfg), reader)
+            model = load_weights(cfg, resolve_dtype(dtype, cfg), reader, quant, kv_scales)
             return model, cfg, gguf_generation_config(reader.gguf)
     model_dir = os.fspath(model_path)
-    cfg = ModelArchConfig.from_hf_config(read_hf_config(model_dir))
+    hf = read_hf_config(model_dir)
+    quant = resolve_quantization(quantization, hf, False, fp8_matmul_supported())
+    cfg = ModelArchConfig.from_hf_config(hf)
     jdtype = resolve_dtype(dtype, cfg)
     if load_format == "auto":
         load_format = detect_load_format(model_dir)
     if load_format == "dummy":
-        model = dummy_model(cfg, jdtype, seed)
+        model = quantize_dummy(dummy_model(cfg, jdtype, seed), quant, kv_scales)
     elif load_format == "orbax":  # restored straight into jdtype (orbax casts on read)
         with OrbaxReader(model_dir, jdtype) as reader:
-            model = load_weights(cfg, jdtype, reader)
+            model = load_weights(cfg, jdtype, reader, quant, kv_scales)
     else:
-        model = load_safetensors(model_dir, cfg, jdtype)
+        with SafetensorsReader(model_dir) as reader:
+            model = load_weights(cfg, jdtype, reader, quant, kv_scales)
     return model, cfg, read_generation_config(model_dir)

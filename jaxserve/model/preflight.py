@@ -12,16 +12,22 @@ import os
 
 from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError, read_hf_config
 from jaxserve.model.presets import PRESET_HF_CONFIGS
+from jaxserve.model.quant_config import resolve_quantization
 
 
-def check_model_path(path: str, load_format: str = "auto", need_tokenizer: bool = True) -> int:
-    """Checks that ``path`` can be loaded with ``load_format`` and returns the model's
-    ``max_position_embeddings`` (what the engine config is resolved against).
+def check_model_path(
+    path: str, load_format: str = "auto", need_tokenizer: bool = True, quantization: str = "auto"
+) -> int:
+    """Checks that ``path`` can be loaded with ``load_format`` and ``quantization`` (a
+    checkpoint's unsupported quantization scheme is named here, before any weight is read) and
+    returns the model's ``max_position_embeddings`` (what the engine config is resolved
+    against).
 
     Args:
       path: a HF / orbax model directory, a ``.gguf`` file, or (dummy) a preset name.
       load_format: the ``--load-format`` flag.
       need_tokenizer: also require tokenizer files (``serve`` and ``generate`` take text).
+      quantization: the ``--quantization`` flag.
 
     Raises:
       ModelLoadError (a ValueError): the message names what is missing and what to do.
@@ -33,8 +39,10 @@ def check_model_path(path: str, load_format: str = "auto", need_tokenizer: bool 
             raise ModelLoadError(
                 f"model directory not found: {path} (dummy presets: {', '.join(PRESET_HF_CONFIGS)})"
             )
+        resolve_quantization(quantization, {}, False)
         return ModelArchConfig.from_hf_config(PRESET_HF_CONFIGS[path]).max_position_embeddings
     if load_format == "gguf" or is_gguf_path(path):
+        resolve_quantization(quantization, {}, True)
         reader = open_gguf(path)  # parsed once per process: the loader reuses it
         cfg = ModelArchConfig.from_hf_config(gguf_hf_config(reader, path))
         if need_tokenizer and "tokenizer.ggml.tokens" not in reader.fields:
@@ -45,7 +53,9 @@ def check_model_path(path: str, load_format: str = "auto", need_tokenizer: bool 
             f"model path {path} is a file: pass a model directory (config.json + weights) "
             "or a .gguf file"
         )
-    cfg = ModelArchConfig.from_hf_config(read_hf_config(path))  # names a missing dir / config
+    hf = read_hf_config(path)  # names a missing dir / config
+    cfg = ModelArchConfig.from_hf_config(hf)
+    resolve_quantization(quantization, hf, False)
     has_params = os.path.isdir(os.path.join(path, "params"))
     has_safetensors = bool(glob.glob(os.path.join(path, "*.safetensors")))
     if load_format == "orbax" and not has_params:

@@ -199,6 +199,7 @@ class RunnerFields(Protocol):
     config: EngineConfig
     arch: ModelArchConfig
     dtype: np.dtype
+    kv_dtype: np.dtype
     mesh: Mesh
     kv_sharding: jax.sharding.Sharding
     graph: StepGraph
@@ -245,7 +246,7 @@ def padding_inputs(runner: RunnerFields, token_bucket: int) -> StepInputs:
 
 
 def _probe_spec(runner: RunnerFields, num_blocks: int) -> KVCacheSpec:
-    arch, dtype = runner.arch, runner.dtype
+    arch, dtype = runner.arch, runner.kv_dtype
     num_tensors = runner.kv_layout.num_tensors
     return KVCacheSpec(
         num_blocks=num_blocks,
@@ -331,7 +332,7 @@ def initialize_kv_cache(runner: RunnerFields) -> KVCacheSpec:
         num_layers=layout.num_tensors,
         num_kv_heads=arch.num_kv_heads,
         head_dim=runner.kv_head_dim,
-        dtype=runner.dtype,
+        dtype=runner.kv_dtype,
         block_size=runner.block_size,
         gpu_memory_utilization=cache.gpu_memory_utilization,
         num_gpu_blocks_override=cache.num_gpu_blocks_override,

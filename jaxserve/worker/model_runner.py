@@ -56,6 +56,7 @@ from jaxserve.core.runner_output import (
 from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
 from jaxserve.model.attention_backends import resolve_attention_backend
 from jaxserve.model.layers.moe import attach_expert_load_recorder
+from jaxserve.model.quant_config import kv_cache_dtype_name
 from jaxserve.model.sharding import kv_cache_sharding, make_mesh, place_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import compilation, sleep_mode
@@ -187,6 +188,8 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.dtype = jnp.dtype(getattr(model, "dtype", jnp.float32))
+        # the KV cache's element dtype: the model's, or FP8 (--kv-cache-dtype)
+        self.kv_dtype = jnp.dtype(kv_cache_dtype_name(config.cache.cache_dtype, self.dtype.name))
         self.device = jax.local_devices()[0]
         # Tensor parallel: the mesh, the weights placed on it, heads replicated if needed
         # (model/sharding.py). ``step_mesh`` is None on one device: no shard_map, no gather.
@@ -279,11 +282,12 @@ class ModelRunner:
         self._draft_len = np.zeros(sched.max_num_seqs, np.int64)
         self._draft_skipped = False
         logger.info(
-            "model runner: attention backend %s%s, KV head dim %d, token buckets %s, "
-            "sequence buckets %s, KV-cache groups %s (%d array pairs)",
+            "model runner: attention backend %s%s, KV head dim %d, KV dtype %s, token buckets "
+            "%s, sequence buckets %s, KV-cache groups %s (%d array pairs)",
             self.backend,
             " (Pallas interpret mode)" if self.interpret else "",
             self.kv_head_dim,
+            self.kv_dtype.name,
             self.token_buckets,
             self.seq_buckets,
             [(g.sliding_window or "full", len(g.layers)) for g in self.kv_layout.groups],

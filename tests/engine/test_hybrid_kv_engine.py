@@ -173,6 +173,57 @@ def test_preemption_chunked_prefill_and_offload_equal_the_oracle(runs, prompts, 
     assert kv.usage == 0.0 and not kv.host_pool.pinned
 
 
+def test_fp8_kv_per_layer_scales_over_shared_arrays_on_equal_off(hybrid_model_dir, prompts):
+    """``--kv-cache-dtype fp8`` over the hybrid cache, each layer with its own k/v scales (as a
+    checkpoint's ``k_scale`` / ``v_scale`` give them): with the hybrid cache on the six layers'
+    groups share one pool array pair, off each layer has its own. Greedy tokens and logprobs
+    are identical, through prefix hits: every FP8 value is read back by the layer that wrote
+    it, with that layer's scales (a scale per array pair would read five layers' values with
+    another layer's scales and change them). The FP8 cache holds the fp8 bytes per block."""
+    import jax.numpy as jnp
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.model.loader import load_model
+    from jaxserve.model.quant_loading import attention_layers
+    from jaxserve.worker.model_runner import ModelRunner
+
+    model, arch, gen = load_model(hybrid_model_dir, "float32", kv_cache_dtype="fp8")
+    layers = list(attention_layers(model).values())
+    assert len(layers) == arch.num_layers
+    for i, layer in enumerate(layers):  # distinct per layer, and far from 1.0
+        layer.k_scale[...] = jnp.asarray(0.25 * (i + 1), jnp.float32)
+        layer.v_scale[...] = jnp.asarray(0.5 / (i + 1), jnp.float32)
+    got = {}
+    for mode in ("on", "off"):
+        args = engine_args(
+            hybrid_model_dir,
+            XLA_CACHE_DIR,
+            token_buckets="64",
+            max_num_batched_tokens=64,
+            max_num_seqs=8,
+            num_gpu_blocks_override=400,
+            kv_cache_dtype="fp8",
+            disable_hybrid_kv_cache_manager=mode == "off",
+        )
+        config = args.create_engine_config(arch.max_position_embeddings)
+        runner = ModelRunner(model, arch, config, warmup_sampling=(GREEDY,))
+        spec = runner.initialize_kv_cache()
+        pairs = 1 if mode == "on" else arch.num_layers
+        assert len(runner.kv_caches) == pairs
+        assert runner.kv_caches[0][0].dtype == jnp.float8_e4m3fn
+        # one byte per element: 2 (K, V) x pairs x heads x head dim per block slot
+        assert spec.bytes_per_token == 2 * pairs * arch.num_kv_heads * runner.kv_head_dim
+        engine = LLMEngine(
+            variant_config(config, num_gpu_blocks=spec.num_blocks), runner, arch, None, gen
+        )
+        got[mode] = run_all(engine, prompts, "a") + run_all(engine, prompts, "b")
+        assert engine.get_stats().prefix_cache_hits_total > 0
+        assert engine.scheduler.kv_cache_manager.usage == 0.0
+    assert got["on"] == got["off"]  # tokens and logprobs, bit for bit
+    # the second round (prefix hits) equals the first
+    assert got["on"][len(prompts) :] == got["on"][: len(prompts)]
+
+
 GOLDEN_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "golden"
 )
@@ -193,14 +244,16 @@ def windowed_golden_fixtures() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("name", windowed_golden_fixtures())
-def test_golden_fixtures_with_windows_on_equal_off_and_transformers(name):
+def test_golden_fixtures_with_windows_on_equal_off_and_transformers(name, kv_cache_dtype):
     """A checkpoint's own sliding windows (4 tokens on the fixtures) through the hybrid cache:
     its two golden prompts plus two longer ones (whose windows leave blocks behind), twice (the
     second time from the prefix cache: the same tokens). Where the fixture records
     transformers' greedy tokens (Gemma's), the golden prompts' tokens equal them; otherwise
     (Mistral's) tokens and logprobs are identical with the hybrid cache off. The pool empties
-    out."""
+    out. With ``--kv-cache-dtype fp8`` (1.0 scales: the fixtures have none), hybrid on == off
+    on every fixture (transformers' tokens are of a wide cache)."""
     import numpy as np
 
     from jaxserve.engine.llm_engine import LLMEngine
@@ -209,7 +262,7 @@ def test_golden_fixtures_with_windows_on_equal_off_and_transformers(name):
 
     path = os.path.join(GOLDEN_DIR, name)
     golden = np.load(os.path.join(path, "golden.npz"))
-    model, arch, gen = load_model(path, "float32")
+    model, arch, gen = load_model(path, "float32", kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1, ignore_eos=True)
     rng = np.random.default_rng(0)
     prompts = [golden["prompt_0"].tolist(), golden["prompt_1"].tolist()] + [
@@ -217,7 +270,7 @@ def test_golden_fixtures_with_windows_on_equal_off_and_transformers(name):
     ]
     # Transformers' greedy tokens when the fixture records them (Gemma's), else the hybrid
     # cache off, are what the hybrid cache is checked against.
-    has_greedy = "greedy_0" in golden.files
+    has_greedy = "greedy_0" in golden.files and kv_cache_dtype == "auto"
     got = {}
     for mode in ("on",) if has_greedy else ("on", "off"):
         args = engine_args(
@@ -227,6 +280,7 @@ def test_golden_fixtures_with_windows_on_equal_off_and_transformers(name):
             max_num_batched_tokens=32,
             max_num_seqs=4,
             num_gpu_blocks_override=100,
+            kv_cache_dtype=kv_cache_dtype,
             disable_hybrid_kv_cache_manager=mode == "off",
         )
         config = args.create_engine_config(arch.max_position_embeddings)

@@ -88,6 +88,7 @@ class PagedRunner:
         backend="xla",
         interpret=False,
         seed=0,
+        kv_dtype=None,
     ):
         cfg = model.config
         self.graphdef, self.state = nnx.split(model)
@@ -102,9 +103,9 @@ class PagedRunner:
         }
         assert len(sequences) * max_blocks_per_seq < num_blocks
         shape = (num_blocks, block_size, cfg.num_kv_heads, cache_head_dim(backend, cfg.head_dim))
+        kv_dtype = model.dtype if kv_dtype is None else kv_dtype  # FP8: a quantized cache
         self.kv_caches = [
-            (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
-            for _ in range(cfg.num_layers)
+            (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(cfg.num_layers)
         ]
         self.num_computed = {name: 0 for name in sequences}
 

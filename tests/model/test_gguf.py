@@ -1,6 +1,7 @@
 """GGUF loading: the bundled tiny-llama written as GGUF files the way llama.cpp's converter
 writes them (q/k rows permuted, quantised matrices, a sentencepiece vocabulary with scores),
-then loaded back through ``load_model`` / ``get_tokenizer``."""
+then loaded back through ``load_model`` / ``get_tokenizer``: dequantised on load
+(``quantization="none"``) and with its blocks kept quantized (the default)."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def test_quantised_tensors_dequantise_within_their_error(tiny, tmp_path):
     path = tmp_path / "tiny-mixed.gguf"
     write_gguf(path, cfg, tensors, qtype_of)
     assert {k for k in chosen.values()} == {Q.F32, *kinds}
-    loaded, _, _ = load_model(str(path), dtype="float32")
+    loaded, _, _ = load_model(str(path), dtype="float32", quantization="none")
     for p, var in nnx.to_flat_state(nnx.state(loaded)):
         source = loaded.weight_source(p, cfg, "gguf")
         gname = source.name
@@ -169,7 +170,7 @@ def test_k_quants_load_as_the_gguf_package_dequantises_them(tiny, tmp_path, qtyp
 
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     write_gguf(path, cfg, tensors, raw={"blk.0.attn_v.weight": (raw, qtype)})
-    loaded, _, _ = load_model(str(path), dtype="float32")
+    loaded, _, _ = load_model(str(path), dtype="float32", quantization="none")
     v_proj = loaded.layers[0].self_attn.v_proj.weight.get_value()
     got = _torch_layout(np.asarray(v_proj), Layout("linear", 1))
     np.testing.assert_allclose(got, expected, rtol=1e-6)
@@ -182,3 +183,45 @@ def test_bad_gguf_paths_raise_model_load_errors(tmp_path):
     bad.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):
         load_model(str(bad))
+
+
+def _mixed_blocks_gguf(tiny, path):
+    """tiny-llama with every matrix in one of the five block types kept on the device: Q4_K /
+    Q6_K (our encoders) where rows are whole 256-blocks, Q8_0 / Q4_0 / Q4_1 elsewhere."""
+    from jaxserve.model.readers.gguf_blocks import encode_q4_k, encode_q6_k
+
+    _, cfg, tensors = tiny
+    chosen, raw = {}, {}
+    kinds = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1]
+    for i, (name, x) in enumerate(sorted((n, x) for n, x in tensors.items() if x.ndim == 2)):
+        qtype = kinds[i % 5] if x.shape[1] % 256 == 0 else kinds[2 + i % 3]
+        if qtype in (Q.Q4_K, Q.Q6_K):
+            if ".attn_q." in name or ".attn_k." in name:
+                x = permute_qk(x, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+            encode = encode_q4_k if qtype == Q.Q4_K else encode_q6_k
+            raw[name] = (encode(x), qtype)
+        chosen[name] = qtype
+    write_gguf(path, cfg, tensors, lambda n, x: chosen.get(n, Q.F32), raw=raw)
+    return chosen
+
+
+def test_blocks_kept_quantized_give_the_dequantised_logits(tiny, tmp_path):
+    """Q8_0, Q4_0, Q4_1, Q4_K and Q6_K stay blocks on the device; the step widens them and
+    the logits equal the dequantise-on-load path's within 1e-3."""
+    from model_testing import dense_logits
+
+    from jaxserve.model.layers.quant import BlockQuant
+    from jaxserve.model.quant_loading import weight_bytes
+
+    path = tmp_path / "tiny-blocks.gguf"
+    chosen = _mixed_blocks_gguf(tiny, path)
+    assert set(chosen.values()) == {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K}
+    wide, _, _ = load_model(str(path), dtype="float32", quantization="none")
+    blocks, _, _ = load_model(str(path), dtype="float32")
+    kept = {type(layer.quant) for _, layer in nnx.iter_graph(blocks) if hasattr(layer, "quant")}
+    assert kept == {BlockQuant}
+    assert blocks.layers[0].self_attn.q_proj.weight.get_value().dtype in (jnp.uint8, jnp.int8)
+    assert weight_bytes(blocks) < 0.25 * weight_bytes(wide)  # float32 wide: < half of bf16
+    seq = [1, 57, 300, 12, 900, 4000, 5, 77, 31, 2048, 9, 10]
+    want = dense_logits(wide, seq)
+    np.testing.assert_allclose(dense_logits(blocks, seq), want, atol=1e-3)

@@ -6,16 +6,17 @@ family are ``Linear`` layers, and a new family builds its projections from it to
 is not a ``Linear`` (it shares its matrix with the embedding lookup when tied; see
 ``embedding.py``).
 
-The seam's contract, for the two features that will use it (neither is built yet):
+The seam's contract, for the two features that use it:
 
-* **Quantized weights** (#31: ``--quantization``, compressed-tensors, GGUF kept quantized): the
-  layer will keep ``weight`` narrow (int8, float8_e4m3fn, or packed GGUF blocks, same logical
-  axes) beside a ``weight_scale`` parameter (per output channel: ``[*out_shape]`` with
-  ``out_axes``; per block for GGUF) and dequantize inside ``project``, in the jitted step (a
-  mixed-precision ``dot_general`` then the scale, or widen then dot). ``__call__``'s signature,
-  shapes and dtypes stay as they are, so no caller changes. The loader fills both parameters by
-  name (the family's ``weight_source`` names ``<proj>.weight_scale``), and ``repeat_output`` /
-  ``repeat_input`` repeat the scales with the weight.
+* **Quantized weights** (#31, built: ``jaxserve.model.layers.quant``): ``set_quantization``
+  swaps ``weight`` for a narrow representation of the same matrix (int8 or float8_e4m3fn in our
+  ``[*in, *out]`` layout with a per-output-channel ``weight_scale``; or GGUF / grouped blocks in
+  the checkpoint's ``[O, I]`` orientation with block scales), and ``project`` multiplies
+  through it inside the jitted step. ``__call__``'s signature, shapes and dtypes stay as they
+  are, so no caller changes. The loader (``jaxserve.model.quant_loading``) picks each layer's
+  method and fills its parameters by name from the weight's own source (``<proj>.weight_scale``
+  beside ``<proj>.weight``); ``repeat_output`` / ``repeat_input`` repeat the scales with the
+  weight.
 * **LoRA adapters** (#33): ``__call__(x, lora=None)`` will take the step's adapter batch, which
   the family passes to each projection from the step's metadata (carried beside
   ``PagedAttentionMetadata``): each token's adapter slot (int32 ``[T]``, -1 for the base model),
@@ -23,9 +24,10 @@ The seam's contract, for the two features that will use it (neither is built yet
   then holds ``lora_a [max_loras, *in_shape, r]`` and ``lora_b [max_loras, r, *out_shape]``
   (zero-padded to ``max_lora_rank``) and adds ``scale * ragged_dot(ragged_dot(x_sorted,
   lora_a), lora_b)``, unsorted, to ``y`` before the bias. ``lora=None`` (a base-only step, or
-  no ``--enable-lora``) adds no operation.
+  no ``--enable-lora``) adds no operation. A quantized base weight changes nothing here: the
+  delta is added to ``project``'s output, whatever represents the base weight.
 
-Today the plain path below is the whole layer: one ``einsum`` and an optional bias add. It
+Without quantization the layer is one ``einsum`` and an optional bias add. It
 compiles to the flops of the per-projection einsums it replaced; o_proj now contracts its
 (heads, head_dim) axes in order, which saves two transposes per layer (bytes accessed -2.3%
 for the bundled model's paged step at 64 tokens).
@@ -34,6 +36,7 @@ for the bundled model's paged step at 64 tokens).
 from __future__ import annotations
 
 import functools
+import math
 import string
 
 import jax
@@ -41,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.layers.params import logical_param
+from jaxserve.model.layers.quant import BlockQuant, ChannelQuant, QuantMethod
 
 
 def _shape(dims: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -62,8 +66,10 @@ class Linear(nnx.Module):
     ``W`` is stored ``[*in_shape, *out_shape]`` (input axes first; torch stores ``[out, in]``),
     so attention projections keep heads apart: q_proj ``[e, h, d]``, o_proj ``[h, d, e]``.
     Parameters, Hugging Face's names: ``weight`` (axes ``in_axes + out_axes``) and ``bias``
-    (``[*out_shape]``, axes ``out_axes``) or None. Random initialisation draws one key, for
-    ``weight`` (N(0, 0.02)); the bias starts at 0.
+    (``[*out_shape]``, axes ``out_axes``) or None; with a quantized weight
+    (``set_quantization``) the method's parameters instead of ``weight`` (``weight``,
+    ``weight_scale``, ...; see ``jaxserve.model.layers.quant``). Random initialisation draws
+    one key, for ``weight`` (N(0, 0.02)); the bias starts at 0.
 
     Args:
       in_shape, out_shape: an int or a tuple each.
@@ -86,6 +92,10 @@ class Linear(nnx.Module):
     ):
         in_shape, out_shape = _shape(in_shape), _shape(out_shape)
         self.num_in_axes = len(in_shape)
+        self.in_shape, self.out_shape = in_shape, out_shape
+        self.in_axes, self.out_axes = tuple(in_axes), tuple(out_axes)
+        self.quant: QuantMethod | None = None  # static: how a quantized weight multiplies
+        self.quant_params: tuple[str, ...] = ()
         self.weight = logical_param(rngs, (*in_shape, *out_shape), dtype, (*in_axes, *out_axes))
         self.bias = (
             logical_param(None, out_shape, dtype, tuple(out_axes), "zeros") if bias else None
@@ -97,23 +107,75 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
     def project(self, x: jax.Array) -> jax.Array:
-        """The matmul alone, ``x [..., *in_shape]`` -> ``[..., *out_shape]`` (what a quantized
-        weight replaces)."""
-        w = self.weight[...]
-        return jnp.einsum(_equation(self.num_in_axes, w.ndim - self.num_in_axes), x, w)
+        """The matmul alone, ``x [..., *in_shape]`` -> ``[..., *out_shape]`` in x's dtype
+        (what a quantized weight replaces)."""
+        if self.quant is None:
+            w = self.weight[...]
+            return jnp.einsum(_equation(self.num_in_axes, w.ndim - self.num_in_axes), x, w)
+        params = {name: getattr(self, name)[...] for name in self.quant_params}
+        if isinstance(self.quant, ChannelQuant):
+            return self.quant.project(params, x, self.num_in_axes)
+        return self.quant.project(params, x, self.in_shape, self.out_shape)
+
+    def quant_specs(self, method: QuantMethod) -> dict[str, tuple]:
+        """{name: (shape, dtype, logical axes)} of this layer's parameters under ``method``."""
+        if isinstance(method, ChannelQuant):
+            return method.param_specs(self.in_shape, self.out_shape, self.in_axes, self.out_axes)
+        rows, cols = math.prod(self.out_shape), math.prod(self.in_shape)
+        return method.param_specs(rows, cols, (self.out_axes[0], self.in_axes[0]))
+
+    def set_quantization(self, method: QuantMethod, values: dict | None = None) -> None:
+        """Replaces ``weight`` by ``method``'s parameters, in place: ``values`` ({name: array},
+        e.g. ``method.quantize(weight)``) or zeros of their specs (under ``nnx.eval_shape``:
+        shapes only, for the loader to fill)."""
+        specs = self.quant_specs(method)
+        for name, (shape, dtype, axes) in specs.items():
+            value = jnp.zeros(shape, dtype) if values is None else values[name]
+            setattr(self, name, nnx.Param(value, out_sharding=axes, eager_sharding=False))
+        self.quant, self.quant_params = method, tuple(specs)
 
     def repeat_output(self, axis: int, repeats: int) -> None:
         """Repeats each index of output axis ``axis`` (0 = the first output axis) ``repeats``
         times in the weight and bias, in place: tensor parallelism's KV-head (and query-head)
         replication. Output ``j`` becomes outputs ``j * repeats ... j * repeats + repeats - 1``."""
-        self.weight.set_value(jnp.repeat(self.weight[...], repeats, axis=self.num_in_axes + axis))
+        if isinstance(self.quant, BlockQuant):  # every array's rows are the flat outputs
+            for name in self.quant_params:
+                x = getattr(self, name)[...]
+                x = x.reshape(*self.out_shape, x.shape[-1])
+                getattr(self, name).set_value(
+                    jnp.repeat(x, repeats, axis=axis).reshape(-1, x.shape[-1])
+                )
+        else:
+            self.weight.set_value(
+                jnp.repeat(self.weight[...], repeats, axis=self.num_in_axes + axis)
+            )
+            if self.quant is not None:
+                self.weight_scale.set_value(jnp.repeat(self.weight_scale[...], repeats, axis))
         if self.bias is not None:
             self.bias.set_value(jnp.repeat(self.bias[...], repeats, axis=axis))
+        out = list(self.out_shape)
+        out[axis] *= repeats
+        self.out_shape = tuple(out)
 
     def repeat_input(self, axis: int, repeats: int) -> None:
         """Repeats each index of input axis ``axis`` ``repeats`` times in the weight, in place,
         zeroing every copy but the first: for an input whose copies are equal (replicated query
-        heads) the output is the same sum."""
+        heads) the output is the same sum.
+
+        Raises:
+          ValueError: a block-quantized weight (GGUF; not needed: more devices than query
+            heads happens only for tiny models), naming the way out.
+        """
+        if isinstance(self.quant, BlockQuant):
+            raise ValueError(
+                "tensor_parallel_size larger than the query heads with GGUF blocks kept "
+                "quantized is not supported; use --quantization none"
+            )
         w = jnp.repeat(self.weight[...], repeats, axis=axis)
-        first = (jnp.arange(w.shape[axis]) % repeats == 0).astype(w.dtype)
-        self.weight.set_value(w * first.reshape((-1,) + (1,) * (w.ndim - axis - 1)))
+        first = (jnp.arange(w.shape[axis]) % repeats == 0).reshape(
+            (-1,) + (1,) * (w.ndim - axis - 1)
+        )
+        self.weight.set_value(jnp.where(first, w, jnp.zeros((), w.dtype)))
+        shape = list(self.in_shape)
+        shape[axis] *= repeats
+        self.in_shape = tuple(shape)

@@ -32,7 +32,8 @@ class SelfAttention(nnx.Module):
 
     Parameters: ``q_proj [e, Hq, d]``, ``k_proj`` / ``v_proj [e, Hkv, d]``, ``o_proj
     [Hq, d, e]`` (``Linear``; random initialisation draws q, k, v, o in that order), and with
-    ``qk_norm`` ``q_norm`` / ``k_norm`` (``RMSNorm`` over ``d``).
+    ``qk_norm`` ``q_norm`` / ``k_norm`` (``RMSNorm`` over ``d``); with an FP8 KV cache also
+    float32 scalars ``k_scale`` / ``v_scale`` (added by the loader, ``quant_loading``).
 
     Args:
       cfg: the architecture.
@@ -93,7 +94,18 @@ class SelfAttention(nnx.Module):
         if metadata is None:
             out = dense_causal_attention(q, k, v, **kw)
         else:
-            out, kv_cache = paged_attention(q, k, v, kv_cache, metadata, **kw)
+            # FP8 KV cache: the per-tensor scales added at load (quant_loading.add_kv_scales)
+            k_scale, v_scale = getattr(self, "k_scale", None), getattr(self, "v_scale", None)
+            out, kv_cache = paged_attention(
+                q,
+                k,
+                v,
+                kv_cache,
+                metadata,
+                **kw,
+                k_scale=None if k_scale is None else k_scale[...],
+                v_scale=None if v_scale is None else v_scale[...],
+            )
         return self.o_proj(out), kv_cache
 
     def replicate_heads(self, q_replicas: int, kv_replicas: int) -> None:

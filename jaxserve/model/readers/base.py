@@ -67,6 +67,15 @@ class CheckpointReader(abc.ABC):
           index: slices over the stored shape, or None for the whole tensor.
         """
 
+    def read_blocks(self, name: str) -> Any:
+        """A quantised tensor's stored bytes, uint8 ``[rows, row_bytes]`` (GGUF blocks, kept
+        quantized: ``jaxserve.model.readers.gguf_blocks``).
+
+        Raises:
+          ValueError: this checkpoint format stores no blocks.
+        """
+        raise ValueError(f"{self.where} stores no quantised blocks (tensor {name})")
+
     @abc.abstractmethod
     def close(self) -> None:
         """Releases open files and cached arrays (the model keeps what it read)."""

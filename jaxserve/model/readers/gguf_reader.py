@@ -270,5 +270,11 @@ class GGUFFileReader(CheckpointReader):
         x = dequantize(self._tensors[name])
         return x if index is None else x[index]
 
+    def read_blocks(self, name: str) -> np.ndarray:
+        """The tensor's quantised bytes, uint8 ``[rows, row_bytes]`` (torch row order)."""
+        t = self._tensors[name]
+        rows = int(np.prod([int(d) for d in t.shape[1:]]))
+        return np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+
     def close(self) -> None:
         """Nothing to release: the parsed file stays cached for the tokenizer (``open_gguf``)."""

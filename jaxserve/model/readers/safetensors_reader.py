@@ -11,8 +11,12 @@ import contextlib
 import glob
 import json
 import os
+import struct
 from collections.abc import Iterator
 from typing import Any
+
+import ml_dtypes
+import numpy as np
 
 from jaxserve.model.arch_config import ModelLoadError
 from jaxserve.model.readers.base import CheckpointReader, TensorSpec
@@ -32,6 +36,9 @@ _DTYPES = {
     "U8": "uint8",
     "BOOL": "bool",
 }
+
+# Element types numpy's safetensors bindings refuse; read as raw bytes (``_read_bytes``).
+_NON_NUMPY = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
 def safetensors_index(model_dir: str) -> dict[str, str]:
@@ -78,6 +85,7 @@ class SafetensorsReader(CheckpointReader):
         self.where = f"the safetensors files of {model_dir}"
         self._index = safetensors_index(model_dir)
         self._files: dict[str, Any] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}  # path -> (data start, header)
         self._stack = contextlib.ExitStack()
 
     def _file(self, name: str):
@@ -101,7 +109,24 @@ class SafetensorsReader(CheckpointReader):
 
     def read(self, name: str, index: tuple[slice, ...] | None = None):
         f = self._file(name)
+        if f.get_slice(name).get_dtype() in _NON_NUMPY:
+            x = self._read_bytes(name)
+            return x if index is None else x[index]
         return f.get_tensor(name) if index is None else f.get_slice(name)[index]
+
+    def _read_bytes(self, name: str) -> np.ndarray:
+        """A tensor numpy's safetensors bindings cannot build (FP8), read from its file by the
+        header's byte offsets and viewed as the ``ml_dtypes`` type jax uses."""
+        path = self._index[name]
+        if path not in self._headers:
+            with open(path, "rb") as fh:
+                size = struct.unpack("<Q", fh.read(8))[0]
+                self._headers[path] = (8 + size, json.loads(fh.read(size)))
+        base, header = self._headers[path]
+        info = header[name]
+        start, end = info["data_offsets"]
+        raw = np.memmap(path, np.uint8, "r", offset=base + start, shape=(end - start,))
+        return np.asarray(raw).view(_NON_NUMPY[info["dtype"]]).reshape(info["shape"])
 
     def close(self) -> None:
         self._stack.close()
