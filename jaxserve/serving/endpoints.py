@@ -42,6 +42,14 @@ from jaxserve.serving.errors import (
     from_value_error,
     model_not_found,
 )
+from jaxserve.serving.pooling import (
+    POOLING_KINDS,
+    REQUEST_MODELS,
+    PoolingJob,
+    create_pooling,
+    prepare_pooling,
+    require_pooling,
+)
 from jaxserve.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -201,9 +209,42 @@ class OpenAIServing:
                 param="url",
                 code="not_found",
             )
+        require_pooling(self.info, url)
         request = validate(endpoint.request_model, body)
         check_priority(request.priority, self.info)
         return endpoint, endpoint.prepare(request, self.info, self.engine.tokenizer)
+
+    # -- pooling (embeddings) ------------------------------------------------------------------
+
+    def prepare_pooling(self, url: str, body: dict[str, Any]) -> PoolingJob:
+        """Validates a pooling request's body (``/v1/embeddings``, ``/pooling``, ``/v1/score``)
+        and tokenizes its inputs.
+
+        Raises:
+          APIError: 400 on a generate server (naming ``--runner pooling``) or for a bad body,
+            404 for an unknown model.
+        """
+        if isinstance(body.get("model"), str):
+            self.info.check_model(body["model"])
+        require_pooling(self.info, url)
+        request = validate(REQUEST_MODELS[POOLING_KINDS[url]], body)
+        check_priority(request.priority, self.info)
+        return prepare_pooling(url, request, self.info, self.engine.tokenizer)
+
+    async def pool(self, url: str, body: dict[str, Any]) -> JSONReply:
+        """Serves one pooling request: prepared off the event loop, run on the engine.
+
+        Raises:
+          APIError: as :meth:`prepare_pooling`; 503 when the engine is dead or its queue full.
+        """
+        job = await asyncio.to_thread(self.prepare_pooling, url, body)
+        engine = self.engine
+        try:
+            engine.check_health()
+        except EngineDeadError as exc:
+            raise engine_error(exc) from None
+        check_queue(engine, self.info)
+        return JSONReply(await create_pooling(engine, job))
 
     async def generate(self, url: str, body: dict[str, Any]) -> Reply:
         """Serves one generating request: prepared off the event loop, then :meth:`start`.
@@ -257,6 +298,10 @@ class OpenAIServing:
         try:
             if not isinstance(body, dict):
                 raise bad_request("the request body must be a JSON object")
+            if url in POOLING_KINDS:
+                pooling_job = self.prepare_pooling(url, body)
+                self.engine.check_health()
+                return 200, await create_pooling(self.engine, pooling_job)
             endpoint, job = self.prepare(url, body)
             if job.request.stream:
                 raise bad_request("stream is not supported here", param="stream")

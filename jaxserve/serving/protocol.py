@@ -418,3 +418,53 @@ class DetokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
     tokens: list[int]
+
+
+PoolingInput = str | list[str] | list[int] | list[list[int]]
+"""An embeddings input: a text, texts, one token-id prompt, or token-id prompts."""
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings`` (OpenAI's) and ``POST /pooling`` (vLLM's): ``input`` as a string,
+    a list of strings, a token-id list or a list of them; ``encoding_format`` "float" or
+    "base64" (little-endian float32 bytes); ``dimensions`` keeps that many leading values
+    (Matryoshka) before normalising; vLLM's ``normalize`` overrides the model's default."""
+
+    model_config = _STRICT
+    model: str | None = None
+    input: PoolingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    normalize: bool | None = None
+    priority: int = 0
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value: PoolingInput) -> PoolingInput:
+        if isinstance(value, list) and not value:
+            raise ValueError("input: give at least one text or token-id prompt")
+        return value
+
+
+class ScoreRequest(BaseModel):
+    """``POST /v1/score`` (vLLM's): the cosine of the embeddings of ``text_1`` and ``text_2``:
+    one against one, one against each of a list, or pairwise between two lists of one length."""
+
+    model_config = _STRICT
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ScoreRequest:
+        one, two = self.text_1, self.text_2
+        if (isinstance(one, list) and not one) or (isinstance(two, list) and not two):
+            raise ValueError("text_1: text_1 and text_2 must not be empty lists")
+        if isinstance(one, list) and len(one) > 1:
+            if not isinstance(two, list) or len(two) != len(one):
+                raise ValueError(
+                    "text_2: with several text_1 items, text_2 must be a list of the same length"
+                )
+        return self

@@ -46,6 +46,8 @@ class ServingInfo:
         already holds ``max_num_seqs`` rows with the most logprobs).
       system_fingerprint: OpenAI's ``system_fingerprint``, a hash of the version and the
         model's serving configuration.
+      runner: "generate" or "pooling" (``--runner``): which endpoints the model answers.
+      pooling_normalize: pooling runner: embeddings are L2-normalised unless a request says.
     """
 
     model_name: str
@@ -62,6 +64,8 @@ class ServingInfo:
     max_num_seqs: int = 256
     memory_probe: Callable[[], int | None] = lambda: None
     system_fingerprint: str = ""
+    runner: str = "generate"
+    pooling_normalize: bool = True
 
     @classmethod
     def from_engine(cls, llm: EngineClient) -> ServingInfo:
@@ -84,6 +88,8 @@ class ServingInfo:
             max_waiting_requests=cfg.scheduler.max_waiting_requests,
             scheduling_policy=cfg.scheduler.policy,
             tool_call_parser=cfg.model.tool_call_parser,
+            runner=cfg.model.runner,
+            pooling_normalize=cfg.model.pooling_normalize,
         )
 
     def check_model(self, name: Any) -> None:

@@ -65,6 +65,16 @@ def test_tokenize_detokenize(client, server):
     assert_error(client.post("/tokenize", json={"prompt": 3}), 400, "prompt")
 
 
+def test_generate_server_refuses_pooling_routes(client):
+    for url, body in [
+        ("/v1/embeddings", {"input": "Hello"}),
+        ("/pooling", {"input": [1, 2, 3]}),
+        ("/v1/score", {"text_1": "a", "text_2": "b"}),
+    ]:
+        error = assert_error(client.post(url, json=body), 400, "model", "model_not_supported")
+        assert "--runner pooling" in error["message"]
+
+
 # ---- non-streaming shapes ----------------------------------------------------------------------
 
 

@@ -54,6 +54,7 @@ from jaxserve.entrypoints.http.sse import DONE_EVENT, SSEEncoder
 from jaxserve.serving.endpoints import OpenAIServing, Reply, StreamReply, version
 from jaxserve.serving.errors import APIError, error_body
 from jaxserve.serving.json_io import dumps, parse_json_body
+from jaxserve.serving.pooling import POOLING_KINDS
 from jaxserve.serving.validation import ServingInfo
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,15 @@ def _generation_handler(url: str) -> Handler:
         _check_not_draining(request)
         body = await _read_json(request)
         return await _send(request, await request.app[SERVING].generate(url, body))
+
+    return handler
+
+
+def _pooling_handler(url: str) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        _check_not_draining(request)
+        body = await _read_json(request)
+        return await _send(request, await request.app[SERVING].pool(url, body))
 
     return handler
 
@@ -335,6 +345,8 @@ def build_app(
     app[DRAINING] = asyncio.Event()
     app.router.add_post("/v1/completions", _generation_handler("/v1/completions"))
     app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
+    for url in POOLING_KINDS:  # /v1/embeddings, /pooling, /v1/score (--runner pooling)
+        app.router.add_post(url, _pooling_handler(url))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
     app.router.add_get("/v1/requests/{request_id}/ledger", _ledger)

@@ -14,10 +14,12 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from jaxserve.serving.endpoints import GENERATION, version
+from jaxserve.serving.pooling import POOLING_KINDS, REQUEST_MODELS
 from jaxserve.serving.protocol import DetokenizeRequest, TokenizeRequest
 
 _BODIES: dict[str, type[BaseModel]] = {
     **{path: endpoint.request_model for path, endpoint in GENERATION.items()},
+    **{path: REQUEST_MODELS[kind] for path, kind in POOLING_KINDS.items()},
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
