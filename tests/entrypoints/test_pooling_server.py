@@ -100,3 +100,11 @@ def test_openapi_lists_the_pooling_routes(client):
     paths = client.get("/openapi.json").json()["paths"]
     for url in ("/v1/embeddings", "/pooling", "/v1/score"):
         assert "post" in paths[url]
+
+
+@pytest.mark.slow
+def test_fuzz_pooling_server_no_5xx(server):
+    from fuzz import fuzz_server
+
+    seen = fuzz_server(server.url, max_examples=16)
+    assert server.internal_errors == [] and not any(s >= 500 for s in seen), seen
