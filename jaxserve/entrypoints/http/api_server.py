@@ -176,20 +176,16 @@ def _check_not_draining(request: web.Request) -> None:
 # ---- routes ----------------------------------------------------------------------------------
 
 
-def _generation_handler(url: str) -> Handler:
+def _generation_handler(url: str, *, pooling: bool = False) -> Handler:
+    """The route of a generating endpoint (``OpenAIServing.generate``), or of a pooling one
+    (``OpenAIServing.pool``)."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         _check_not_draining(request)
         body = await _read_json(request)
-        return await _send(request, await request.app[SERVING].generate(url, body))
-
-    return handler
-
-
-def _pooling_handler(url: str) -> Handler:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        _check_not_draining(request)
-        body = await _read_json(request)
-        return await _send(request, await request.app[SERVING].pool(url, body))
+        serving = request.app[SERVING]
+        reply = await (serving.pool if pooling else serving.generate)(url, body)
+        return await _send(request, reply)
 
     return handler
 
@@ -346,7 +342,7 @@ def build_app(
     app.router.add_post("/v1/completions", _generation_handler("/v1/completions"))
     app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
     for url in POOLING_KINDS:  # /v1/embeddings, /pooling, /v1/score (--runner pooling)
-        app.router.add_post(url, _pooling_handler(url))
+        app.router.add_post(url, _generation_handler(url, pooling=True))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
     app.router.add_get("/v1/requests/{request_id}/ledger", _ledger)
