@@ -76,14 +76,53 @@ def test_pooling_engine_generates_nothing(last_llm):
     assert last_llm.llm_engine.get_num_unfinished_requests() == 0
 
 
-@pytest.mark.parametrize("kind", ["MEAN", "CLS"])
-def test_mean_and_cls_pooling_across_chunks(kind):
-    llm = _llm(runner="pooling", pooler_config=f'{{"pooling_type": "{kind}", "normalize": false}}')
+def _pooled(kind: str) -> LLM:
+    # priority scheduling and 7 usable KV blocks: room for the three prompts at once (5
+    # blocks), and for a preemption (test_preempted_mean_request_is_recomputed)
+    return _llm(
+        runner="pooling",
+        pooler_config=f'{{"pooling_type": "{kind}", "normalize": false}}',
+        scheduling_policy="priority",
+        num_gpu_blocks_override=8,
+    )
+
+
+@pytest.fixture(scope="module")
+def mean_llm():
+    return _pooled("MEAN")
+
+
+def _check_all(llm: LLM, kind: str) -> None:
     assert not llm.llm_engine.config.cache.enable_prefix_caching
-    outs = llm.embed(PROMPTS, use_tqdm=False)
-    for i, out in enumerate(outs):
+    for i, out in enumerate(llm.embed(PROMPTS, use_tqdm=False)):
         want = EXPECTED[f"{kind.lower()}_{i}"]
         np.testing.assert_allclose(out.outputs.embedding, want, atol=ATOL)
+
+
+def test_mean_pooling_across_chunks(mean_llm):
+    _check_all(mean_llm, "MEAN")
+
+
+def test_cls_pooling_across_chunks():
+    _check_all(_pooled("CLS"), "CLS")
+
+
+def test_preempted_mean_request_is_recomputed(mean_llm):
+    """A less urgent MEAN request preempted mid-prefill (a more urgent one needs 6 of the 7
+    blocks): its partial sum is dropped and its recomputation pools the whole prompt once."""
+    engine = mean_llm.llm_engine
+    params = SamplingParams(max_tokens=0)
+    engine.add_request("low", PROMPTS[2], params, priority=1, final_only=True)
+    done = {}
+    engine.step()  # the first two 16-token chunks of "low" (2 of its 3 blocks held)
+    engine.step()
+    engine.add_request("high", PROMPTS[2] + [5] * 40, params, priority=0, final_only=True)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    np.testing.assert_allclose(done["low"].pooled, EXPECTED["mean_2"], atol=ATOL)
+    assert engine.get_ledger("low")["num_preemptions"] >= 1
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == 7
 
 
 def test_generate_engine_refuses_embed():
