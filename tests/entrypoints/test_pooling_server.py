@@ -5,6 +5,12 @@ server). Parity with transformers is tests/engine/test_pooling_engine.py's."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+
 import httpx2 as httpx
 import numpy as np
 import openai
@@ -108,3 +114,45 @@ def test_fuzz_pooling_server_no_5xx(server):
 
     seen = fuzz_server(server.url, max_examples=16)
     assert server.internal_errors == [] and not any(s >= 500 for s in seen), seen
+
+
+def _jaxserve(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *args]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_serve_refuses_convert_embed_with_the_generate_runner():
+    proc = _jaxserve("--convert", "embed", "--runner", "generate", "--port", "0")
+    err = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 2, err
+    assert "--runner pooling" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_openai_client_against_jaxserve_serve():
+    """``jaxserve serve --convert embed`` in its own process: the resolved-config line names the
+    pooling runner and the openai client's ``embeddings.create`` answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = "--convert embed --no-warmup --attention-backend xla --max-model-len 256"
+    flags += " --num-gpu-blocks-override 64 --max-num-seqs 4 --token-buckets 64"
+    proc = _jaxserve(*flags.split(), "--max-num-batched-tokens", "64", "--port", str(port))
+    lines = []
+    try:
+        for line in proc.stdout:  # the start-up report, then "serving tiny-llama on http://..."
+            lines.append(line)
+            if "serving tiny-llama on http://" in line:
+                break
+        log = "".join(lines)
+        assert "'runner': 'pooling'" in log and "'pooling_type': 'LAST'" in log, log
+        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=3)
+        resp = oai.embeddings.create(model="tiny-llama", input=["hello", "world"])
+        assert len(resp.data) == 2 and len(resp.data[0].embedding) == 256
+        assert resp.usage.prompt_tokens > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
