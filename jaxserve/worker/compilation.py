@@ -330,7 +330,9 @@ def warmup(runner: RunnerFields, *, progress: bool = True) -> float:
     """Compiles ahead of time (loads from the persistent cache when warm) the forward and the
     prompt-logprobs head for every token bucket, largest first, into ``runner.aot_forward`` /
     ``runner.aot_prompt_logprobs``, and compiles and runs the runner's warm-up sampler variants
-    for every sequence bucket on zero logits. Returns the seconds spent; logs them.
+    for every sequence bucket on zero logits. Returns the seconds spent; logs them. The pooling
+    runner compiles ``pool_step`` per token bucket instead of the sampler and prompt-logprobs
+    head, which it never runs.
 
     Requires ``initialize_kv_cache`` first.
     """
@@ -356,6 +358,18 @@ def warmup(runner: RunnerFields, *, progress: bool = True) -> float:
         ).compile()
         runner.aot_forward[size] = fwd
         logits_info, hidden_info, _ = fwd.out_info
+        pooling_type = getattr(runner, "pooling_type", None)
+        if pooling_type is not None:  # the pooling runner's head, on zero hidden states; it
+            # never samples nor scores prompt tokens
+            hidden = jax.device_put(
+                np.zeros(hidden_info.shape, hidden_info.dtype), hidden_info.sharding
+            )
+            pad = padding_inputs(runner, size)
+            jax.block_until_ready(
+                pool_step(graph, hidden, pad.query_start_loc, pad.logits_indices, pooling_type)
+            )
+            runner.warm_buckets.add(size)
+            continue
         targets = np.full(size, -1, np.int32)
         runner.aot_prompt_logprobs[size] = prompt_logprobs_step.lower(
             graph, state, hidden_info, targets
@@ -371,15 +385,6 @@ def warmup(runner: RunnerFields, *, progress: bool = True) -> float:
             for params in runner.warmup_sampling:
                 md = SamplingMetadata.from_params([SamplingRow(params, 0, 0, (), ())], pad_to=s)
                 jax.block_until_ready(sample_step(graph, logits, md))
-        pooling_type = getattr(runner, "pooling_type", None)
-        if pooling_type is not None:  # the pooling runner's head, on zero hidden states
-            hidden = jax.device_put(
-                np.zeros(hidden_info.shape, hidden_info.dtype), hidden_info.sharding
-            )
-            pad = padding_inputs(runner, size)
-            jax.block_until_ready(
-                pool_step(graph, hidden, pad.query_start_loc, pad.logits_indices, pooling_type)
-            )
         runner.warm_buckets.add(size)
     bar.close()
     seconds = time.perf_counter() - t0

@@ -42,7 +42,7 @@ def _unit(x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def last_llm():
-    return _llm(runner="pooling")
+    return _llm(runner="pooling", warmup=True)  # pool_step compiled with the forward
 
 
 def test_last_pooling_matches_transformers(last_llm):
@@ -50,6 +50,9 @@ def test_last_pooling_matches_transformers(last_llm):
     assert (config.model.pooling_type, config.model.pooling_normalize) == ("LAST", True)
     manager = last_llm.llm_engine.scheduler.kv_cache_manager
     free_before = manager.num_free_blocks
+    runner = last_llm.llm_engine.runner
+    compiled = runner.compile_counts()
+    assert compiled["pool"] == 1  # the one token bucket, at warm-up
     outs = last_llm.embed(PROMPTS, use_tqdm=False)
     for i, out in enumerate(outs):
         got = np.asarray(out.outputs.embedding)
@@ -59,6 +62,7 @@ def test_last_pooling_matches_transformers(last_llm):
     for i, out in enumerate(raw):
         np.testing.assert_allclose(out.outputs.embedding, EXPECTED[f"last_{i}"], atol=ATOL)
     assert manager.num_free_blocks == free_before  # every block back (cached ones evictable)
+    assert runner.compile_counts() == compiled  # serving compiled nothing more
     ledger = last_llm.llm_engine.get_ledger(raw[2].request_id)  # 42 tokens: 2 blocks cached
     assert ledger["prefix_cache_hit_tokens"]["device"] == 32, ledger
 
