@@ -84,7 +84,12 @@ def require_pooling(info: ServingInfo, url: str) -> None:
         )
 
 
-POOLING_KINDS = {"/v1/embeddings": "embedding", "/pooling": "pooling", "/v1/score": "score"}
+POOLING_KINDS = {
+    "/v1/embeddings": "embedding",
+    "/pooling": "pooling",
+    "/v1/score": "score",
+    "/score": "score",  # vLLM serves both
+}
 """The pooling endpoints by URL path -> their kind."""
 
 

@@ -75,7 +75,7 @@ def test_score_and_pooling(client):
     assert [d["object"] for d in score["data"]] == ["score", "score"]
     for d, other in zip(score["data"], vecs[1:]):
         assert d["score"] == pytest.approx(float(vecs[0] @ other), abs=1e-5)
-    pairwise = client.post("/v1/score", json={"text_1": texts[:2], "text_2": texts[1:]}).json()
+    pairwise = client.post("/score", json={"text_1": texts[:2], "text_2": texts[1:]}).json()
     assert pairwise["data"][1]["score"] == pytest.approx(float(vecs[1] @ vecs[2]), abs=1e-5)
     pooled = client.post("/pooling", json={"input": texts[0]}).json()
     assert pooled["data"][0]["object"] == "pooling"
@@ -104,7 +104,7 @@ def test_bad_pooling_requests_are_400s(client, server):
 
 def test_openapi_lists_the_pooling_routes(client):
     paths = client.get("/openapi.json").json()["paths"]
-    for url in ("/v1/embeddings", "/pooling", "/v1/score"):
+    for url in ("/v1/embeddings", "/pooling", "/v1/score", "/score"):
         assert "post" in paths[url]
 
 

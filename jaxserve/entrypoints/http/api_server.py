@@ -341,7 +341,7 @@ def build_app(
     app[DRAINING] = asyncio.Event()
     app.router.add_post("/v1/completions", _generation_handler("/v1/completions"))
     app.router.add_post("/v1/chat/completions", _generation_handler("/v1/chat/completions"))
-    for url in POOLING_KINDS:  # /v1/embeddings, /pooling, /v1/score (--runner pooling)
+    for url in POOLING_KINDS:  # /v1/embeddings, /pooling, /v1/score, /score
         app.router.add_post(url, _generation_handler(url, pooling=True))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
