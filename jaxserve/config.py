@@ -71,6 +71,10 @@ class ModelConfig:
         ``--convert`` (``jaxserve.pooling.resolve_runner``).
       pooling_type: "LAST", "MEAN" or "CLS" (pooling runner; ``jaxserve.pooling``).
       pooling_normalize: L2-normalise embeddings by default (pooling runner).
+      structured_outputs_bounded_numbers: JSON numbers a schema leaves unbounded are bounded
+        (integers within int64, floats with |x| <= 1e15 and at most 9 decimals; see
+        ``jaxserve.structured.json_numbers``), so forced JSON always finishes; a
+        request may say otherwise (``structured_outputs.bounded_numbers``).
 
     Raises:
       ValueError: an unknown dtype, load_format, tool_call_parser, runner or pooling_type, or a
@@ -87,6 +91,7 @@ class ModelConfig:
     runner: str = "generate"
     pooling_type: str = "LAST"
     pooling_normalize: bool = True
+    structured_outputs_bounded_numbers: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -453,6 +458,14 @@ class EngineArgs:
             "default: the checkpoint's sentence-transformers config, else LAST normalised"
         ),
     )
+    structured_outputs_bounded_numbers: bool = dataclasses.field(
+        default=True,
+        metadata=_meta(
+            "bound JSON numbers a schema leaves unbounded (integers within int64, floats "
+            "|x| <= 1e15 with at most 9 decimals) so forced JSON finishes; a request may "
+            "override it with structured_outputs.bounded_numbers"
+        ),
+    )
     block_size: int = dataclasses.field(default=16, metadata=_meta("tokens per KV block"))
     gpu_memory_utilization: float = dataclasses.field(
         default=0.9,
@@ -702,6 +715,7 @@ class EngineArgs:
                 runner=runner,
                 pooling_type=pooler.pooling_type if pooler else "LAST",
                 pooling_normalize=pooler.normalize if pooler else True,
+                structured_outputs_bounded_numbers=self.structured_outputs_bounded_numbers,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -18,6 +18,7 @@ probable token (greedy among ties broken by token id).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -26,6 +27,44 @@ MAX_LOGPROBS = 20
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """The constraint kinds of :class:`StructuredOutputsParams`, exactly one of which is set."""
+
+STRUCTURED_OPTIONS = ("bounded_numbers",)
+"""Options of :class:`StructuredOutputsParams` beside its kind."""
+
+# Caps on request preprocessing that grows with the request (each a 400 naming the field and the
+# cap; vLLM's figures where vLLM has the cap). With them every per-request preprocessing step is
+# bounded and linear, and runs before the engine thread sees the request (see
+# ``jaxserve.structured.prepare_token_masks``).
+MAX_LOGIT_BIAS = 1024
+"""Most ``logit_bias`` entries (vLLM's ``MAX_NUM_LOGIT_BIAS_TOKENS``): the sampler's bias arrays
+are as wide as the step's largest map, so the cap bounds that width too."""
+
+MAX_ALLOWED_TOKEN_IDS = 1024
+"""Most ``allowed_token_ids`` entries (vLLM's ``MAX_NUM_ALLOWED_TOKEN_IDS``)."""
+
+MAX_BAD_WORDS = 1024
+"""Most ``bad_words`` (vLLM sets no cap; each word costs two tokenizations at admission)."""
+
+MAX_BAD_WORDS_CHARS = 16384
+"""Most characters of all ``bad_words`` together: they are tokenized (twice each) and built
+into an automaton in Python, ~10 ms for the most this allows."""
+
+MAX_CHOICES = 16384
+"""Most ``structured_outputs.choice`` entries (vLLM sets no cap); they compile to one
+alternation, 16k short entries in ~0.1 s."""
+
+MAX_CONSTRAINT_CHARS = 256 * 1024
+"""Longest constraint text, characters: a regex, a grammar, the choices together, or a JSON
+schema as JSON (vLLM sets no cap; llguidance compiles 100 kB schemas in well under a second)."""
+
+
+def _json_text(value: Any) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"))
+    except (TypeError, ValueError):
+        raise ValueError(
+            "structured_outputs.json must be a JSON schema (object or string)"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +77,18 @@ class StructuredOutputsParams:
       choice: the output is exactly one of these strings.
       grammar: a Lark grammar (llguidance dialect) or a GBNF grammar.
       json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+      bounded_numbers: JSON numbers the schema leaves unbounded are limited to what JSON
+        consumers accept (integers within int64, floats with a bounded count of digits; see
+        ``jaxserve.structured.json_numbers``); None takes the engine's default
+        (``--structured-outputs-bounded-numbers``, on). Only for ``json`` / ``json_object``.
 
     Whether the constraint compiles is checked by ``jaxserve.structured`` (it needs the
     tokenizer); here only the types.
 
     Raises:
-      ValueError: no field or several set, or a field of the wrong type (message starts with
-        ``structured_outputs``).
+      ValueError: no field or several set, a field of the wrong type, more than
+        ``MAX_CHOICES`` choices or more than ``MAX_CONSTRAINT_CHARS`` characters of constraint
+        (message starts with ``structured_outputs``).
     """
 
     json: dict[str, Any] | str | None = None
@@ -52,6 +96,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    bounded_numbers: bool | None = None
 
     def __post_init__(self) -> None:
         set_fields = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -76,6 +121,31 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         if not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a boolean")
+        if self.bounded_numbers is not None and not isinstance(self.bounded_numbers, bool):
+            raise ValueError("structured_outputs.bounded_numbers must be a boolean")
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Refuses more than ``MAX_CHOICES`` choices or ``MAX_CONSTRAINT_CHARS`` characters."""
+        kind = self.kind
+        if kind == "choice":
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(
+                    f"structured_outputs.choice has {len(self.choice)} entries; at most "
+                    f"{MAX_CHOICES} are allowed"
+                )
+            size = sum(len(c) for c in self.choice)
+        elif kind == "json":
+            size = len(self.json if isinstance(self.json, str) else _json_text(self.json))
+        elif kind in ("regex", "grammar"):
+            size = len(getattr(self, kind))
+        else:
+            return
+        if size > MAX_CONSTRAINT_CHARS:
+            raise ValueError(
+                f"structured_outputs.{kind} has {size} characters; at most "
+                f"{MAX_CONSTRAINT_CHARS} are allowed"
+            )
 
     @property
     def kind(self) -> str:
@@ -159,16 +229,24 @@ class SamplingParams:
       logprobs: number of top alternatives (0..20) to return with each sampled token's logprob;
         None for no logprobs.
       prompt_logprobs: the same for prompt tokens; None for none.
-      logit_bias: token id -> bias in [-100, 100] added to its logit.
+      logit_bias: token id -> bias in [-100, 100] added to its logit; at most
+        ``MAX_LOGIT_BIAS`` entries.
       include_stop_str_in_output: keep the matched stop string in the text.
       skip_special_tokens: drop special tokens when detokenizing.
       structured_outputs: a constraint the output must match (JSON schema, regex, choice,
         grammar; see :class:`StructuredOutputsParams`), enforced by masking the logits; None
         for free text.
-      allowed_token_ids: only these token ids may be sampled (vLLM); None for all.
+      allowed_token_ids: only these token ids may be sampled (vLLM); None for all; at most
+        ``MAX_ALLOWED_TOKEN_IDS``.
       bad_words: words that must not be generated (vLLM): each is tokenized with and without
         a leading space, and the last token of a word is banned whenever the output ends with
-        the rest of it.
+        the rest of it; at most ``MAX_BAD_WORDS`` words of ``MAX_BAD_WORDS_CHARS``
+        characters in all.
+      token_mask_plan: what ``jaxserve.structured.prepare_token_masks`` made of the three
+        fields above (compiled grammar, token bitmask, bad-word automaton), set by the server
+        in a worker thread so the engine thread only copies it; None lets the engine prepare
+        it at ``add_request``. Not compared, not shown, and pickled as None (another process
+        prepares its own).
 
     Raises:
       ValueError: a field is out of range or of the wrong type; the message starts with its
@@ -197,6 +275,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = dataclasses.field(default_factory=list)
+    token_mask_plan: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1, 128)
@@ -246,6 +325,11 @@ class SamplingParams:
             )
         if not isinstance(self.logit_bias, dict):
             raise ValueError("logit_bias must be a map of token id to bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are "
+                "allowed"
+            )
         bias: dict[int, float] = {}
         for key, value in self.logit_bias.items():
             try:
@@ -266,6 +350,11 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(
+                    f"allowed_token_ids has {len(self.allowed_token_ids)} entries; at most "
+                    f"{MAX_ALLOWED_TOKEN_IDS} are allowed"
+                )
             self.allowed_token_ids = [
                 _check_int("allowed_token_ids", t, 0) for t in self.allowed_token_ids
             ]
@@ -275,6 +364,16 @@ class SamplingParams:
             isinstance(w, str) and w for w in self.bad_words
         ):
             raise ValueError("bad_words must be a list of non-empty strings")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(
+                f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS} are allowed"
+            )
+        chars = sum(map(len, self.bad_words))
+        if chars > MAX_BAD_WORDS_CHARS:
+            raise ValueError(
+                f"bad_words has {chars} characters in all; at most {MAX_BAD_WORDS_CHARS} are "
+                "allowed"
+            )
         self.bad_words = list(self.bad_words)
 
     @property
@@ -316,5 +415,11 @@ class SamplingParams:
                 )
 
     def clone(self, **changes: Any) -> SamplingParams:
-        """A validated copy with ``changes`` applied (e.g. ``n=1, seed=s+k`` for child requests)."""
+        """A validated copy with ``changes`` applied (e.g. ``n=1, seed=s+k`` for child requests).
+        Changing a field the token-mask plan was made from drops the plan."""
+        if "token_mask_plan" not in changes and _MASK_FIELDS.intersection(changes):
+            changes["token_mask_plan"] = None
         return dataclasses.replace(self, **changes)
+
+
+_MASK_FIELDS = frozenset(("structured_outputs", "allowed_token_ids", "bad_words"))

@@ -373,9 +373,13 @@ class AsyncLLM:
 
         Raises:
           ValueError: the engine refused the request (bad prompt or params; names the field), or
-            the id is already in use.
+            the id is already in use, or ``params.token_mask_plan``'s compile refused its
+            constraint (awaited here, before the request reaches the engine).
           EngineDeadError: the engine thread died.
         """
+        plan = params.token_mask_plan
+        if plan is not None:  # its grammar compiles in a compile thread: wait without a thread
+            await plan.ready()
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, params.n, self, loop)
         message = AddRequest(stream, prompt, params, priority, cache_salt, time.monotonic())

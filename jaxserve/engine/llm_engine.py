@@ -19,10 +19,12 @@ The life of one request:
    deltas), ``finished`` once all its samples are.
 
 Token masks (structured outputs, ``allowed_token_ids``, ``bad_words``): ``add_request`` starts a
-request's mask state in ``TokenMaskManager`` (a constraint that does not compile is refused
-there); each step, right after scheduling, one ``step_mask`` call advances the matchers over
-the tokens sampled since and computes the next masks, which the runner applies in the jitted
-sampler (``jaxserve.structured``).
+request's mask state in ``TokenMaskManager`` from the plan the server prepared off this thread
+(``SamplingParams.token_mask_plan``; without one it is prepared here, and a constraint refused
+at admission is a ``ValueError``); after each step's update ``advance`` feeds the matchers the
+new tokens and ends the requests whose grammar is complete ("stop", even with ``ignore_eos``)
+or failed ("error"); right after scheduling, one ``step_mask`` call computes the next masks,
+which the runner applies in the jitted sampler (``jaxserve.structured``).
 
 Length policy (documented choice): ``prompt + max_tokens`` beyond ``max_model_len`` is not an
 error; ``max_tokens`` is clamped to what max_model_len leaves and the sample ends with "length"
@@ -97,7 +99,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, config.cache.num_gpu_blocks)
         self.output_processor = OutputProcessor(tokenizer)
         self.ledger_history = LedgerHistory(config.ledger_history)
-        self.token_masks = TokenMaskManager(tokenizer)
+        self.token_masks = TokenMaskManager(
+            tokenizer,
+            bounded_numbers=config.model.structured_outputs_bounded_numbers,
+            vocab_size=arch.vocab_size,
+        )
         self.eos_token_id, self.extra_eos_token_ids = _eos_ids(tokenizer, generation_config, arch)
         self._stats = EngineStats()
         self.async_scheduling = config.scheduler.async_scheduling
@@ -407,6 +413,8 @@ class LLMEngine:
         if runner_out is not None:
             tokens_time = time.monotonic()  # the step's tokens are on the host
             core_outputs = self.scheduler.update_from_output(done_sched, runner_out, batched=True)
+            # Grammars see their tokens now: a complete one ends its request on this token.
+            ended = self.token_masks.advance(core_outputs) if len(self.token_masks) else None
             outputs, stopped = self.output_processor.process_outputs(core_outputs, tokens_time)
             pooled = runner_out.pooler_output
             if pooled:  # pooling runner: the vectors of the prompts this step completed
@@ -415,6 +423,9 @@ class LLMEngine:
                         out.pooled = pooled.get(out.request_id)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            if ended:
+                for status, req_ids in ended.items():
+                    self.scheduler.finish_requests(req_ids, status)
             for out in outputs:
                 if out.finished:
                     self.ledger_history.add(out.request_id, out.ledgers)

@@ -9,7 +9,8 @@ can finish them in the scheduler (vLLM V1's ``OutputProcessor``).
 
 Detokenizer contract: a sample that ended on EOS or a stop token id (finish_reason "stop" from
 the scheduler) passes every token but that last one to the detokenizer, so its text never
-shows up (vLLM V1's behaviour); the token id stays in ``token_ids``.
+shows up (vLLM V1's behaviour); the token id stays in ``token_ids``. A sample its grammar ended
+("stop" on the token that completed it) keeps that token's text.
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ class _ParentState:
     # final_only, one sample, no detokenizer, no logprobs: a step that does not finish it only
     # records its tokens (process_outputs' lean path)
     lean: bool = False
+
+
+def _stopped_on_token(sample: _SampleState, co: EngineCoreOutput) -> bool:
+    """True when the step's last token is a stop token (EOS / stop_token_ids) that ended the
+    sample: its text is left out. A grammar that completes ends a sample with "stop" on an
+    ordinary token, which stays."""
+    ids = co.new_token_ids
+    return (
+        co.finish_reason == FinishReason.STOP.value
+        and bool(ids)
+        and ids[-1] in sample.request.stop_token_set
+    )
 
 
 class OutputProcessor:
@@ -318,8 +331,8 @@ class OutputProcessor:
         """Detokenizes the step's tokens (a stop token's own text is left out); True when a stop
         string matched (the sample then finishes with "stop" and the string as stop_reason)."""
         new_ids = co.new_token_ids
-        stopped_on_token = co.finish_reason == FinishReason.STOP.value
-        text_ids = new_ids[:-1] if stopped_on_token and new_ids else new_ids
+        stopped_on_token = _stopped_on_token(sample, co)
+        text_ids = new_ids[:-1] if stopped_on_token else new_ids
         delta_text, stop_str = sample.detokenizer.update(
             text_ids, finished=co.finish_reason is not None
         )
@@ -338,7 +351,7 @@ class OutputProcessor:
         if sample.finish_reason is None:
             sample.finish_reason, sample.stop_reason = co.finish_reason, co.stop_reason
         if sample.detokenizer is None and self.tokenizer is not None:
-            self._finish_text(parent, sample, co.finish_reason == FinishReason.STOP.value)
+            self._finish_text(parent, sample, _stopped_on_token(sample, co))
         parent.num_finished += 1
         self._child_to_parent.pop(co.req_id, None)
         self._child_epoch += 1

@@ -41,10 +41,10 @@ from jaxserve.serving.protocol import ChatCompletionRequest, ChatMessage
 from jaxserve.serving.tool_calls import ToolPlan, plan_tools, template_tool_call
 from jaxserve.serving.validation import (
     ServingInfo,
-    check_output_constraint,
     check_prompt_bytes,
     check_prompt_ids,
     check_sampler_memory,
+    prepare_token_masks_of,
     resolve_max_tokens,
 )
 
@@ -142,11 +142,13 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
     except ValueError as exc:
         raise _chat_field_error(exc, field) from exc
     check_sampler_memory(params, info)
-    check_output_constraint(request, params, tokenizer)
     if tools is not None and tools.constraint is not None:
         params = params.clone(structured_outputs=tools.constraint)
     if tools is not None and tools.parser is not None and tools.parser.needs_special_tokens:
         params = params.clone(skip_special_tokens=False)  # the call marker is a special token
+    forced = tools is not None and tools.constraint is not None
+    checks = tools.checks if tools is not None else ()
+    prepare_token_masks_of(request, params, tokenizer, info, "tools" if forced else None, checks)
     return ChatJob(
         request=request,
         request_id=random_id("chatcmpl"),
@@ -160,13 +162,14 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
 
 
 def _plan_tools(request: ChatCompletionRequest, info: ServingInfo, tokenizer: Any) -> Any:
-    """The request's ToolPlan (``tool_calls.plan_tools``), with every tool's parameter schema
-    and the forcing grammar compiled now.
+    """The request's ToolPlan (``tool_calls.plan_tools``), with the compile of every tool's
+    parameter schema started (``ToolPlan.checks``: the engine call awaits them).
 
     Raises:
       APIError: 400 naming ``tools`` or ``tool_choice``.
     """
-    from jaxserve.structured import check_structured_outputs
+    from jaxserve.structured import compile_constraint_future
+    from jaxserve.structured.threads import yield_gil
 
     try:
         plan = plan_tools(
@@ -182,15 +185,19 @@ def _plan_tools(request: ChatCompletionRequest, info: ServingInfo, tokenizer: An
                 "tool_choice: a required or named tool choice cannot be combined with "
                 "response_format / structured_outputs"
             )
-        for tool in plan.tools:
+        checks = []
+        # "required" compiles every tool's schema into its constraint: no separate checks.
+        for tool in plan.tools if plan.mode != "required" else ():
+            yield_gil()
             schema = tool["function"].get("parameters")
             if schema is not None:
-                check_structured_outputs(StructuredOutputsParams(json=schema), tokenizer, "tools")
-        if plan.constraint is not None:
-            check_structured_outputs(plan.constraint, tokenizer, "tools")
+                spec = StructuredOutputsParams(json=schema)
+                checks.append(
+                    compile_constraint_future(spec, tokenizer, "tools", info.bounded_numbers)
+                )
     except ValueError as exc:
         raise from_value_error(exc) from exc
-    return plan
+    return dataclasses.replace(plan, checks=tuple(checks))
 
 
 def _tool_finish(finish_reason: str | None, num_calls: int) -> str | None:
@@ -226,7 +233,7 @@ def build_chat_response(job: ChatJob, output: RequestOutput, tokenizer: Any) -> 
         finish_reason = completion.finish_reason
         extractor = job.tools.extractor() if job.tools is not None else None
         if extractor is not None:
-            message["content"], calls = extractor.final(completion.text)
+            message["content"], calls = extractor.final(completion.text, finish_reason)
             if calls:
                 message["tool_calls"] = [c.as_openai() for c in calls]
                 finish_reason = _tool_finish(finish_reason, len(calls))

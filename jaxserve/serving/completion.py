@@ -39,10 +39,10 @@ from jaxserve.serving.logprobs import CompletionLogprobs
 from jaxserve.serving.protocol import CompletionRequest
 from jaxserve.serving.validation import (
     ServingInfo,
-    check_output_constraint,
     check_prompt_bytes,
     check_prompt_ids,
     check_sampler_memory,
+    prepare_token_masks_of,
     resolve_max_tokens,
 )
 
@@ -122,7 +122,10 @@ def prepare_completion(
         except ValueError as exc:
             raise from_value_error(exc) from exc
         check_sampler_memory(sp, info)
-        check_output_constraint(request, sp, tokenizer)
+        if params:  # the same mask fields for every prompt: one plan
+            sp.token_mask_plan = params[0].token_mask_plan
+        else:
+            prepare_token_masks_of(request, sp, tokenizer, info)
         params.append(sp)
     texts = (
         [

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jaxserve.sampling_params import (
     STRUCTURED_KINDS,
+    STRUCTURED_OPTIONS,
     SamplingParams,
     StructuredOutputsParams,
     check_stop_caps,
@@ -163,37 +164,45 @@ class _SamplingRequest(BaseModel):
     @field_validator("response_format")
     @classmethod
     def _one_constraint(cls, value: ResponseFormat | None, info: Any) -> ResponseFormat | None:
-        if value is not None and value.type != "text" and info.data.get("structured_outputs"):
+        given = info.data.get("structured_outputs") or {}
+        if value is not None and value.type != "text" and set(given) - set(STRUCTURED_OPTIONS):
             raise ValueError(
-                "response_format: give response_format or structured_outputs, not both"
+                "response_format: give response_format or structured_outputs, not both "
+                f"(structured_outputs may then carry only {list(STRUCTURED_OPTIONS)})"
             )
         return value
 
     @property
     def constraint_field(self) -> str:
         """The request field that carries the output constraint (for error messages)."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            return "response_format"
         return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The output constraint of ``response_format`` or vLLM's ``structured_outputs``.
+        """The output constraint of ``response_format`` or vLLM's ``structured_outputs`` (whose
+        options, ``bounded_numbers``, also apply to ``response_format``).
 
         Raises:
-          ValueError: ``structured_outputs`` names an unknown kind or a bad value (message
+          ValueError: ``structured_outputs`` names an unknown key or a bad value (message
             starts with ``structured_outputs``).
         """
-        fmt = self.response_format
-        if fmt is not None and fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if fmt is not None and fmt.type == "json_schema":
-            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
-        if self.structured_outputs is None:
-            return None
-        known = {k: v for k, v in self.structured_outputs.items() if v is not None}
-        unknown = sorted(set(known) - set(STRUCTURED_KINDS))
+        known = {k: v for k, v in (self.structured_outputs or {}).items() if v is not None}
+        unknown = sorted(set(known) - set(STRUCTURED_KINDS) - set(STRUCTURED_OPTIONS))
         if unknown:
             raise ValueError(
-                f"structured_outputs: unknown keys {unknown}; expected one of {list(STRUCTURED_KINDS)}"
+                f"structured_outputs: unknown keys {unknown}; expected one of "
+                f"{list(STRUCTURED_KINDS)} and the options {list(STRUCTURED_OPTIONS)}"
             )
+        options = {k: v for k, v in known.items() if k in STRUCTURED_OPTIONS}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True, **options)
+        if fmt is not None and fmt.type == "json_schema":
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema, **options)
+        if self.structured_outputs is None or known.keys() <= set(STRUCTURED_OPTIONS):
+            return None
         return StructuredOutputsParams(**known)
 
     def _sampling_kwargs(self) -> dict[str, Any]:

@@ -16,9 +16,16 @@ turning the model's text into OpenAI ``tool_calls`` (whole, or as streamed delta
 * ``{"type": "function", "function": {"name": N}}``: the grammar forces N's arguments (its
   parameter schema); the whole output is the arguments.
 
-Streaming: text is re-parsed as it grows (outputs are short); content is sent as soon as it
-cannot be the start of a tool call, and each call is sent as one ``tool_calls`` delta when its
-JSON is complete (forced named calls stream their arguments token by token).
+Streaming: forced calls ("required" and named) stream as OpenAI does: a first delta with the
+call's index, id and name, then its ``arguments`` text token by token (a small scanner follows
+the forced JSON: ``[{"name": N, "parameters": ARGS}, ...]``, keys in that order, no free
+whitespace). With "auto" the text is re-parsed as it grows (outputs are short); content is sent
+as soon as it cannot be the start of a tool call, and each call is sent as one ``tool_calls``
+delta when its JSON is complete.
+
+A forced call cut by ``max_tokens`` (finish reason "length") is returned as text content, never
+as ``tool_calls`` with broken JSON; streamed, its deltas are already out, and the finish reason
+"length" says the arguments are incomplete (as OpenAI's do).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from typing import Any
 from jaxserve.sampling_params import StructuredOutputsParams
 
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+MAX_TOOLS = 128
+"""Most tools one request may list (OpenAI's limit); each schema is compiled at admission."""
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
 
 
@@ -193,6 +202,8 @@ class ToolPlan:
       named: the forced function's name (mode "named").
       parser: the text parser (mode "auto").
       constraint: the grammar that forces calls (modes "required" and "named").
+      checks: futures of the tools' parameter-schema compiles (the serving layer's; each
+        resolves, or raises the ValueError that refuses its schema).
     """
 
     mode: str
@@ -200,6 +211,7 @@ class ToolPlan:
     named: str | None = None
     parser: ToolParser | None = None
     constraint: StructuredOutputsParams | None = None
+    checks: tuple[Any, ...] = ()
 
     def extractor(self) -> ToolCallExtractor | None:
         """A fresh per-choice extractor, or None when the text is plain content."""
@@ -218,14 +230,16 @@ def plan_tools(
       None without tools (and ``tool_choice`` absent or "none").
 
     Raises:
-      ValueError: a malformed tool (message starts with ``tools``), or a ``tool_choice`` that
-        names no tool, needs tools, or needs a ``--tool-call-parser`` (starts with
-        ``tool_choice``).
+      ValueError: more than ``MAX_TOOLS`` tools or a malformed one (message starts with
+        ``tools``), or a ``tool_choice`` that names no tool, needs tools, or needs a
+        ``--tool-call-parser`` (starts with ``tool_choice``).
     """
     if not tools:
         if tool_choice not in (None, "none"):
             raise ValueError("tool_choice: needs a non-empty tools list")
         return None
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"tools has {len(tools)} tools; at most {MAX_TOOLS} are allowed")
     names = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -314,6 +328,7 @@ class ToolCallExtractor:
         self._content_sent = 0
         self._calls_sent = 0
         self._named_started = False
+        self._required = _ForcedCallStream()
 
     def extract(self, text: str) -> Extraction:
         """Content and complete calls of the text so far."""
@@ -328,17 +343,24 @@ class ToolCallExtractor:
             return Extraction("", _array_calls(text, ("parameters", "arguments")))
         return plan.parser.extract(text)
 
-    def final(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content or None, calls) of a finished choice."""
+    def final(
+        self, text: str, finish_reason: str | None = None
+    ) -> tuple[str | None, list[ToolCall]]:
+        """(content or None, calls) of a finished choice. A forced call cut by ``max_tokens``
+        (``finish_reason`` "length") is content: its JSON may be incomplete."""
+        if finish_reason == "length" and self.plan.mode in ("named", "required"):
+            return text, []
         found = self.extract(text)
-        if self.plan.mode == "named" and not found.calls:  # cut by max_tokens: still the call
-            found = Extraction("", [ToolCall(self.plan.named, text)])
         return (found.content or None) if found.calls else text, found.calls
 
     def delta(self, delta_text: str, finished: bool) -> dict[str, Any]:
         """The chat ``delta`` fields for ``delta_text`` (may be empty)."""
         self.text += delta_text
         out: dict[str, Any] = {}
+        if self.plan.mode == "required":
+            calls = self._required.feed(delta_text)
+            self._calls_sent = self._required.num_calls
+            return {"tool_calls": calls} if calls else {}
         if self.plan.mode == "named":
             calls: list[dict[str, Any]] = []
             if not self._named_started:
@@ -369,3 +391,84 @@ class ToolCallExtractor:
     def num_calls_sent(self) -> int:
         """Tool calls sent so far as deltas."""
         return self._calls_sent
+
+
+_CALL_HEAD = re.compile(r'\{"name": "([a-zA-Z0-9_-]{1,64})", "parameters": ')
+
+
+class _ForcedCallStream:
+    """Streams the calls of a "required" tool choice's forced JSON, ``[{"name": N,
+    "parameters": ARGS}, ...]`` (the grammar fixes the key order and the separators), as OpenAI
+    deltas: ``{index, id, type, function: {name, arguments: ""}}`` once a call's name is
+    complete, then ``{index, function: {arguments: piece}}`` for each piece of ARGS's text.
+    Each character is scanned once."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.num_calls = 0
+        self._pos = 0  # scanned up to here
+        self._in_args = False
+        self._depth = 0  # nesting of ARGS (objects and arrays)
+        self._in_string = False
+        self._escape = False
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        """Delta entries for ``piece``, the next text of the output."""
+        self.text += piece
+        out: list[dict[str, Any]] = []
+        while self._pos < len(self.text):
+            if not self._in_args:
+                head = _CALL_HEAD.search(self.text, self._pos)
+                if head is None:
+                    return out  # the next call's head is not complete yet
+                out.append(ToolCall(head.group(1), "").as_openai(self.num_calls))
+                self.num_calls += 1
+                self._pos = head.end()
+                self._in_args, self._depth = True, 0
+                self._in_string = self._escape = False
+                continue
+            start = self._pos
+            end = self._scan_args()
+            if end > start:
+                args = self.text[start:end]
+                if out and out[-1]["index"] == self.num_calls - 1 and "id" in out[-1]:
+                    out[-1]["function"]["arguments"] += args
+                else:
+                    out.append({"index": self.num_calls - 1, "function": {"arguments": args}})
+        return out
+
+    def _scan_args(self) -> int:
+        """Moves over ARGS's text; returns where the text of ARGS scanned so far ends (the
+        value's end once it closes, after which the next call's head is looked for)."""
+        text = self.text
+        i = self._pos
+        while i < len(text):
+            c = text[i]
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+                    if self._depth == 0:  # a string value: it ends here
+                        self._in_args = False
+                        self._pos = i + 1
+                        return i + 1
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]" or (c == "," and self._depth == 0):
+                if self._depth == 0:  # a scalar value ended before this character
+                    self._in_args = False
+                    self._pos = i
+                    return i
+                self._depth -= 1
+                if self._depth == 0:
+                    self._in_args = False
+                    self._pos = i + 1
+                    return i + 1
+            i += 1
+        self._pos = i
+        return i

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxserve.engine.protocol import EngineClient
-from jaxserve.serving.errors import APIError, bad_request, model_not_found
+from jaxserve.serving.errors import APIError, bad_request, from_value_error, model_not_found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,8 @@ class ServingInfo:
         model's serving configuration.
       runner: "generate" or "pooling" (``--runner``): which endpoints the model answers.
       pooling_normalize: pooling runner: embeddings are L2-normalised unless a request says.
+      bounded_numbers: ``--structured-outputs-bounded-numbers`` (JSON numbers a schema leaves
+        unbounded are bounded unless the request says otherwise).
     """
 
     model_name: str
@@ -66,6 +68,7 @@ class ServingInfo:
     system_fingerprint: str = ""
     runner: str = "generate"
     pooling_normalize: bool = True
+    bounded_numbers: bool = True
 
     @classmethod
     def from_engine(cls, llm: EngineClient) -> ServingInfo:
@@ -90,6 +93,7 @@ class ServingInfo:
             tool_call_parser=cfg.model.tool_call_parser,
             runner=cfg.model.runner,
             pooling_normalize=cfg.model.pooling_normalize,
+            bounded_numbers=cfg.model.structured_outputs_bounded_numbers,
         )
 
     def check_model(self, name: Any) -> None:
@@ -248,22 +252,47 @@ def check_priority(priority: int, info: ServingInfo) -> None:
         )
 
 
-def check_output_constraint(request: Any, params: Any, tokenizer: Any) -> None:
-    """Compiles the request's output constraint (``response_format`` / ``structured_outputs``)
-    against the tokenizer now, so a schema the engine cannot use is a 400 before anything runs.
+def prepare_token_masks_of(
+    request: Any,
+    params: Any,
+    tokenizer: Any,
+    info: ServingInfo,
+    field: str | None = None,
+    checks: Any = (),
+) -> Any:
+    """Attaches the request's token-mask plan to ``params`` (``SamplingParams.token_mask_plan``):
+    bad words tokenized, allowed ids as a mask row, the output constraint's compile started.
+    Called in the request's worker thread, so the engine thread only copies the plan; the
+    compile ends in a compile thread and ``AsyncLLM.add_request`` awaits it, so a constraint
+    the engine cannot use is a 400 before anything runs, and a slow compile holds no worker
+    thread. Returns ``params``.
+
+    Args:
+      field: the field that carries the constraint (default the request's
+        ``constraint_field``).
+      checks: futures of other compiles the request must pass (a chat's tool schemas).
 
     Raises:
-      APIError: 400 naming the field the client used.
+      APIError: 400 naming the field the client used (``response_format``,
+        ``structured_outputs``, ``tools``, ``bad_words``) when that shows before compiling.
     """
-    spec = params.structured_outputs
-    if spec is None:
-        return
-    from jaxserve.structured import check_structured_outputs
+    if not params.needs_token_mask and not checks:
+        return params
+    from jaxserve.structured import prepare_token_masks
 
+    field = field or request.constraint_field
     try:
-        check_structured_outputs(spec, tokenizer, request.constraint_field)
+        params.token_mask_plan = prepare_token_masks(
+            params,
+            tokenizer,
+            bounded_numbers=info.bounded_numbers,
+            field=field,
+            wait=False,
+            checks=checks,
+        )
     except ValueError as exc:
-        raise bad_request(str(exc), param=request.constraint_field) from exc
+        raise from_value_error(exc) from exc
+    return params
 
 
 def check_prompt_ids(ids: list[int], info: ServingInfo, field: str = "prompt") -> None:

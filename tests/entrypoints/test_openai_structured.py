@@ -8,8 +8,11 @@ vacuously.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
@@ -17,7 +20,14 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from server_harness import MODEL_DIR, assert_error, running_server, small_engine_args, wait_idle
+from server_harness import (
+    MODEL_DIR,
+    assert_error,
+    running_server,
+    small_engine_args,
+    sse,
+    wait_idle,
+)
 from structured_schemas import SCHEMAS
 
 pytest.importorskip("llguidance")
@@ -282,7 +292,18 @@ def test_required_tool_choice_streams_the_same_calls(oai):
             deltas += chunk.choices[0].delta.tool_calls or []
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+    # #39: like a named call, each call streams as a head (index, id, name) and then its
+    # arguments piece by piece (it came as one delta at the end).
+    joined: dict[int, list] = {}
+    for d in deltas:
+        if d.id is not None:
+            assert d.index not in joined and d.function.name and d.type == "function"
+            joined[d.index] = [d.function.name, d.function.arguments or ""]
+        else:
+            assert d.function.name is None
+            joined[d.index][1] += d.function.arguments
+    assert len(deltas) > 2 * len(joined)
+    assert [tuple(joined[i]) for i in sorted(joined)] == [
         (c.function.name, c.function.arguments) for c in choice.message.tool_calls
     ]
 
@@ -350,6 +371,10 @@ def test_auto_tool_choice_with_a_model_that_does_not_call_returns_content(oai):
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        (  # OpenAI's limit: each tool's schema is compiled at admission
+            {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+            "tools",
+        ),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
@@ -359,3 +384,171 @@ def test_auto_tool_choice_with_a_model_that_does_not_call_returns_content(oai):
 def test_bad_tool_definitions_are_400s(client, extra, param):
     body = {"messages": ASK, "max_tokens": 4, **extra}
     assert_error(client.post(CHAT, json=body), 400, param=param)
+
+
+# ---- limits and endings (#38 F1, F2, F4; #39) ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra,param,cap",
+    [
+        ({"bad_words": [f"w{i}" for i in range(1025)]}, "bad_words", "1024"),
+        ({"bad_words": ["x" * 8200, "y" * 8200]}, "bad_words", "16384"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "1024"),
+        ({"allowed_token_ids": list(range(1025))}, "allowed_token_ids", "1024"),
+        (
+            {"structured_outputs": {"choice": [f"w{i}" for i in range(16385)]}},
+            "structured_outputs.choice",
+            "16384",
+        ),
+        ({"structured_outputs": {"regex": "a" * 262145}}, "structured_outputs.regex", "262144"),
+    ],
+)
+def test_request_sizes_over_the_caps_are_400s_naming_field_and_cap(client, extra, param, cap):
+    # #38 F1: 30,000 bad words froze every request for 30 s; now the caps answer at once.
+    error = assert_error(
+        client.post(COMPL, json={"prompt": "hi", "max_tokens": 2, **extra}), 400, param=param
+    )
+    assert cap in error["message"]
+
+
+@pytest.mark.parametrize(
+    "constraint,says",
+    [
+        ({"regex": "(a{1000}){1000}"}, "within limits"),
+        ({"regex": "(a{300}){300}"}, "too costly"),
+        ({"grammar": 'start: "a" start'}, "no finite string"),
+        ({"grammar": 'root ::= "x" root'}, "no finite string"),
+        ({"regex": "[^\\s\\S]"}, "matches no text"),
+    ],
+)
+def test_constraints_that_cannot_finish_are_400s_at_admission(server, client, constraint, says):
+    # #38 F2: each of these answered "a" / "x" / "" with finish_reason "stop".
+    body = {"prompt": "hi", "max_tokens": 8, "structured_outputs": constraint}
+    error = assert_error(client.post(COMPL, json=body), 400, param="structured_outputs")
+    assert says in error["message"]
+    assert client.post(COMPL, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def _single_token_letters(client) -> dict[str, int]:
+    out = {}
+    for ch in "abcdefghijklmnopqrstuvwxyz":
+        ids = client.post("/tokenize", json={"prompt": "\n" + ch, "add_special_tokens": False})
+        newline = client.post("/tokenize", json={"prompt": "\n", "add_special_tokens": False})
+        tail = ids.json()["tokens"][len(newline.json()["tokens"]) :]
+        if len(tail) == 1:
+            out[ch] = tail[0]
+    return out
+
+
+def test_matcher_failure_mid_generation_is_finish_reason_error(server, client):
+    # #38 F2: a constraint failing mid-generation was reported as a normal "stop". The probe
+    # takes the highest token id ("q..."); the bias sends the model down the other branch,
+    # whose 2,500 alternatives exceed llguidance's 2,000 Earley items per row.
+    letters = _single_token_letters(client)
+    low, high = min(letters, key=letters.get), max(letters, key=letters.get)
+    rule = " | ".join(f'"w{i}"' for i in range(2500))
+    body = {
+        "prompt": "hi",
+        "max_tokens": 8,
+        "temperature": 0,
+        "logit_bias": {str(letters[low]): 100},
+        "structured_outputs": {"grammar": f'start: "{high}" "ok" | "{low}" tail\ntail: {rule}'},
+    }
+    choice = client.post(COMPL, json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "error"
+    assert choice["stop_reason"].startswith("structured output constraint failed")
+    events = sse(client, COMPL, {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "error"
+    _, idle = wait_idle(client, server.llm)
+    assert idle
+
+
+def test_ignore_eos_json_stops_when_complete_and_usage_counts_the_answer(client):
+    # #38 F4: 4 x max_tokens of usage and thousands of warnings for ~24 visible tokens.
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 5}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    body = {
+        "prompt": "Data:",
+        "max_tokens": 200,
+        "n": 4,
+        "ignore_eos": True,
+        "seed": 1,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
+    }
+    done = client.post(COMPL, json=body).json()
+    for choice in done["choices"]:
+        assert choice["finish_reason"] == "stop"
+        assert len(json.loads(choice["text"])["a"]) <= 5
+    assert done["usage"]["completion_tokens"] <= 4 * 16
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+)
+def test_forced_tool_call_cut_by_max_tokens_is_text_with_length(oai, tool_choice):
+    # #39: a named call whose arguments ran into max_tokens came back as tool_calls of broken
+    # JSON.
+    done = oai.chat.completions.create(
+        model="tiny-llama", messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=3
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls is None
+    assert choice.message.content and choice.message.content.startswith(("{", "["))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"structured_outputs": {"json": {"type": "integer"}, "bounded_numbers": False}},
+        {
+            "response_format": {"type": "json_object"},
+            "structured_outputs": {"bounded_numbers": False},
+        },
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "schema": {"type": "integer", "x-guidance": {"bounded_numbers": False}}
+                },
+            }
+        },
+    ],
+)
+def test_bounded_numbers_can_be_switched_off_per_request(client, extra):
+    done = client.post(COMPL, json={"prompt": "n=", "max_tokens": 4, **extra})
+    assert done.status_code == 200, done.text
+
+
+# ---- the README's examples (#39) -----------------------------------------------------------
+
+
+def _readme_client_blocks() -> list[str]:
+    """The README's Python blocks that talk to the server through the ``openai`` client, in
+    order (a later block uses the ``client`` an earlier one made)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    with open(path, encoding="utf-8") as f:
+        blocks = re.findall(r"^```python\n(.*?)^```", f.read(), flags=re.S | re.M)
+    return [b for b in blocks if "client" in b and "from jaxserve import" not in b]
+
+
+def test_readme_client_examples_run_as_printed(server):
+    # #39: the README's pydantic example failed 4 of 4 times (LengthFinishReasonError).
+    blocks = _readme_client_blocks()
+    assert any("chat.completions.parse" in b for b in blocks) and len(blocks) >= 2
+    for _ in range(2):  # the issue saw 4 failures in 4 tries; bounded, none can run on
+        namespace: dict = {}
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            for block in blocks:
+                exec(block.replace("http://127.0.0.1:8000", server.url), namespace)  # noqa: S102
+        printed = out.getvalue()
+        assert "city=" in printed and "celsius=" in printed, printed
+        assert "name='get_weather'" in printed, printed
