@@ -82,6 +82,9 @@ class ModelRunnerOutput:
         and the engine reports None there).
       sampled_flat: when every request of the step sampled exactly one token, those tokens in
         ``req_ids`` order (``sampled_token_ids[i] == [sampled_flat[i]]``); else None.
+      pooler_output: pooling runner: req_id -> the pooled vector (numpy float32
+        ``[hidden_size]``, before normalisation) of each request whose prompt this step
+        completed; empty otherwise.
     """
 
     req_ids: list[str]
@@ -90,6 +93,7 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs]] | None = None
     prompt_logprobs_dict: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
     sampled_flat: list[int] | None = None
+    pooler_output: dict = dataclasses.field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

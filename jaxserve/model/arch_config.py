@@ -131,6 +131,7 @@ class ModelArchConfig:
                 f"unsupported architecture {arch or hf.get('model_type')!r}; supported: "
                 f"{', '.join(supported_architectures())}"
             )
+        arch = causal_lm_name(arch)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(
@@ -191,6 +192,16 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+
+
+def causal_lm_name(architecture: str) -> str:
+    """A base model's architecture as its causal LM's ("Qwen3Model" -> "Qwen3ForCausalLM", whose
+    switches it shares; it is served with ``--runner pooling``); any other name unchanged."""
+    if architecture.endswith("Model") and architecture in supported_architectures():
+        lm = architecture[: -len("Model")] + "ForCausalLM"
+        if lm in supported_architectures():
+            return lm
+    return architecture
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:

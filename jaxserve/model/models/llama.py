@@ -140,8 +140,11 @@ class LlamaForCausalLM(nnx.Module):
         if proj is not None:
             layout = Layout("linear", 2 if proj == "o_proj" else 1) if leaf == "weight" else FLATTEN
         if naming == "hf":
-            name = flat_name(path) if module == ["lm_head"] else "model." + flat_name(path)
-            return TensorSource((name,), layout)
+            if module == ["lm_head"]:
+                return TensorSource((flat_name(path),), layout)
+            # a base model saved on its own (sentence-transformers, Qwen3-Embedding) has no
+            # "model." prefix
+            return TensorSource(("model." + flat_name(path), flat_name(path)), layout)
         if naming == "gguf":
             if module[0] == "layers":
                 name = f"blk.{module[1]}.{_GGUF_LAYER_NAMES['.'.join(module[2:])]}.{leaf}"
