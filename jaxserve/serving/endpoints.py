@@ -439,7 +439,8 @@ class OpenAIServing:
         return JSONReply(await create_pooling(engine, job))
 
     async def serve_request(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Serves one non-streaming generating request without a transport (``run-batch``).
+        """Serves one non-streaming generating or pooling request without a transport
+        (``run-batch``).
 
         Returns:
           ``(status, body)``: 200 and the OpenAI response object, or the error status and
