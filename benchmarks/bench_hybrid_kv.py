@@ -233,7 +233,7 @@ def served_outputs(run, prompts, max_tokens: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--kv-gib", type=float, default=40.0, help="KV memory for part 1")
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--kv-heads", type=int, default=8)
