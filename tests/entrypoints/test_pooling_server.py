@@ -66,6 +66,26 @@ def test_openai_client_embeddings(server, oai):
     assert np.linalg.norm(raw) > 1.5  # truly not normalised
 
 
+def test_readme_embeddings_example(server):
+    """The README's embeddings example runs as printed against a ``--convert embed`` server,
+    with the ``client`` and ``model`` its first client example makes."""
+    import contextlib
+    import io
+    import re
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    with open(path, encoding="utf-8") as f:
+        blocks = re.findall(r"^```python\n(.*?)^```", f.read(), flags=re.S | re.M)
+    (block,) = [b for b in blocks if "embeddings.create" in b]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    namespace = {"client": client, "model": client.models.list().data[0].id}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(block, namespace)  # noqa: S102
+    dims, tokens = out.getvalue().split()
+    assert int(dims) == 64 and int(tokens) > 0
+
+
 def test_score_and_pooling(client):
     texts = ["hello there", "hello world", "numbers 1 2 3"]
     emb = client.post("/v1/embeddings", json={"input": texts, "encoding_format": "float"}).json()
