@@ -19,9 +19,28 @@ from jaxserve.model.attention_backends import (
     canonical_attention_backend,
 )
 from jaxserve.model.quant_config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+from jaxserve.pooling import (
+    CONVERT_CHOICES,
+    POOLING_TYPES,
+    RUNNER_CHOICES,
+    resolve_pooler_config,
+    resolve_runner,
+)
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+def _architecture(path: str) -> str:
+    """The first ``architectures`` entry of a HF model directory's config.json ("" otherwise)."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        return ""
+    import json  # local: only here
+
+    with open(config_path) as f:
+        names = json.load(f).get("architectures") or [""]
+    return str(names[0])
 
 
 def _default_compilation_cache_dir() -> str:
@@ -50,6 +69,11 @@ class ModelConfig:
         "llama3_json", "hermes" (Qwen2.5 / Qwen3 ``<tool_call>``), "mistral" (``[TOOL_CALLS]``),
         or "" (no parser: ``tool_choice: "auto"`` is refused; "required" and named functions
         work without one).
+      runner: "generate" (completions / chat) or "pooling" (embeddings: ``/v1/embeddings``,
+        ``/pooling``, ``/v1/score``; nothing is sampled), resolved from ``--runner`` /
+        ``--convert`` (``jaxserve.pooling.resolve_runner``).
+      pooling_type: "LAST", "MEAN" or "CLS" (pooling runner; ``jaxserve.pooling``).
+      pooling_normalize: L2-normalise embeddings by default (pooling runner).
       structured_outputs_bounded_numbers: JSON numbers a schema leaves unbounded are bounded
         (integers within int64, floats with |x| <= 1e15 and at most 9 decimals; see
         ``jaxserve.structured.json_numbers``), so forced JSON always finishes; a
@@ -64,7 +88,8 @@ class ModelConfig:
         "int8", "fp8" (quantize on load), "compressed-tensors" or "gguf".
 
     Raises:
-      ValueError: an unknown dtype, load_format, tool_call_parser or quantization, or a
+      ValueError: an unknown dtype, load_format, tool_call_parser, quantization, runner or
+      pooling_type, or a
         negative max_model_len (naming it).
     """
 
@@ -75,6 +100,9 @@ class ModelConfig:
     max_model_len: int = 0
     seed: int = 0
     tool_call_parser: str = ""
+    runner: str = "generate"
+    pooling_type: str = "LAST"
+    pooling_normalize: bool = True
     structured_outputs_bounded_numbers: bool = True
     served_model_aliases: tuple[str, ...] = ()
     tokenizer: str = ""
@@ -101,6 +129,12 @@ class ModelConfig:
             raise ValueError(
                 f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, "
                 f"got {self.tool_call_parser!r}"
+            )
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be generate or pooling, got {self.runner!r}")
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}"
             )
 
 
@@ -728,6 +762,28 @@ class EngineArgs:
             choices=["", *TOOL_CALL_PARSERS],
         ),
     )
+    runner: str = dataclasses.field(
+        default="auto",
+        metadata=_meta(
+            "generate (completions, chat) or pooling (embeddings: /v1/embeddings, /pooling, "
+            "/v1/score); auto: pooling for a *Model architecture or --convert embed",
+            choices=list(RUNNER_CHOICES),
+        ),
+    )
+    convert: str = dataclasses.field(
+        default="auto",
+        metadata=_meta(
+            "embed: serve a causal-LM checkpoint as an embedding model (implies --runner pooling)",
+            choices=list(CONVERT_CHOICES),
+        ),
+    )
+    pooler_config: str | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            'pooling runner: JSON {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool}; '
+            "default: the checkpoint's sentence-transformers config, else LAST normalised"
+        ),
+    )
     structured_outputs_bounded_numbers: bool = dataclasses.field(
         default=True,
         metadata=_meta(
@@ -1103,6 +1159,12 @@ class EngineArgs:
                 raise ValueError(
                     f"token_buckets must be comma-separated integers, got {self.token_buckets!r}"
                 ) from None
+        runner = resolve_runner(self.runner, self.convert, _architecture(path))
+        pooler = resolve_pooler_config(path, self.pooler_config) if runner == "pooling" else None
+        # MEAN and CLS read every prompt token's hidden state: a prefix-cache hit would skip some
+        prefix_caching = self.enable_prefix_caching and (
+            pooler is None or pooler.pooling_type == "LAST"
+        )
         cache_dir = (
             _default_compilation_cache_dir()
             if self.compilation_cache_dir is None
@@ -1117,6 +1179,9 @@ class EngineArgs:
                 max_model_len=max_len,
                 seed=self.seed,
                 tool_call_parser=self.tool_call_parser,
+                runner=runner,
+                pooling_type=pooler.pooling_type if pooler else "LAST",
+                pooling_normalize=pooler.normalize if pooler else True,
                 structured_outputs_bounded_numbers=self.structured_outputs_bounded_numbers,
                 served_model_aliases=tuple(names[1:]),
                 tokenizer=self.tokenizer or "",
@@ -1127,7 +1192,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=prefix_caching,
                 kv_offloading_size=self.kv_offloading_size,
                 kv_offloading_backend=self.kv_offloading_backend,
                 disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,

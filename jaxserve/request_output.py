@@ -11,6 +11,7 @@ chosen token and the top alternatives. Plain dataclasses, no jax.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -115,6 +116,8 @@ class RequestOutput:
       metrics: timing (see RequestMetrics).
       ledgers: on the final output only, one RequestLedger per sample (steps, prefix hits,
         preemptions; ``jaxserve.core.ledger.parent_ledger_dict`` makes it JSON); else None.
+      pooled: pooling runner, final output only: the prompt's pooled vector (numpy float32
+        ``[hidden_size]``, before normalisation and truncation; ``jaxserve.pooling``); else None.
     """
 
     request_id: str
@@ -126,3 +129,32 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     ledgers: list | None = None
+    pooled: Any = None
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's ``EmbeddingOutput``).
+
+    Attributes:
+      embedding: ``[dimensions or hidden_size]`` floats (normalised unless asked otherwise).
+    """
+
+    embedding: list[float]
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's ``EmbeddingRequestOutput``).
+
+    Attributes:
+      request_id: the engine request id.
+      prompt_token_ids: the prompt's token ids.
+      outputs: its EmbeddingOutput.
+      finished: always True (returned once done).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -7,7 +7,7 @@
 #
 # The whole script is ~30 minutes, more than one 10-minute device call: run it in parts,
 #   PART=1 OUT=... bash scripts/gpu_check.sh   # kernel tests + attention bench + 8B offline (~9 min)
-#   PART=2 OUT=... bash scripts/gpu_check.sh   # offloading, async on/off, host cost, structured (~9 min)
+#   PART=2 OUT=... bash scripts/gpu_check.sh   # offloading, async on/off, host cost, structured, pooling (~9.5 min)
 #   PART=3 OUT=... bash scripts/gpu_check.sh   # features: sleep mode (#35), hybrid KV cache (#29),
 #                                              # speculative decoding at 8B / 1B shapes (#32),
 #                                              # fp8 weights + fp8 KV beside bf16 (#31) (~20 min)
@@ -88,6 +88,13 @@ echo "== structured outputs: mask cost and step overhead at 256 requests (budget
 timeout -k 10 "${STRUCTURED_BUDGET:-120}" "$PY" benchmarks/bench_structured.py --num-reqs 256 \
     --steps 30 --rounds 2 2>&1 | tail -3 | tee "$OUT/structured.log"
 echo "structured exit: ${PIPESTATUS[0]}" | tee -a "$OUT/structured.log"
+
+echo "== pooling (#35): LAST / MEAN / CLS parity with transformers on the device, xla attention (budget ${POOLING_BUDGET:-60}s)"
+# The fixture's head_dim (24) is not a power of two, so the Pallas kernel is not used here; this
+# checks pool_step and the pooling runner's chunk sums on the GPU (unmeasured until a GPU run).
+timeout -k 10 "${POOLING_BUDGET:-60}" "$PY" -m pytest -q tests/engine/test_pooling_engine.py \
+    2>&1 | tail -3 | tee "$OUT/pooling.log"
+echo "pooling exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pooling.log"
 fi
 [ "$PART" = 2 ] && exit 0
 PART3_SECTIONS=${PART3:-sleep hybrid spec quant}

@@ -86,6 +86,9 @@ class ModelRunnerOutput:
       draft_token_ids: speculative decoding (``SchedulerOutput.speculate``): req_id -> the
         proposer's draft tokens for the request's next step, which follow the tokens this step
         sampled for it (possibly empty); None when the step proposed nothing.
+      pooler_output: pooling runner: req_id -> the pooled vector (numpy float32
+        ``[hidden_size]``, before normalisation) of each request whose prompt this step
+        completed; empty otherwise.
     """
 
     req_ids: list[str]
@@ -95,6 +98,7 @@ class ModelRunnerOutput:
     prompt_logprobs_dict: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
     sampled_flat: list[int] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
+    pooler_output: dict = dataclasses.field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -7,6 +7,12 @@
 
 All prompts are queued at once; the engine's continuous batching runs them together and the
 outputs come back in input order.
+
+A pooling model (``LLM(model, runner="pooling")``, or ``convert="embed"`` for a causal-LM
+checkpoint) embeds instead (vLLM's ``LLM.embed``)::
+
+    outs = LLM("Qwen3-Embedding-0.6B", runner="pooling").embed(["a query", "a passage"])
+    vector = outs[0].outputs.embedding              # list[float], L2-normalised
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from typing import Any
 
 from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.request_output import RequestOutput
+from jaxserve.pooling import finish_embedding
+from jaxserve.request_output import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -82,6 +89,52 @@ class LLM:
                 f"sampling_params must be a SamplingParams or a list of them, got "
                 f"{type(sampling_params).__name__}"
             )
+        return self._run(self._add_all(prompt_list, params_list), use_tqdm)
+
+    def embed(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[int],
+        *,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embeds ``prompts`` with a pooling model (``runner="pooling"``); one output per
+        prompt, in input order, each with ``outputs.embedding`` (float32 values as floats).
+
+        Args:
+          prompts: one text, a list of texts, a list of token-id lists, or one token-id list.
+          normalize: L2-normalise (default: the model's pooler config, e.g. its
+            sentence-transformers ``Normalize`` module).
+          dimensions: keep the first ``dimensions`` values (Matryoshka), before normalising.
+
+        Raises:
+          ValueError: the engine is not a pooling one (names ``--runner pooling``), bad prompts
+            (as ``generate``), or ``dimensions`` outside ``[1, hidden_size]``.
+        """
+        model_config = self.llm_engine.config.model
+        if model_config.runner != "pooling":
+            raise ValueError(
+                "embed needs a pooling model: LLM(model, runner='pooling') (or convert='embed' "
+                "for a causal-LM checkpoint); this engine runs --runner generate"
+            )
+        if normalize is None:
+            normalize = model_config.pooling_normalize
+        prompt_list = _normalize_prompts(prompts)
+        params = SamplingParams(max_tokens=0)
+        ids = self._add_all(prompt_list, [params] * len(prompt_list))
+        outputs = []
+        for out in self._run(ids, use_tqdm):
+            vec = finish_embedding(out.pooled, normalize=normalize, dimensions=dimensions)
+            outputs.append(
+                EmbeddingRequestOutput(
+                    out.request_id, out.prompt_token_ids, EmbeddingOutput(vec.tolist())
+                )
+            )
+        return outputs
+
+    def _add_all(self, prompt_list: list, params_list: list[SamplingParams]) -> list[str]:
+        """Queues every prompt; returns their request ids (aborts the queued ones on an error)."""
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -95,7 +148,7 @@ class LLM:
         except ValueError:
             engine.abort_request(ids)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def sleep(self, level: int = 1) -> None:
         """Frees device memory between uses (``LLM(..., enable_sleep_mode=True)``; vLLM's

@@ -303,6 +303,11 @@ class LLMEngine:
             raise ValueError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
+        if self.config.model.runner == "pooling" and (params.max_tokens != 0 or params.n != 1):
+            raise ValueError(
+                "max_tokens: this engine runs --runner pooling (embeddings); its requests "
+                "generate nothing (max_tokens=0, n=1)"
+            )
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)]
         for rid in [request_id, *child_ids]:
@@ -530,6 +535,11 @@ class LLMEngine:
             # Grammars see their tokens now: a complete one ends its request on this token.
             ended = self.token_masks.advance(core_outputs) if len(self.token_masks) else None
             outputs, stopped = self.output_processor.process_outputs(core_outputs, tokens_time)
+            pooled = runner_out.pooler_output
+            if pooled:  # pooling runner: the vectors of the prompts this step completed
+                for out in outputs:
+                    if out.finished:
+                        out.pooled = pooled.get(out.request_id)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
             if ended:

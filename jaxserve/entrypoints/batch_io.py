@@ -17,7 +17,7 @@ so it gets a ``response`` whose ``body`` is exactly what the server sends, the
 ``{"error": {"message", "type", "param", "code"}}`` body for a 4xx (bad parameters, a prompt over
 max_model_len, ``stream: true``, an unknown model). A line that could not be made into a request
 at all (malformed JSON, no usable ``custom_id``, a duplicate ``custom_id``, a method other than
-POST, a URL other than /v1/completions and /v1/chat/completions, a ``body`` that is not an
+POST, a URL not in :data:`SUPPORTED_URLS`, a ``body`` that is not an
 object) gets ``"response": null`` and ``"error": {"code", "message", "line"}``: OpenAI's
 ``BatchRequestOutputError`` plus the input ``line`` number, as in the Batch object's
 ``errors.data[]``. A malformed line's ``custom_id`` is null.
@@ -52,7 +52,10 @@ from jaxserve.serving.json_io import dumps, parse_json_body
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_URLS = ("/v1/completions", "/v1/chat/completions")
+SUPPORTED_URLS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score")
+"""What a line may ask for (vLLM's run-batch: also the embeddings and score endpoints, which a
+``--runner pooling`` engine answers; a generate engine answers them with the 400 naming
+``--runner pooling``, as the server does)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,7 +170,7 @@ async def run_batch(
             if status == 200:
                 stats.num_ok += 1
                 stats.num_prompt_tokens += body["usage"]["prompt_tokens"]
-                stats.num_output_tokens += body["usage"]["completion_tokens"]
+                stats.num_output_tokens += body["usage"].get("completion_tokens", 0)  # 0: pooling
             else:
                 stats.num_failed += 1
             elapsed = time.perf_counter() - start

@@ -213,6 +213,7 @@ class ModelArchConfig:
                 f"unsupported architecture {arch or hf.get('model_type')!r}; supported: "
                 f"{', '.join(supported_architectures())}"
             )
+        arch = causal_lm_name(arch)
         gemma = arch in GEMMA_ARCHITECTURES
         if gemma:
             hf = _gemma_hf_config(hf, arch)
@@ -360,6 +361,16 @@ def _gemma_hf_config(hf: dict[str, Any], arch: str) -> dict[str, Any]:
 
 def _opt_float(x: Any) -> float | None:
     return None if x is None else float(x)
+
+
+def causal_lm_name(architecture: str) -> str:
+    """A base model's architecture as its causal LM's ("Qwen3Model" -> "Qwen3ForCausalLM", whose
+    switches it shares; it is served with ``--runner pooling``); any other name unchanged."""
+    if architecture.endswith("Model") and architecture in supported_architectures():
+        lm = architecture[: -len("Model")] + "ForCausalLM"
+        if lm in supported_architectures():
+            return lm
+    return architecture
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:

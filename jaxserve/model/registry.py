@@ -38,6 +38,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": (_MOE, "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": (_MOE, "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": (_MOE, "Qwen3MoeForCausalLM"),
+    # base models without an LM head (embedding checkpoints; --runner pooling): their
+    # *ForCausalLM's switches (``arch_config.causal_lm_name``)
+    "LlamaModel": (_LLAMA, "LlamaForCausalLM"),
+    "MistralModel": (_LLAMA, "LlamaForCausalLM"),
+    "Qwen2Model": (_LLAMA, "LlamaForCausalLM"),
+    "Qwen3Model": (_LLAMA, "LlamaForCausalLM"),
 }
 
 # Added by register_model: a class, or "package.module:Class" imported on first use.

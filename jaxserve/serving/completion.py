@@ -79,18 +79,23 @@ class CompletionJob:
         return self.prompt_ids[0]
 
 
-def _prompts(
-    request: CompletionRequest, tokenizer: Any, info: ServingInfo
+def tokenize_prompts(
+    prompt: Any, tokenizer: Any, info: ServingInfo, field: str = "prompt"
 ) -> tuple[list[list[int]], list[str | None]]:
-    prompt = request.prompt
+    """A ``prompt`` (completions) or ``input`` (embeddings) field as token-id prompts: a text,
+    texts, one token-id list or several; returns them and the texts given (None for ids).
+
+    Raises:
+      APIError: 400 for an empty list or a text too long to tokenize (naming ``field``).
+    """
     if isinstance(prompt, str):
-        check_prompt_bytes([prompt], info)
+        check_prompt_bytes([prompt], info, field=field)
         return [tokenizer.encode(prompt)], [prompt]
     if not prompt:
-        raise bad_request("prompt must not be empty (it has 0 tokens)", param="prompt")
+        raise bad_request(f"{field} must not be empty (it has 0 tokens)", param=field)
     if all(isinstance(p, str) for p in prompt):
         for p in prompt:  # all of them before tokenizing any
-            check_prompt_bytes([p], info)
+            check_prompt_bytes([p], info, field=field)
         return [tokenizer.encode(p) for p in prompt], list(prompt)
     if all(isinstance(t, int) for t in prompt):
         return [list(prompt)], [None]
@@ -107,7 +112,7 @@ def prepare_completion(
         prompt, or an out-of-range parameter (naming the field and, for lengths, the numbers).
     """
     info.check_model(request.model)
-    prompt_ids, given_texts = _prompts(request, tokenizer, info)
+    prompt_ids, given_texts = tokenize_prompts(request.prompt, tokenizer, info)
     params: list[SamplingParams] = []
     for ids in prompt_ids:
         check_prompt_ids(ids, info)

@@ -52,6 +52,14 @@ from jaxserve.serving.errors import (
     from_value_error,
     model_not_found,
 )
+from jaxserve.serving.pooling import (
+    POOLING_KINDS,
+    REQUEST_MODELS,
+    PoolingJob,
+    create_pooling,
+    prepare_pooling,
+    require_pooling,
+)
 from jaxserve.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -313,6 +321,7 @@ class OpenAIServing:
                 param="url",
                 code="not_found",
             )
+        require_pooling(self.info, url)
         request = validate(endpoint.request_model, body, url)
         check_priority(request.priority, self.info)
         extra = {"owner": owner} if endpoint.owned else {}
@@ -387,8 +396,51 @@ class OpenAIServing:
             return StreamReply(chunks, streams, headers, named_events=endpoint.named_events)
         return JSONReply(await endpoint.create(engine, job), headers=headers)
 
+    # -- pooling (embeddings) ------------------------------------------------------------------
+
+    def prepare_pooling(self, url: str, body: dict[str, Any]) -> PoolingJob:
+        """Validates a pooling request's body (``/v1/embeddings``, ``/pooling``, ``/v1/score``)
+        and tokenizes its inputs.
+
+        Raises:
+          APIError: 400 on a generate server (naming ``--runner pooling``) or for a bad body,
+            404 for an unknown model.
+        """
+        if isinstance(body.get("model"), str):
+            self.info.check_model(body["model"])
+        require_pooling(self.info, url)
+        request = validate(REQUEST_MODELS[POOLING_KINDS[url]], body, url)
+        check_priority(request.priority, self.info)
+        return prepare_pooling(url, request, self.info, self.engine.tokenizer)
+
+    async def pool(
+        self, url: str, body: dict[str, Any], owner: str | None = None, large: bool = False
+    ) -> JSONReply:
+        """Serves one pooling request: prepared off the event loop (``owner`` and ``large`` as
+        for :meth:`generate`), then run on the engine.
+
+        Raises:
+          APIError: as :meth:`prepare_pooling`; 503 when the engine is dead, asleep or its
+            queue full.
+        """
+        job = await off_loop(self.prepare_pooling, url, body, large=large)
+        if owner is not None:
+            self._remember_owner(job.request_id, owner)
+        engine = self.engine
+        try:
+            engine.check_health()
+        except EngineDeadError as exc:
+            raise engine_error(exc) from None
+        if engine.is_sleeping:
+            raise engine_error(EngineSleepingError("the engine is asleep (POST /wake_up wakes it)"))
+        check_queue(engine, self.info)
+        if self.info.log_requests:
+            log_request(job, self.info, engine.tokenizer)
+        return JSONReply(await create_pooling(engine, job))
+
     async def serve_request(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Serves one non-streaming generating request without a transport (``run-batch``).
+        """Serves one non-streaming generating or pooling request without a transport
+        (``run-batch``).
 
         Returns:
           ``(status, body)``: 200 and the OpenAI response object, or the error status and
@@ -401,6 +453,10 @@ class OpenAIServing:
         try:
             if not isinstance(body, dict):
                 raise bad_request("the request body must be a JSON object")
+            if url in POOLING_KINDS:
+                pooling_job = self.prepare_pooling(url, body)
+                self.engine.check_health()
+                return 200, await create_pooling(self.engine, pooling_job)
             endpoint, job = self.prepare(url, body)
             if job.request.stream:
                 raise bad_request("stream is not supported here", param="stream")

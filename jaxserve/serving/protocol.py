@@ -548,3 +548,66 @@ class ResponsesRequest(BaseModel):
                 raise ValueError("text.format.schema must be a JSON schema object")
             return StructuredOutputsParams(json=schema)
         raise ValueError(f"text.format.type must be text, json_object or json_schema, got {kind!r}")
+
+
+PoolingInput = str | list[str] | list[int] | list[list[int]]
+"""An embeddings input: a text, texts, one token-id prompt, or token-id prompts."""
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings`` (OpenAI's) and ``POST /pooling`` (vLLM's): ``input`` as a string,
+    a list of strings, a token-id list or a list of them; ``encoding_format`` "float" or
+    "base64" (little-endian float32 bytes); ``dimensions`` keeps that many leading values
+    (Matryoshka) before normalising; vLLM's ``normalize`` overrides the model's default."""
+
+    model_config = _STRICT
+    model: str | None = None
+    input: PoolingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1, le=_INT32_MAX)
+    user: str | None = None
+    normalize: bool | None = None
+    priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """``null`` for a field with a non-null default means that default (as the other
+        request models do)."""
+        return _drop_nulls(cls, data)
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value: PoolingInput) -> PoolingInput:
+        if isinstance(value, list) and not value:
+            raise ValueError("input: give at least one text or token-id prompt")
+        return value
+
+
+class ScoreRequest(BaseModel):
+    """``POST /v1/score`` (vLLM's): the cosine of the embeddings of ``text_1`` and ``text_2``:
+    one against one, one against each of a list, or pairwise between two lists of one length."""
+
+    model_config = _STRICT
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """``null`` for a field with a non-null default means that default."""
+        return _drop_nulls(cls, data)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ScoreRequest:
+        one, two = self.text_1, self.text_2
+        if (isinstance(one, list) and not one) or (isinstance(two, list) and not two):
+            raise ValueError("text_1: text_1 and text_2 must not be empty lists")
+        if isinstance(one, list) and len(one) > 1:
+            if not isinstance(two, list) or len(two) != len(one):
+                raise ValueError(
+                    "text_2: with several text_1 items, text_2 must be a list of the same length"
+                )
+        return self

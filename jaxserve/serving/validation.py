@@ -48,6 +48,8 @@ class ServingInfo:
         already holds ``max_num_seqs`` rows with the most logprobs).
       system_fingerprint: OpenAI's ``system_fingerprint``, a hash of the version and the
         model's serving configuration.
+      runner: "generate" or "pooling" (``--runner``): which endpoints the model answers.
+      pooling_normalize: pooling runner: embeddings are L2-normalised unless a request says.
       bounded_numbers: ``--structured-outputs-bounded-numbers`` (JSON numbers a schema leaves
         unbounded are bounded unless the request says otherwise).
       model_aliases: further names clients may send as ``model`` (``--served-model-name``).
@@ -75,6 +77,8 @@ class ServingInfo:
     max_num_seqs: int = 256
     memory_probe: Callable[[], int | None] = lambda: None
     system_fingerprint: str = ""
+    runner: str = "generate"
+    pooling_normalize: bool = True
     bounded_numbers: bool = True
     model_aliases: tuple[str, ...] = ()
     default_sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -106,6 +110,8 @@ class ServingInfo:
             max_waiting_requests=cfg.scheduler.max_waiting_requests,
             scheduling_policy=cfg.scheduler.policy,
             tool_call_parser=cfg.model.tool_call_parser,
+            runner=cfg.model.runner,
+            pooling_normalize=cfg.model.pooling_normalize,
             bounded_numbers=cfg.model.structured_outputs_bounded_numbers,
             model_aliases=cfg.model.served_model_aliases,
             default_sampling=cfg.serving.default_sampling_params(cfg.model.model),

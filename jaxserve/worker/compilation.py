@@ -131,6 +131,35 @@ def step_input_ids(inputs: StepInputs) -> jax.Array:
     return jnp.where(prev >= 0, inputs.prev_tokens[jnp.maximum(prev, 0)], inputs.input_ids)
 
 
+@functools.partial(jax.jit, static_argnames=("graph", "pooling_type"))
+def pool_step(
+    graph: StepGraph,
+    hidden: jax.Array,
+    query_start_loc: jax.Array,
+    logits_indices: jax.Array,
+    pooling_type: str,
+) -> jax.Array:
+    """The pooling runner's head: per sequence of the step, its chunk's share of the pooled
+    vector, float32 ``[S, E]``. ``hidden [T, E]`` (the forward's, after the final norm),
+    ``query_start_loc [S + 1]`` and ``logits_indices [S]`` int32 (``StepInputs``).
+
+    LAST: the hidden state of the chunk's last token; CLS: of its first token; MEAN: the sum
+    over the chunk's tokens (the runner adds the chunks up and divides by the prompt length).
+    Padding sequences (empty chunks) get a sum of zeros or an arbitrary row; nobody reads them.
+    """
+    graph.traces["pool"] += 1
+    h = hidden.astype(jnp.float32)
+    if pooling_type == "LAST":
+        return h[logits_indices]
+    if pooling_type == "CLS":
+        return h[query_start_loc[:-1]]
+    num_seqs = logits_indices.shape[0]
+    # token t belongs to sequence i where query_start_loc[i] <= t < query_start_loc[i + 1];
+    # padding tokens (past the last real one) fall into segment S, dropped
+    seg = jnp.searchsorted(query_start_loc[1:], jnp.arange(h.shape[0]), side="right")
+    return jax.ops.segment_sum(h, seg, num_segments=num_seqs + 1)[:num_seqs]
+
+
 @functools.partial(jax.jit, static_argnames="graph")
 def sample_step(graph: StepGraph, logits: jax.Array, md: SamplingMetadata):
     """:func:`jaxserve.worker.sampler.sample`, one executable per sampler variant.
@@ -366,7 +395,9 @@ def warmup(runner: RunnerFields, *, progress: bool = True) -> float:
     """Compiles ahead of time (loads from the persistent cache when warm) the forward and the
     prompt-logprobs head for every token bucket, largest first, into ``runner.aot_forward`` /
     ``runner.aot_prompt_logprobs``, and compiles and runs the runner's warm-up sampler variants
-    for every sequence bucket on zero logits. Returns the seconds spent; logs them.
+    for every sequence bucket on zero logits. Returns the seconds spent; logs them. The pooling
+    runner compiles ``pool_step`` per token bucket instead of the sampler and prompt-logprobs
+    head, which it never runs.
 
     Requires ``initialize_kv_cache`` first.
     """
@@ -394,6 +425,18 @@ def warmup(runner: RunnerFields, *, progress: bool = True) -> float:
         ).compile()
         runner.aot_forward[size] = fwd
         logits_info, hidden_info, _ = fwd.out_info
+        pooling_type = getattr(runner, "pooling_type", None)
+        if pooling_type is not None:  # the pooling runner's head, on zero hidden states; it
+            # never samples nor scores prompt tokens
+            hidden = jax.device_put(
+                np.zeros(hidden_info.shape, hidden_info.dtype), hidden_info.sharding
+            )
+            pad = padding_inputs(runner, size)
+            jax.block_until_ready(
+                pool_step(graph, hidden, pad.query_start_loc, pad.logits_indices, pooling_type)
+            )
+            runner.warm_buckets.add(size)
+            continue
         targets = np.full(size, -1, np.int32)
         runner.aot_prompt_logprobs[size] = prompt_logprobs_step.lower(
             graph, state, hidden_info, targets

@@ -30,6 +30,13 @@ host's scheduling, batch building and output processing overlap the device's wor
 token sampled by step N is then unknown to the host when step N+1 is built: its input comes from
 step N's sampled tokens on the device (``StepInputs.prev_index`` / ``prev_tokens``), and
 ``collect`` writes it into the persistent batch once it lands.
+
+Pooling runner (``--runner pooling``, embeddings): every request is prompt-only
+(``max_tokens=0``); the step runs the same forward, then ``pool_step`` instead of the sampler:
+each sequence's chunk of final-norm hidden states becomes its share of the pooled vector (LAST,
+CLS, or a MEAN sum added up here across prefill chunks). The step that completes a prompt puts
+its float32 vector in ``ModelRunnerOutput.pooler_output`` and a placeholder token (0) in
+``sampled_token_ids``, which ends the prompt-only request in the scheduler.
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ from jaxserve.worker.compilation import (
     StepGraph,
     forward_step,
     gather_rows,
+    pool_step,
     prompt_logprobs_step,
     sample_step,
     spec_logits_step,
@@ -120,6 +128,8 @@ class PendingStep:
       speculate: ``SchedulerOutput.speculate``: propose drafts after the step.
       draft_seqs: the draft model's proposing sequences (indices into the step's), or None.
       draft_ids: their drafts, int32 ``[R, K]`` on the device, or None.
+      pool_keys: pooling runner: ``[num_reqs]`` (req_id, its pooling epoch) at dispatch, and
+        ``prompt_lens`` their prompt lengths; None otherwise.
     """
 
     batch: StepBatch
@@ -134,6 +144,8 @@ class PendingStep:
     speculate: bool = False
     draft_seqs: list[int] | None = None
     draft_ids: object = None
+    pool_keys: list[tuple[str, int]] | None = None
+    prompt_lens: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -281,6 +293,14 @@ class ModelRunner:
         # and whether any step ran without the draft (cached blocks may lack its K/V since).
         self._draft_len = np.zeros(sched.max_num_seqs, np.int64)
         self._draft_skipped = False
+        # Pooling runner: "LAST" / "MEAN" / "CLS" (None: the generate runner); the partial
+        # pooled vectors of prompts still being prefilled (MEAN: the sum so far; CLS: the first
+        # token's), and an epoch per request, bumped when it is preempted, so that a chunk
+        # still in flight then is not added to its recomputation.
+        model_config = config.model
+        self.pooling_type = model_config.pooling_type if model_config.runner == "pooling" else None
+        self._pool_partial: dict[str, np.ndarray] = {}
+        self._pool_epoch: dict[str, int] = {}
         logger.info(
             "model runner: attention backend %s%s, KV head dim %d, KV dtype %s, token buckets "
             "%s, sequence buckets %s, KV-cache groups %s (%d array pairs)",
@@ -480,6 +500,8 @@ class ModelRunner:
         self._md_cache = None
         self._prev_index = {}
         self._last_batch = None
+        self._pool_partial.clear()
+        self._pool_epoch.clear()
 
     def sleep(self, level: int) -> None:
         """Frees the device memory of the weights (level 1: kept in host memory; level 2:
@@ -509,7 +531,7 @@ class ModelRunner:
         """Executables this runner has traced per step function (a test checks serving adds
         none); profiling's probe compiles are not counted."""
         traces = self.graph.traces
-        names = ("forward", "sampler", "prompt_logprobs")
+        names = ("forward", "sampler", "prompt_logprobs", "pool")
         if self.num_spec_tokens:
             names += ("spec_logits", "spec_sampler")
         counts = {name: traces[name] for name in names}
@@ -557,6 +579,8 @@ class ModelRunner:
             self._md_cache = None
         for req_id in sched.finished_req_ids:
             self._seeds.pop(req_id, None)
+        if self.pooling_type is not None:
+            self._forget_pooling(sched)
         host_kv = self.host_kv if sched.kv_transfers is not None else None
         if host_kv is not None:  # saves, then loads, before the forward reads or writes a block
             self.kv_caches = host_kv.start(self.kv_caches, sched.kv_transfers)
@@ -576,6 +600,8 @@ class ModelRunner:
             assert batch.token_bucket in self.warm_buckets, (
                 f"bucket {batch.token_bucket} was not compiled"
             )
+        if self.pooling_type is not None:
+            return self._dispatch_pooling(batch, t0)
         md = self._sampling_metadata(batch, token_mask, follows=prev_batch if steady else None)
 
         graph = self.graph
@@ -659,11 +685,102 @@ class ModelRunner:
             draft_ids,
         )
 
+    def _forget_pooling(self, sched: SchedulerOutput) -> None:
+        """Drops the partial pooled vectors of finished and preempted requests (a preempted one
+        is recomputed from its first token) and moves their epoch on."""
+        for req_id in sched.finished_req_ids:
+            self._pool_partial.pop(req_id, None)
+            self._pool_epoch.pop(req_id, None)
+        for req_id in sched.preempted_req_ids:
+            self._pool_partial.pop(req_id, None)
+            self._pool_epoch[req_id] = self._pool_epoch.get(req_id, 0) + 1
+
+    def _dispatch_pooling(self, batch: StepBatch, t0: float) -> PendingStep:
+        """The pooling runner's launch: the forward, then ``pool_step`` (no sampler)."""
+        graph = self.graph
+        t1, c1 = time.perf_counter(), time.thread_time()
+        aot = self.aot_forward.get(batch.token_bucket)
+        if aot is not None:
+            _, hidden, self.kv_caches = aot(self.params, self.kv_caches, batch.inputs)
+        else:
+            _, hidden, self.kv_caches = forward_step(
+                graph, self.params, self.kv_caches, batch.inputs
+            )
+        inputs = batch.inputs
+        pooled = pool_step(
+            graph, hidden, inputs.query_start_loc, inputs.logits_indices, self.pooling_type
+        )
+        pooled.copy_to_host_async()
+        self.timing.launch_s += time.perf_counter() - t1
+        self.timing.aside_cpu_s += time.thread_time() - c1
+        self._prev_index = {}
+        ib = self.input_batch
+        epoch = self._pool_epoch
+        keys = [(r, epoch.get(r, 0)) for r in batch.req_ids]
+        self.timing.host_s += time.perf_counter() - t0
+        return PendingStep(
+            batch,
+            pooled,
+            None,
+            [],
+            ib.row_epoch[batch.rows],
+            row_changes=ib.row_changes,
+            pool_keys=keys,
+            prompt_lens=ib.num_prompt_tokens[batch.rows].copy(),
+        )
+
+    def _collect_pooling(self, pending: PendingStep) -> ModelRunnerOutput:
+        """The pooling runner's results: each completed prompt's pooled vector (float32
+        ``[hidden_size]``, before normalisation) and a placeholder token that ends it."""
+        batch = pending.batch
+        t1, c1 = time.perf_counter(), time.thread_time()
+        pooled = np.asarray(jax.device_get(pending.sampled))
+        t2 = time.perf_counter()
+        self.timing.aside_cpu_s += time.thread_time() - c1
+        kind = self.pooling_type
+        partial, epoch = self._pool_partial, self._pool_epoch
+        live = self.input_batch.req_id_to_row
+        ends = (batch.start_positions + batch.num_scheduled).tolist()
+        starts = batch.start_positions.tolist()
+        prompt_lens = pending.prompt_lens.tolist()
+        out: dict[str, np.ndarray] = {}
+        sampled: list[list[int]] = []
+        for i, (req_id, key_epoch) in enumerate(pending.pool_keys):
+            if key_epoch != epoch.get(req_id, 0) or req_id not in live:
+                sampled.append([])  # preempted or gone since dispatch: the chunk is stale
+                continue
+            vec = pooled[i]
+            if kind == "MEAN":
+                before = partial.get(req_id)
+                if before is not None:
+                    vec = before + vec
+            elif kind == "CLS" and starts[i] > 0:
+                vec = partial.get(req_id, vec)
+            if ends[i] >= prompt_lens[i]:
+                partial.pop(req_id, None)
+                out[req_id] = vec / prompt_lens[i] if kind == "MEAN" else vec
+                sampled.append([0])
+            else:
+                partial[req_id] = vec
+                sampled.append([])
+        timing = self.timing
+        timing.num_steps += 1
+        timing.device_s += t2 - t1
+        timing.output_s += time.perf_counter() - t2
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index=dict(zip(batch.req_ids, range(batch.num_reqs))),
+            sampled_token_ids=sampled,
+            pooler_output=out,
+        )
+
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         """Waits for a dispatched step's results and returns its ModelRunnerOutput; records the
         sampled tokens in the persistent batch (rows still held by the same request)."""
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if pending.pool_keys is not None:
+            return self._collect_pooling(pending)
         batch = pending.batch
         t1, c1 = time.perf_counter(), time.thread_time()
         sampled, plp, spec_sampled, draft_ids = jax.device_get(

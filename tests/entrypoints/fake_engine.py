@@ -8,7 +8,8 @@ script of tokens instead of running a model: sample ``k`` of a request emits
 ``SCRIPT[(start + k + step) % len(SCRIPT)]``. It keeps a KV-block ledger (blocks per sample =
 ceil(tokens / block_size)) so leak tests can check that aborted requests free their blocks, a
 running cap (``max_num_seqs``) so requests wait, and can be told to raise in ``step()`` to
-test engine death.
+test engine death. Built with ``convert="embed"`` (a pooling runner) its prompt-only requests
+finish with a stand-in pooled vector (``RequestOutput.pooled``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import EngineStats
 from jaxserve.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.tokenizer.detokenizer import IncrementalDetokenizer
 from jaxserve.tokenizer.loading import load_served_tokenizer
+
+FAKE_HIDDEN_SIZE = 16
+"""The length of the stand-in pooled vectors of a pooling FakeEngine (``convert="embed"``)."""
 
 SCRIPT_TEXT = " The quick brown fox jumps over the lazy dog. Café naïve 🙂 déjà vu, said the cat."
 
@@ -365,8 +371,11 @@ class FakeEngine:
             self._prompt_tokens_total += len(
                 req.prompt_ids
             )  # first tokens (or a prompt-only finish)
+        pooled = None
         if finished:
             req.metrics.finished_time = now
+            if self.engine_config.model.runner == "pooling":  # --convert embed / --runner pooling
+                pooled = self._pool(req.prompt_ids)
         return RequestOutput(
             request_id=req.request_id,
             prompt=None,
@@ -376,4 +385,10 @@ class FakeEngine:
             finished=finished,
             num_cached_tokens=0,
             metrics=dataclasses.replace(req.metrics),
+            pooled=pooled,
         )
+
+    def _pool(self, prompt_ids: list[int]) -> np.ndarray:
+        """A stand-in pooled vector of ``FAKE_HIDDEN_SIZE`` floats, a function of the prompt."""
+        rng = np.random.default_rng([len(prompt_ids), *prompt_ids[-8:]])
+        return rng.standard_normal(FAKE_HIDDEN_SIZE).astype(np.float32)

@@ -7,7 +7,9 @@ statuses, content types and error bodies as documented (#38 deliverable 7).
 sends each; any failed check, or a 4xx without OpenAI's error object, fails with the case's
 curl line. One rule is left out, for bodies only: a schema-valid body whose acceptance depends
 on a compiler (a grammar, regex or JSON schema in ``structured_outputs`` / ``response_format``,
-a tool's parameter schema: ``openapi.UNEXPRESSED``) is not required to be accepted.
+a tool's parameter schema: ``openapi.UNEXPRESSED``) is not required to be accepted. A route
+the server's runner does not answer takes no body in the document (``{"not": {}}``); it is not
+drawn from but sent bodies that must each be a 4xx.
 """
 
 from __future__ import annotations
@@ -69,12 +71,47 @@ def _bound_cost(case):
             body["best_of"] = body["n"] if _is_int(body.get("n")) else 1
         if any(body[k] is not v for k, v in before.items()):  # a value it had was changed
             _REWRITTEN.add(id(case))
+    if isinstance(body, dict) and case.path in POOLING_PATHS:
+        _fit_pooling(case, body)
     return case
+
+
+POOLING_PATHS = ("/v1/embeddings", "/pooling", "/v1/score", "/score")
+FUZZ_DIMENSIONS = 8
+"""``dimensions`` above this are lowered (the hidden size bounds it: ``openapi.UNEXPRESSED``;
+every model served in the tests has at least this many)."""
+
+
+def _fit_pooling(case, body) -> None:
+    """The pooling routes' rules the document cannot express (``openapi.UNEXPRESSED``), made to
+    hold in a valid case: ``dimensions`` at most the hidden size, and a ``text_2`` list as long
+    as a ``text_1`` list of several texts (repeated or cut)."""
+    positive = case.meta is not None and case.meta.generation.mode.is_positive
+    before = dict(body)
+    if _is_int(body.get("dimensions")) and body["dimensions"] > FUZZ_DIMENSIONS:
+        body["dimensions"] = FUZZ_DIMENSIONS
+    one, two = body.get("text_1"), body.get("text_2")
+    if positive and isinstance(one, list) and len(one) > 1 and isinstance(two, list) and two:
+        body["text_2"] = (two * len(one))[: len(one)]
+    if any(body[k] is not v for k, v in before.items()):
+        _REWRITTEN.add(id(case))
 
 
 _REWRITTEN: set[int] = set()
 """Cases whose values ``_bound_cost`` changed: a negative case may have lost its invalid part
 (its rejection is not checked)."""
+
+
+def refused_routes(doc: dict) -> list[str]:
+    """The POST routes whose body schema accepts nothing (``{"not": {}}``: the routes this
+    server's runner does not answer, ``openapi._runner_serves``)."""
+    out = []
+    for path, ops in doc["paths"].items():
+        body = ops.get("post", {}).get("requestBody", {})
+        schema = body.get("content", {}).get("application/json", {}).get("schema", {})
+        if schema.get("not") == {}:
+            out.append(path)
+    return out
 
 
 def fuzz_server(
@@ -91,12 +128,27 @@ def fuzz_server(
     ``strict``: also run schemathesis' strict checks (the fake-engine server, whose
     ``max_model_len`` leaves room for any prompt the document allows); False: only no 5xx
     and OpenAI's error object (a real engine's small context refuses long prompts).
-    ``paths``: only these routes (default: all)."""
+    ``paths``: only these routes (default: all). A route whose body schema accepts nothing
+    (``refused_routes``: schemathesis cannot draw from it) is sent two bodies instead, each of
+    which must be a 4xx with OpenAI's error object."""
     doc = httpx.get(url + "/openapi.json", timeout=timeout_s).json()
     schema = schemathesis.openapi.from_dict(doc)
     if paths is not None:
         schema = schema.include(path=paths)
     seen: dict[int, int] = {}
+    refused = [p for p in refused_routes(doc) if paths is None or p in paths]
+    if refused:  # no body is valid there: nothing to generate, every body must be a 4xx
+        schema = schema.exclude(path=refused)
+        for path in refused:
+            for body in ({}, {"prompt": "x", "input": "x", "text_1": "a", "text_2": "b"}):
+                response = httpx.post(url + path, json=body, timeout=timeout_s)
+                seen[response.status_code] = seen.get(response.status_code, 0) + 1
+                error = response.json().get("error") or {}
+                assert 400 <= response.status_code < 500 and error.get("message"), (
+                    f"{path}: {response.status_code} {response.text[:300]}"
+                )
+        if paths is not None and set(paths) <= set(refused):
+            return seen
 
     def send(case) -> None:
         response = case.call(base_url=url, timeout=timeout_s)

@@ -65,6 +65,16 @@ def test_tokenize_detokenize(client, server):
     assert_error(client.post("/tokenize", json={"prompt": 3}), 400, "prompt")
 
 
+def test_generate_server_refuses_pooling_routes(client):
+    for url, body in [
+        ("/v1/embeddings", {"input": "Hello"}),
+        ("/pooling", {"input": [1, 2, 3]}),
+        ("/v1/score", {"text_1": "a", "text_2": "b"}),
+    ]:
+        error = assert_error(client.post(url, json=body), 400, "model", "model_not_supported")
+        assert "--runner pooling" in error["message"]
+
+
 # ---- non-streaming shapes ----------------------------------------------------------------------
 
 
@@ -665,7 +675,7 @@ def test_serve_request_without_http(server):
     assert s1 == 200 and b1["object"] == "text_completion" and b1["usage"]["completion_tokens"] == 3
     assert s2 == 200 and b2["object"] == "chat.completion" and len(b2["choices"]) == 2
     assert (s3, b3["error"]["param"]) == (400, "stream")
-    assert (s4, b4["error"]["param"]) == (404, "url")
+    assert (s4, b4["error"]["param"]) == (400, "model")  # a generate server: --runner pooling
     assert (s5, b5["error"]["code"]) == (404, "model_not_found")
     assert (s6, b6["error"]["param"]) == (400, "max_tokens")
 

@@ -540,12 +540,17 @@ def test_bounded_numbers_can_be_switched_off_per_request(client, extra):
 
 
 def _readme_client_blocks() -> list[str]:
-    """The README's Python blocks that talk to the server through the ``openai`` client, in
-    order (a later block uses the ``client`` an earlier one made)."""
+    """The README's Python blocks that talk to a generating server through the ``openai``
+    client, in order (a later block uses the ``client`` an earlier one made); the embeddings
+    example needs a pooling server (``test_pooling_server.test_readme_embeddings_example``)."""
     path = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
     with open(path, encoding="utf-8") as f:
         blocks = re.findall(r"^```python\n(.*?)^```", f.read(), flags=re.S | re.M)
-    return [b for b in blocks if "client" in b and "from jaxserve import" not in b]
+    return [
+        b
+        for b in blocks
+        if "client" in b and "from jaxserve import" not in b and "embeddings.create" not in b
+    ]
 
 
 def test_readme_client_examples_run_as_printed(server):

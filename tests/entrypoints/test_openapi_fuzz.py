@@ -163,3 +163,105 @@ def test_documented_ranges_are_what_the_validation_checks():
             assert not accepted(name, edge) and accepted(name, edge + 1e-6), name
             checked += 1
     assert checked >= 18, checked
+
+
+# ---- the pooling routes (#35) ------------------------------------------------------------------
+
+POOLING_ROUTES = ["/v1/embeddings", "/pooling", "/v1/score", "/score"]
+
+
+@pytest.fixture(scope="module")
+def pooling_llm():
+    """A ``--convert embed`` engine: the FakeEngine's stand-in vectors of 16 floats."""
+    llm = AsyncLLM(FakeEngine(MODEL_DIR, step_s=0.0005, max_model_len=8192, convert="embed"))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pooling_server(pooling_llm):
+    srv = LiveServer(pooling_llm)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def proxied_pooling(pooling_llm):
+    """The same engine behind an API key and ``--root-path /llm``."""
+    from jaxserve.entrypoints.http.api_server import build_app
+
+    srv = LiveServer(pooling_llm, app=build_app(pooling_llm, api_key="key", root_path="/llm"))
+    yield srv
+    srv.close()
+    assert not srv.internal_errors
+
+
+KEY = {"Authorization": "Bearer key"}
+
+
+def _body_schema(doc: dict, path: str) -> dict:
+    return doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+
+def test_the_document_says_which_runner_serves_a_route(server, proxied_pooling):
+    """Each server's document has every route it serves (the ``--root-path`` copies aside); a
+    route its runner does not answer (a 400 naming ``--runner``) takes no body there."""
+    generate = httpx.get(server.url + "/openapi.json").json()
+    pooling = httpx.get(proxied_pooling.url + "/llm/openapi.json").json()
+    described = {(m.upper(), path) for path, ops in pooling["paths"].items() for m in ops}
+    assert described == served_routes(proxied_pooling.app)
+    assert pooling["servers"] == [{"url": "/llm"}]
+    for url in POOLING_ROUTES:
+        assert _body_schema(generate, url)["not"] == {}
+        assert "200" not in generate["paths"][url]["post"]["responses"]
+        model = "ScoreRequest" if "score" in url else "EmbeddingRequest"
+        assert _body_schema(pooling, url)["$ref"].endswith(model)
+    for url in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        assert _body_schema(pooling, url)["not"] == {}
+        assert _body_schema(generate, url)["$ref"].endswith("Request")
+    embedding = pooling["components"]["schemas"]["EmbeddingRequest"]["properties"]
+    assert embedding["dimensions"]["anyOf"][0]["minimum"] == 1
+    assert embedding["priority"]["anyOf"][0]["const"] == 0  # fcfs
+
+
+@pytest.mark.parametrize(
+    "url, body, documented",
+    [
+        ("/v1/embeddings", {"input": "x", "encoding_format": None}, True),  # null: the default
+        ("/v1/embeddings", {"input": "x", "dimensions": 4.0}, True),
+        ("/v1/embeddings", {"input": "x", "dimensions": 0}, False),
+        ("/v1/embeddings", {"input": [[]]}, False),
+        ("/v1/embeddings", {"input": [10**9]}, False),
+        ("/v1/embeddings", {"input": "x", "priority": 1}, False),  # fcfs
+        ("/pooling", {"input": ["a", "b"], "normalize": False}, True),
+        ("/v1/score", {"text_1": ["a", "b"], "text_2": "c"}, False),
+        ("/v1/score", {"text_1": ["a"], "text_2": ["b", "c"]}, True),
+        ("/score", {"text_1": "a", "text_2": []}, False),
+    ],
+)
+def test_the_pooling_document_says_what_the_server_accepts(pooling_server, url, body, documented):
+    doc = httpx.get(pooling_server.url + "/openapi.json").json()
+    assert _schema_accepts(_body_schema(doc, url), doc["components"]["schemas"], body) is documented
+    r = httpx.post(pooling_server.url + url, json=body, timeout=30)
+    assert (r.status_code == 200) is documented, r.text
+
+
+def test_api_key_covers_the_pooling_routes(proxied_pooling):
+    for prefix in ("", "/llm"):
+        for url in POOLING_ROUTES:
+            body = {"text_1": "a", "text_2": "b"} if "score" in url else {"input": "hello"}
+            r = httpx.post(proxied_pooling.url + prefix + url, json=body)
+            assert r.status_code == 401, (prefix, url, r.text)
+            r = httpx.post(proxied_pooling.url + prefix + url, json=body, headers=KEY)
+            assert r.status_code == 200, (prefix, url, r.text)
+    data = r.json()["data"]
+    assert data[0]["object"] == "score" and -1 <= data[0]["score"] <= 1
+
+
+@pytest.mark.slow
+def test_fuzz_pooling_server_strict_checks(pooling_server):
+    """Schemathesis' strict checks over a pooling server: its pooling routes accept what the
+    document allows and refuse the rest, and the generating routes refuse every body."""
+    seen = fuzz_server(pooling_server.url, max_examples=80)
+    assert pooling_server.internal_errors == []
+    assert seen.get(200, 0) > 0 and any(400 <= s < 500 for s in seen), seen

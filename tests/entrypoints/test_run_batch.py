@@ -175,7 +175,7 @@ def test_per_line_errors(tmp_path, llm):
     valid = {"prompt": "The cat", "max_tokens": 6, "temperature": 0}
     lines = [
         _line("ok", COMPL, valid),
-        _line("embed", "/v1/embeddings", {"input": "hi", "model": "tiny-llama"}),
+        _line("rerank", "/v1/rerank", {"query": "hi", "documents": ["a"]}),
         _line("streamed", CHAT, {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
         '{"custom_id": "broken", "url": "/v1/completions", "body": {"prompt": ',
         "",
@@ -193,7 +193,7 @@ def test_per_line_errors(tmp_path, llm):
     line_errors = {r["error"]["line"]: r for r in records if r["error"] is not None}
     responses = {r["custom_id"]: r["response"] for r in records if r["error"] is None}
     assert {line: (r["custom_id"], r["error"]["code"]) for line, r in line_errors.items()} == {
-        2: ("embed", "invalid_url"),
+        2: ("rerank", "invalid_url"),
         4: (None, "invalid_json"),
         7: (None, "missing_custom_id"),
         8: ("ok", "duplicate_custom_id"),
@@ -420,6 +420,41 @@ def test_engine_death_stops_the_run_and_a_rerun_resumes(tmp_path):
         healthy.shutdown()
     assert code == EXIT_OK
     assert sorted(_by_id(_records(tmp_path / "dead.out.jsonl"))) == [f"q{i}" for i in range(6)]
+
+
+def test_embeddings_and_scores(tmp_path):
+    """``/v1/embeddings`` and ``/v1/score`` lines (vLLM's run-batch serves both) on a pooling
+    engine: the server's bodies; on a generate engine: the 400 naming ``--runner pooling``."""
+    texts = ["The cat", "A dog"]
+    lines = [
+        _line("e", "/v1/embeddings", {"input": texts, "encoding_format": "float"}),
+        _line("s", "/v1/score", {"text_1": texts[0], "text_2": texts}),
+        _line("bad", "/v1/embeddings", {"input": []}),
+    ]
+    pooling = AsyncLLM(FakeEngine(MODEL_DIR, step_s=0.0, convert="embed"))
+    try:
+        code, records = _run(tmp_path, lines, pooling, "pooling")
+    finally:
+        pooling.shutdown()
+    assert code == EXIT_SOME_FAILED
+    got = {r["custom_id"]: r["response"] for r in _by_id(records).values()}
+    embedding = got["e"]["body"]
+    assert got["e"]["status_code"] == 200 and embedding["object"] == "list"
+    assert [d["index"] for d in embedding["data"]] == [0, 1]
+    assert embedding["usage"]["prompt_tokens"] == embedding["usage"]["total_tokens"] > 0
+    scores = got["s"]["body"]["data"]
+    assert got["s"]["status_code"] == 200 and scores[0]["score"] == pytest.approx(1.0)
+    assert got["bad"]["status_code"] == 400 and got["bad"]["body"]["error"]["param"] == "input"
+    generate = AsyncLLM(FakeEngine(MODEL_DIR, step_s=0.0))
+    try:
+        code, records = _run(tmp_path, lines[:1], generate, "generate")
+    finally:
+        generate.shutdown()
+    assert code == EXIT_SOME_FAILED
+    refused = records[0]["response"]
+    assert (
+        refused["status_code"] == 400 and "--runner pooling" in refused["body"]["error"]["message"]
+    )
 
 
 # ---- the file format, without an engine ------------------------------------------------------------

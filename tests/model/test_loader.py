@@ -52,23 +52,25 @@ def test_hf_name_mapping():
         return LlamaForCausalLM.weight_source(path, cfg, "hf")
 
     linear_1, linear_2 = Layout("linear", 1), Layout("linear", 2)
-    assert source("embed_tokens", "weight") == TensorSource(("model.embed_tokens.weight",), COPY)
+    assert source("embed_tokens", "weight") == TensorSource(
+        ("model.embed_tokens.weight", "embed_tokens.weight"), COPY
+    )
     assert source("lm_head", "weight") == TensorSource(("lm_head.weight",), COPY)
-    assert source("norm", "weight") == TensorSource(("model.norm.weight",), COPY)
+    assert source("norm", "weight") == TensorSource(("model.norm.weight", "norm.weight"), COPY)
     assert source("layers", 3, "self_attn", "q_proj", "weight") == TensorSource(
-        ("model.layers.3.self_attn.q_proj.weight",), linear_1
+        ("model.layers.3.self_attn.q_proj.weight", "layers.3.self_attn.q_proj.weight"), linear_1
     )
     assert source("layers", 0, "self_attn", "o_proj", "weight") == TensorSource(
-        ("model.layers.0.self_attn.o_proj.weight",), linear_2
+        ("model.layers.0.self_attn.o_proj.weight", "layers.0.self_attn.o_proj.weight"), linear_2
     )
     assert source("layers", 0, "self_attn", "k_proj", "bias") == TensorSource(
-        ("model.layers.0.self_attn.k_proj.bias",), FLATTEN
+        ("model.layers.0.self_attn.k_proj.bias", "layers.0.self_attn.k_proj.bias"), FLATTEN
     )
     assert source("layers", 1, "self_attn", "q_norm", "weight") == TensorSource(
-        ("model.layers.1.self_attn.q_norm.weight",), COPY
+        ("model.layers.1.self_attn.q_norm.weight", "layers.1.self_attn.q_norm.weight"), COPY
     )
     assert source("layers", 1, "mlp", "down_proj", "weight") == TensorSource(
-        ("model.layers.1.mlp.down_proj.weight",), linear_1
+        ("model.layers.1.mlp.down_proj.weight", "layers.1.mlp.down_proj.weight"), linear_1
     )
     # torch Linear [out, in] shapes of our [in..., out...] kernels
     assert linear_1.stored_shape((64, 4, 16)) == (64, 64)  # q_proj [e, h, d] <- [h*d, e]

@@ -6,6 +6,8 @@ Endpoints (OpenAI API reference; vLLM's extras):
     POST /v1/chat/completions   chat completions (the tokenizer's chat template)
     POST /v1/responses          OpenAI's Responses API (serving/responses.py)
     GET  /v1/responses/{id}     a stored response; DELETE forgets it
+    POST /v1/embeddings         embeddings (--runner pooling; serving/pooling.py)
+    POST /pooling               vLLM's pooled vectors; POST /v1/score (and /score): cosine
     GET  /v1/models             the served model (once per --served-model-name)
     GET  /v1/requests/{id}/ledger  a finished request's ledger
     GET  /health                200 while the engine serves, else 503
@@ -26,13 +28,14 @@ aborted in ``finally``) before the engine's next step, which frees its KV blocks
 
 Every failure a client can cause is an OpenAI-style 4xx (``APIError``); a middleware turns
 anything else into a logged 500 and counts it in ``app[INTERNAL_ERRORS]`` (tests assert it
-stays 0). With ``--api-key`` the ``/v1/*``, ``/tokenize``, ``/detokenize``, ``/sleep`` and
-``/wake_up`` routes need ``Authorization: Bearer <key>`` (401 otherwise); ``/health``,
-``/metrics``, ``/version`` and ``/is_sleeping`` stay open, as in vLLM. With several keys
-(``--api-key`` repeated or a comma list) a request's ledger, and a stored ``/v1/responses``
-response, is readable only with the key that created it; ``--no-ledger-route`` removes the
-ledger route. With ``--max-waiting-requests`` a request that finds that many requests waiting
-gets a 503 with ``Retry-After``; so does one that finds the engine asleep.
+stays 0). With ``--api-key`` the ``/v1/*``, ``/tokenize``, ``/detokenize``, ``/sleep``,
+``/wake_up``, ``/pooling`` and ``/score`` routes need ``Authorization: Bearer <key>`` (401
+otherwise); ``/health``, ``/metrics``, ``/version`` and ``/is_sleeping`` stay open, as in
+vLLM. With several keys (``--api-key`` repeated or a comma list) a request's ledger, and a
+stored ``/v1/responses`` response, is readable only with the key that created it;
+``--no-ledger-route`` removes the ledger route. With ``--max-waiting-requests`` a request that
+finds that many requests waiting gets a 503 with ``Retry-After``; so does one that finds the
+engine asleep.
 
 Transport options: TLS (``--ssl-keyfile`` / ``--ssl-certfile``: ``run_server``'s
 ``ssl_context``), CORS (``cors.py``) and ``--root-path`` (every route is served both at its
@@ -79,6 +82,7 @@ from jaxserve.serving.endpoints import (
 )
 from jaxserve.serving.errors import APIError, error_body
 from jaxserve.serving.json_io import dumps, parse_json_body
+from jaxserve.serving.pooling import POOLING_KINDS
 from jaxserve.serving.validation import ServingInfo, request_body_limit
 
 logger = logging.getLogger(__name__)
@@ -131,7 +135,15 @@ BODY_LIMIT = web.AppKey("body_limit", int)
 MAX_BODY_BYTES = 16 * 2**20
 """The largest request body, whatever the model's limits (``BODY_LIMIT`` is often lower)."""
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/sleep", "/wake_up")
+_PROTECTED_PREFIXES = (
+    "/v1/",
+    "/tokenize",
+    "/detokenize",
+    "/sleep",
+    "/wake_up",
+    "/pooling",
+    "/score",
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -357,7 +369,10 @@ def _check_not_draining(request: web.Request) -> None:
 # ---- routes ----------------------------------------------------------------------------------
 
 
-def _generation_handler(url: str) -> Handler:
+def _generation_handler(url: str, *, pooling: bool = False) -> Handler:
+    """The route of a generating endpoint (``OpenAIServing.generate``), or of a pooling one
+    (``OpenAIServing.pool``)."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         _check_not_draining(request)
         drain = request.app[DRAIN]
@@ -367,7 +382,8 @@ def _generation_handler(url: str) -> Handler:
         try:
             body, large = await _read_json_sized(request)
             serving = request.app[SERVING]
-            reply = await serving.generate(url, body, owner=request.get(KEY_ID), large=large)
+            serve = serving.pool if pooling else serving.generate
+            reply = await serve(url, body, owner=request.get(KEY_ID), large=large)
             return await _send(request, reply)
         except asyncio.CancelledError:  # the client went away, or the drain window ran out
             if not _was_cut(request):
@@ -612,6 +628,8 @@ def build_app(
     router.add_post(
         "/v1/responses", _generation_handler("/v1/responses"), expect_handler=_expect_handler
     )
+    for url in POOLING_KINDS:  # /v1/embeddings, /pooling, /v1/score, /score
+        router.add_post(url, _generation_handler(url, pooling=True), expect_handler=_expect_handler)
     router.add_get("/v1/responses/{response_id}", _stored_response)
     router.add_delete("/v1/responses/{response_id}", _delete_response)
     router.add_get("/v1/models", _models)

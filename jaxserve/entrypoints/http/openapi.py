@@ -12,7 +12,9 @@ finds the server accepting what the document allows and refusing the rest.
 What it cannot say is in :data:`UNEXPRESSED` (and the document's description). Bodies are JSON
 in UTF-8 (``Content-Type: application/json``, or none); other media types are a 415.
 Responses are described by status only, plus OpenAI's error object for 4xx/5xx.
-Every route ``build_app`` adds is here (a test compares the two).
+Every route ``build_app`` adds is here (a test compares the two); a route this server's runner
+does not answer (the pooling routes on a generate server, the generating ones on a
+``--runner pooling`` server: a 400 naming ``--runner``) takes no body (``{"not": {}}``).
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ from jaxserve.sampling_params import (
     STRUCTURED_KINDS,
 )
 from jaxserve.serving.endpoints import GENERATION, version
+from jaxserve.serving.pooling import POOLING_KINDS, REQUEST_MODELS
 from jaxserve.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ResponsesRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from jaxserve.serving.responses import MESSAGE_ROLES, TEXT_PARTS
@@ -42,6 +47,7 @@ from jaxserve.serving.validation import ServingInfo
 
 _BODIES: dict[str, type[BaseModel]] = {
     **{path: endpoint.request_model for path, endpoint in GENERATION.items()},
+    **{path: REQUEST_MODELS[kind] for path, kind in POOLING_KINDS.items()},
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -156,6 +162,8 @@ UNEXPRESSED = (
     "that renders tools",
     "the chat template may refuse a conversation (e.g. roles out of order)",
     "a request's sampler buffers must fit the free memory (n, logprobs)",
+    "/v1/score: a text_1 list of several texts needs a text_2 list of as many",
+    "/v1/embeddings, /pooling: dimensions at most the model's hidden size",
 )
 """Rules the server checks that this document cannot express in JSON Schema."""
 
@@ -338,6 +346,7 @@ def refine(schemas: dict[str, Any], info: ServingInfo) -> None:
     ]
     schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token
     _refine_responses(schemas, ranges, length)
+    _refine_pooling(schemas, ranges, ids, texts)
 
 
 def _refine_responses(schemas: dict[str, Any], ranges: dict[str, dict], length: dict) -> None:
@@ -442,6 +451,53 @@ def _refine_responses(schemas: dict[str, Any], ranges: dict[str, dict], length: 
     }
 
 
+def _null_means_default(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The optional fields not refined yet accept ``null`` (it means the default)."""
+    for name in model.model_fields:
+        prop = schema["properties"][name]
+        if _accepts_null(model, name) and "anyOf" not in prop and "type" in prop:
+            keep = {k: prop.pop(k) for k in ("default", "title", "description") if k in prop}
+            schema["properties"][name] = {**_nullable(prop), **keep}
+
+
+def _refine_pooling(schemas: dict[str, Any], ranges: dict[str, dict], ids: dict, texts: dict):
+    """``EmbeddingRequest`` (``/v1/embeddings``, ``/pooling``) and ``ScoreRequest``
+    (``/v1/score``): the inputs' shapes and token ids, ``dimensions`` from 1, ``priority`` as
+    for generation, and a ``text_1`` of several texts only with a ``text_2`` list."""
+    string = {"type": "string"}
+    embedding = schemas["EmbeddingRequest"]
+    _refine_fields(
+        embedding,
+        EmbeddingRequest,
+        {
+            "input": {
+                "anyOf": [string, texts, ids, {"type": "array", "items": ids, "minItems": 1}]
+            },
+            "dimensions": _range("integer", 1, INT32_MAX),
+            "priority": ranges["priority"],
+        },
+    )
+    _null_means_default(embedding, EmbeddingRequest)
+    score = schemas["ScoreRequest"]
+    side = {"anyOf": [string, texts]}
+    _refine_fields(
+        score, ScoreRequest, {"text_1": side, "text_2": side, "priority": ranges["priority"]}
+    )
+    _null_means_default(score, ScoreRequest)
+    score["anyOf"] = [  # one text_1 against one or each; several pairwise (as many: UNEXPRESSED)
+        {"properties": {"text_1": {"anyOf": [string, {"type": "array", "maxItems": 1}]}}},
+        {"properties": {"text_2": {"type": "array"}}},
+    ]
+
+
+def _runner_serves(info: ServingInfo | str | None, path: str) -> bool:
+    """The server's runner answers ``path``: a generate server does not embed (400 naming
+    ``--runner pooling``), a pooling server does not generate."""
+    if not isinstance(info, ServingInfo) or path not in (*GENERATION, *POOLING_KINDS):
+        return True
+    return (path in POOLING_KINDS) == (info.runner == "pooling")
+
+
 def openapi_document(
     info: ServingInfo | str | None = None, root_path: str = "", ledger_route: bool = True
 ) -> dict[str, Any]:
@@ -466,18 +522,20 @@ def openapi_document(
         refine(schemas, info)
     paths: dict[str, Any] = {}
     for path, model in _BODIES.items():
+        body: dict[str, Any] = {"$ref": f"#/components/schemas/{model.__name__}"}
+        responses = _responses("the result")
+        if not _runner_serves(info, path):  # the route is there, and refuses every body
+            other = "--runner pooling" if path in POOLING_KINDS else "--runner generate"
+            body = {"not": {}, "description": f"this server does not serve it: {other} does"}
+            responses = {k: v for k, v in responses.items() if k != "200"}
         paths[path] = {
             "post": {
                 "operationId": path.strip("/").replace("/", "_"),
                 "requestBody": {
                     "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}
-                        }
-                    },
+                    "content": {"application/json": {"schema": body}},
                 },
-                "responses": _responses("the result"),
+                "responses": responses,
             }
         }
     for path, what in _GETS.items():

@@ -138,8 +138,11 @@ class LlamaForCausalLM(CausalLM):
         if proj is not None:
             layout = Layout("linear", 2 if proj == "o_proj" else 1) if leaf == "weight" else FLATTEN
         if naming == "hf":
-            name = flat_name(path) if module == ["lm_head"] else "model." + flat_name(path)
-            return TensorSource((name,), layout)
+            if module == ["lm_head"]:
+                return TensorSource((flat_name(path),), layout)
+            # a base model saved on its own (sentence-transformers, Qwen3-Embedding) has no
+            # "model." prefix
+            return TensorSource(("model." + flat_name(path), flat_name(path)), layout)
         if naming == "gguf":
             name = gguf_name(module, leaf, _GGUF_LAYER_NAMES)
             if proj in ("q_proj", "k_proj") and config.architecture in _PERMUTED_QK:
