@@ -164,6 +164,7 @@ UNEXPRESSED = (
     "a request's sampler buffers must fit the free memory (n, logprobs)",
     "/v1/score: a text_1 list of several texts needs a text_2 list of as many",
     "/v1/embeddings, /pooling: dimensions at most the model's hidden size",
+    "/v1/embeddings, /pooling, /v1/score: each input at most max_model_len tokens",
 )
 """Rules the server checks that this document cannot express in JSON Schema."""
 
@@ -460,7 +461,9 @@ def _null_means_default(schema: dict[str, Any], model: type[BaseModel]) -> None:
             schema["properties"][name] = {**_nullable(prop), **keep}
 
 
-def _refine_pooling(schemas: dict[str, Any], ranges: dict[str, dict], ids: dict, texts: dict):
+def _refine_pooling(
+    schemas: dict[str, Any], ranges: dict[str, dict], ids: dict, texts: dict
+) -> None:
     """``EmbeddingRequest`` (``/v1/embeddings``, ``/pooling``) and ``ScoreRequest``
     (``/v1/score``): the inputs' shapes and token ids, ``dimensions`` from 1, ``priority`` as
     for generation, and a ``text_1`` of several texts only with a ``text_2`` list."""
