@@ -90,7 +90,7 @@ def time_call(f, args, repeats: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("cases", nargs="*", help=f"case names (default: all): {list(CASES)}")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--oracle", action="store_true", help="also run the oracle (P <= 128)")

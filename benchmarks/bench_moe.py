@@ -176,7 +176,9 @@ def layer_bench(args) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument("--batches", default="1,64,256", help="running decodes, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)

@@ -190,7 +190,7 @@ def q4_k_ratio(preset: str = "llama-3.1-8b") -> tuple[int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--gen", type=int, default=16)
     parser.add_argument("--only", default="", help="comma-separated variant names to run")

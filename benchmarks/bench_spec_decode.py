@@ -95,7 +95,9 @@ TEXT_PROMPTS = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     EngineArgs.add_cli_args(ap, positional_model=False)
     ap.add_argument(

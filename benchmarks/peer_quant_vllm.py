@@ -59,7 +59,7 @@ def run_jaxserve(path: str) -> list[list[int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--engine", choices=["vllm", "jaxserve"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--compare", default="")

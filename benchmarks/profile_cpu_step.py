@@ -57,7 +57,9 @@ COLUMNS = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     EngineArgs.add_cli_args(parser, positional_model=False)
     parser.add_argument("--contexts", default="512,2000,6000,12000", help="prompt lengths")

@@ -161,7 +161,7 @@ def make_fixture(name: str, out_root: str, seed: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
         "--out",
         default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "quant"),

@@ -58,7 +58,9 @@ def test_generate_command(model, monkeypatch, capsys):
     # start-up check must not ask for them.
     check = preflight.check_model_path
     monkeypatch.setattr(
-        preflight, "check_model_path", lambda p, f, need_tokenizer=False: check(p, f, False)
+        preflight,
+        "check_model_path",
+        lambda p, f, need_tokenizer=False, quantization="auto": check(p, f, False, quantization),
     )
     parser = argparse.ArgumentParser()
     add_generate_parser(parser.add_subparsers())

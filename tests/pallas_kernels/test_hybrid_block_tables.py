@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from test_ragged_paged_attention import make_batch, naive_attention, rel_err, valid_rows
 
-from jaxserve.model.chunked_attention import chunked_paged_attention
+from jaxserve.model.chunked_attention import CpuAttentionTiling, chunked_paged_attention
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -32,7 +32,10 @@ ON_TPU = jax.default_backend() == "tpu"
 ON_GPU = jax.default_backend() == "gpu"
 BACKENDS = {
     "reference": ragged_paged_attention_reference,
-    "chunked": functools.partial(chunked_paged_attention, keys_per_chunk=16),
+    "chunked": functools.partial(
+        chunked_paged_attention,
+        tiling=CpuAttentionTiling(decode_keys=16, decode_items=8, prefill_rows=16, prefill_keys=16),
+    ),
     "pallas-gpu": functools.partial(ragged_paged_attention, interpret=not ON_GPU),
     "pallas-tpu": functools.partial(ragged_paged_attention_tpu, interpret=not ON_TPU),
 }
