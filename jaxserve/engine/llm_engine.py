@@ -120,6 +120,9 @@ class LLMEngine:
         self.async_scheduling = config.scheduler.async_scheduling
         # Async scheduling: the dispatched step not yet collected (SchedulerOutput, PendingStep).
         self._in_flight: tuple | None = None
+        # Steps whose in-flight predecessor was collected and updated before scheduling them,
+        # because nothing could run without its tokens (``Scheduler.waits_for_in_flight``).
+        self.num_early_updates = 0
         self.kv_event_publisher = self._start_kv_events(config)
 
     def _start_kv_events(self, config: EngineConfig) -> Any:
@@ -506,11 +509,14 @@ class LLMEngine:
         N+1 on the device (each step takes the KV pool its predecessor returned), so nothing in
         flight writes into a block after its new owner. Requests that reach ``max_tokens`` with
         step N's token are not scheduled in step N+1 at all.
+
+        When no request could be scheduled before step N's tokens land (speculating requests,
+        whose next drafts and position follow their verified tokens; penalties; see
+        ``Scheduler.waits_for_in_flight``), the call collects and updates step N first, then
+        schedules and dispatches step N+1, and makes step N's outputs (detokenization, stop
+        strings) while step N+1 runs: one engine step per device step, no empty step between.
         """
         t0, c0 = time.perf_counter(), time.thread_time()
-        sched_out = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        token_mask = self.token_masks.step_mask(sched_out, self.scheduler.requests)
         timing = self.runner.timing
         host0, dev0, launch0, aside0 = (
             timing.host_s,
@@ -518,7 +524,25 @@ class LLMEngine:
             timing.launch_s,
             timing.aside_cpu_s,
         )
-        if self.async_scheduling:
+        core_outputs = None
+        if self._in_flight is not None and self.scheduler.waits_for_in_flight():
+            # Nothing can run before step N's tokens (speculation: the verified tokens and the
+            # next drafts): collect and update step N first, schedule and dispatch step N+1,
+            # and make step N's outputs while N+1 runs (instead of an empty step N+1 and the
+            # real one an engine step later).
+            (done_sched, pending), self._in_flight = self._in_flight, None
+            runner_out = self.runner.collect(pending)
+            tokens_time = time.monotonic()
+            core_outputs = self.scheduler.update_from_output(done_sched, runner_out, batched=True)
+            self.num_early_updates += 1
+        t0s = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        token_mask = self.token_masks.step_mask(sched_out, self.scheduler.requests)
+        if core_outputs is not None:  # dispatched at once: nothing else is in flight
+            pending = self.runner.dispatch(sched_out, token_mask)
+            self._in_flight = (sched_out, pending)
+        elif self.async_scheduling:
             pending = self.runner.dispatch(sched_out, token_mask)
             done, self._in_flight = self._in_flight, (sched_out, pending)
             if done is None:
@@ -530,8 +554,11 @@ class LLMEngine:
         t2 = time.perf_counter()
         outputs: list[RequestOutput] = []
         if runner_out is not None:
-            tokens_time = time.monotonic()  # the step's tokens are on the host
-            core_outputs = self.scheduler.update_from_output(done_sched, runner_out, batched=True)
+            if core_outputs is None:
+                tokens_time = time.monotonic()  # the step's tokens are on the host
+                core_outputs = self.scheduler.update_from_output(
+                    done_sched, runner_out, batched=True
+                )
             # Grammars see their tokens now: a complete one ends its request on this token.
             ended = self.token_masks.advance(core_outputs) if len(self.token_masks) else None
             outputs, stopped = self.output_processor.process_outputs(core_outputs, tokens_time)
@@ -557,12 +584,14 @@ class LLMEngine:
                 self.kv_event_publisher.publish(events)
         self._update_stats(outputs)
         st = self._stats
-        st.schedule_s += t1 - t0
+        st.schedule_s += t1 - t0s
         st.runner_host_s += timing.host_s - host0
         st.runner_launch_s += timing.launch_s - launch0
         st.host_cpu_s += (c3 - c0) - (timing.aside_cpu_s - aside0)
         st.runner_device_s += timing.device_s - dev0
-        st.output_s += (t2 - t1) - (timing.host_s - host0) - (timing.device_s - dev0) + (t3 - t2)
+        st.output_s += (
+            (t0s - t0) + (t2 - t1) - (timing.host_s - host0) - (timing.device_s - dev0) + (t3 - t2)
+        )
         return outputs
 
     def _update_stats(self, outputs: list[RequestOutput]) -> None:

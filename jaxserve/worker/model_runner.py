@@ -162,6 +162,10 @@ class StepTiming:
       device_s: time ``collect`` waits for the results (device work + transfer not hidden
         behind host work).
       output_s: turning the results into the ModelRunnerOutput.
+      idle_s: seconds the device sat without a step, from the end of a ``collect`` that left
+        nothing in flight to the next launch (host work on the critical path: what async
+        scheduling hides when it can dispatch step N+1 before collecting step N).
+      num_idle_gaps: launches that ended such a gap.
     """
 
     num_steps: int = 0
@@ -170,6 +174,8 @@ class StepTiming:
     aside_cpu_s: float = 0.0
     device_s: float = 0.0
     output_s: float = 0.0
+    idle_s: float = 0.0
+    num_idle_gaps: int = 0
 
 
 class ModelRunner:
@@ -288,6 +294,10 @@ class ModelRunner:
         self.ngram: NgramProposer | None = None
         self.set_speculative_config(config.speculative)
         self.draft: DraftModel | None = None  # attach_draft_model
+        # Sampling steps dispatched and not collected, and when the latest collect left none
+        # (StepTiming.idle_s).
+        self._num_in_flight = 0
+        self._idle_since: float | None = None
         self.aot_draft_prefill: dict[int, Any] = {}
         # The draft's cache per row: positions whose draft K/V is valid (see _draft_prefill),
         # and whether any step ran without the draft (cached blocks may lack its K/V since).
@@ -502,6 +512,7 @@ class ModelRunner:
         self._last_batch = None
         self._pool_partial.clear()
         self._pool_epoch.clear()
+        self._num_in_flight, self._idle_since = 0, None  # a dropped engine's step is forgotten
 
     def sleep(self, level: int) -> None:
         """Frees the device memory of the weights (level 1: kept in host memory; level 2:
@@ -606,6 +617,10 @@ class ModelRunner:
 
         graph = self.graph
         t1, c1 = time.perf_counter(), time.thread_time()
+        if not self._num_in_flight and self._idle_since is not None:
+            self.timing.idle_s += t1 - self._idle_since
+            self.timing.num_idle_gaps += 1
+        self._num_in_flight += 1
         aot = self.aot_forward.get(batch.token_bucket)
         if aot is not None:
             logits, hidden, self.kv_caches = aot(self.params, self.kv_caches, batch.inputs)
@@ -699,6 +714,10 @@ class ModelRunner:
         """The pooling runner's launch: the forward, then ``pool_step`` (no sampler)."""
         graph = self.graph
         t1, c1 = time.perf_counter(), time.thread_time()
+        if not self._num_in_flight and self._idle_since is not None:
+            self.timing.idle_s += t1 - self._idle_since
+            self.timing.num_idle_gaps += 1
+        self._num_in_flight += 1
         aot = self.aot_forward.get(batch.token_bucket)
         if aot is not None:
             _, hidden, self.kv_caches = aot(self.params, self.kv_caches, batch.inputs)
@@ -836,6 +855,9 @@ class ModelRunner:
         timing.num_steps += 1
         timing.device_s += t2 - t1
         timing.output_s += t3 - t2
+        self._num_in_flight -= 1
+        if not self._num_in_flight:
+            self._idle_since = t3
         return output
 
     def _draft_prefill(self, sched: SchedulerOutput, batch: StepBatch) -> None:
