@@ -59,6 +59,7 @@ from jaxserve.stats_schema import COUNTER_TOTALS, SCHEDULER_TO_ENGINE, EngineSta
 from jaxserve.structured import TokenMaskManager
 
 if TYPE_CHECKING:
+    from jaxserve.core.runner_output import ModelRunnerOutput
     from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.worker.model_runner import ModelRunner
@@ -525,16 +526,21 @@ class LLMEngine:
             timing.aside_cpu_s,
         )
         core_outputs = None
+        outputs: list[RequestOutput] | None = None
         if self._in_flight is not None and self.scheduler.waits_for_in_flight():
             # Nothing can run before step N's tokens (speculation: the verified tokens and the
             # next drafts): collect and update step N first, schedule and dispatch step N+1,
             # and make step N's outputs while N+1 runs (instead of an empty step N+1 and the
-            # real one an engine step later).
+            # real one an engine step later). With constrained requests in the engine, step
+            # N's outputs first: their grammars take step N's tokens before N+1's masks.
             (done_sched, pending), self._in_flight = self._in_flight, None
             runner_out = self.runner.collect(pending)
             tokens_time = time.monotonic()
             core_outputs = self.scheduler.update_from_output(done_sched, runner_out, batched=True)
             self.num_early_updates += 1
+            if len(self.token_masks):
+                outputs = self._process(core_outputs, runner_out, tokens_time)
+                self.token_masks.drop(self.scheduler.finished_req_ids)
         t0s = time.perf_counter()
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -552,29 +558,15 @@ class LLMEngine:
         else:
             done_sched, runner_out = sched_out, self.runner.execute_model(sched_out, token_mask)
         t2 = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        if runner_out is not None:
-            if core_outputs is None:
-                tokens_time = time.monotonic()  # the step's tokens are on the host
-                core_outputs = self.scheduler.update_from_output(
-                    done_sched, runner_out, batched=True
-                )
-            # Grammars see their tokens now: a complete one ends its request on this token.
-            ended = self.token_masks.advance(core_outputs) if len(self.token_masks) else None
-            outputs, stopped = self.output_processor.process_outputs(core_outputs, tokens_time)
-            pooled = runner_out.pooler_output
-            if pooled:  # pooling runner: the vectors of the prompts this step completed
-                for out in outputs:
-                    if out.finished:
-                        out.pooled = pooled.get(out.request_id)
-            if stopped:
-                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-            if ended:
-                for status, req_ids in ended.items():
-                    self.scheduler.finish_requests(req_ids, status)
-            for out in outputs:
-                if out.finished:
-                    self.ledger_history.add(out.request_id, out.ledgers)
+        if outputs is None:
+            outputs = []
+            if runner_out is not None:
+                if core_outputs is None:
+                    tokens_time = time.monotonic()  # the step's tokens are on the host
+                    core_outputs = self.scheduler.update_from_output(
+                        done_sched, runner_out, batched=True
+                    )
+                outputs = self._process(core_outputs, runner_out, tokens_time)
         if len(self.token_masks):  # finished this step: their matchers go now, not next step
             self.token_masks.drop(self.scheduler.finished_req_ids)
         t3, c3 = time.perf_counter(), time.thread_time()
@@ -592,6 +584,30 @@ class LLMEngine:
         st.output_s += (
             (t0s - t0) + (t2 - t1) - (timing.host_s - host0) - (timing.device_s - dev0) + (t3 - t2)
         )
+        return outputs
+
+    def _process(
+        self, core_outputs: Any, runner_out: ModelRunnerOutput, tokens_time: float
+    ) -> list[RequestOutput]:
+        """A collected step's outputs, after the scheduler's update: grammars advance (a
+        complete one ends its request), detokenization and stop strings, pooled vectors; the
+        requests they end are finished and their ledgers kept."""
+        # Grammars see their tokens now: a complete one ends its request on this token.
+        ended = self.token_masks.advance(core_outputs) if len(self.token_masks) else None
+        outputs, stopped = self.output_processor.process_outputs(core_outputs, tokens_time)
+        pooled = runner_out.pooler_output
+        if pooled:  # pooling runner: the vectors of the prompts this step completed
+            for out in outputs:
+                if out.finished:
+                    out.pooled = pooled.get(out.request_id)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if ended:
+            for status, req_ids in ended.items():
+                self.scheduler.finish_requests(req_ids, status)
+        for out in outputs:
+            if out.finished:
+                self.ledger_history.add(out.request_id, out.ledgers)
         return outputs
 
     def _update_stats(self, outputs: list[RequestOutput]) -> None:
