@@ -126,8 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--serial-baseline",
         action="store_true",
-        help="a third run per round, speculation on without the early update of the step in "
-        "flight (as before it), and the on / serial ratios",
+        help="batch-1 workloads: a third run per round, speculation on without the early "
+        "update of the step in flight (as before it), and the on / serial ratios",
     )
     ap.add_argument(
         "--breakdown",
@@ -287,7 +287,9 @@ def compare(
     bench: Bench, name: str, spec, prompts: list, concurrent: int, ignore_eos: bool = True
 ) -> dict:
     """``--rounds`` interleaved off/on runs of one workload; prints and returns the figures."""
-    modes = ("off", "on", "serial") if bench.args.serial_baseline else ("off", "on")
+    # the serial baseline at batch 1 only (above disable_by_batch_size nothing speculates)
+    serial_too = bench.args.serial_baseline and concurrent == 1
+    modes = ("off", "on", "serial") if serial_too else ("off", "on")
     runs = {mode: [] for mode in modes}
     for r in range(bench.args.rounds):
         for mode in modes:

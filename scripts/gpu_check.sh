@@ -127,8 +127,13 @@ echo "== speculative decoding (#32), Llama-3.1-8B target, Llama-3.2-1B-shaped dr
 # Dummy weights: the drafts are rejected, so on/off tok/s at batch 1 is the step-time ratio of a
 # step verifying K=4 drafts plus the draft's prefill and 4 proposal steps; the speed-up at a
 # mean acceptance length L is about L x that ratio. 64 concurrent with disable_by_batch_size 8:
-# speculation off, which must cost nothing (target >= 0.95x).
+# speculation off, which must cost nothing (target >= 0.95x). --breakdown: per output token,
+# engine and device steps, host / wait / output ms and the device's idle gap per device step
+# between speculating steps (what an overlap of step N+1's drafting with step N could still
+# hide: 0.4-0.9 ms on the CPU box); --serial-baseline: batch 1 also without the early update of
+# the step in flight (the engine before it), interleaved, with the on / serial ratios.
 timeout -k 10 "${SPEC_BUDGET:-420}" "$PY" benchmarks/bench_spec_decode.py --model llama-3.1-8b \
+    --breakdown --serial-baseline \
     --draft llama-3.2-1b --load-format dummy --dtype bfloat16 --max-num-seqs 64 \
     --max-num-batched-tokens 2048 --token-buckets 16,64,256,2048 --max-model-len 2048 \
     --compilation-cache-dir /tmp/jaxserve-xla --attention-backend "$backend" --rounds 2 \
