@@ -108,6 +108,8 @@ class LLMEngine:
             config.cache.num_gpu_blocks,
             speculative_config=config.speculative,
         )
+        if config.lora is not None:
+            self.scheduler.max_loras = config.lora.max_loras
         self.output_processor = OutputProcessor(tokenizer, config.scheduler.stream_interval)
         self.ledger_history = LedgerHistory(config.ledger_history)
         self.token_masks = TokenMaskManager(
@@ -273,6 +275,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         final_only: bool = False,
+        lora_name: str | None = None,
     ) -> None:
         """Validates and queues a request (its ``n`` samples).
 
@@ -283,6 +286,7 @@ class LLMEngine:
           params: SamplingParams (validated on construction).
           priority: smaller is more urgent (scheduling_policy "priority").
           cache_salt: mixed into the prefix-cache hash of the first block (tenant isolation).
+          lora_name: a registered LoRA adapter to run it on (#33); None: the base model.
           arrival_time: ``time.monotonic()`` seconds; defaults to now.
           final_only: only return this request's RequestOutput once, when it finished (the
             offline API uses this; it skips building per-step outputs), as
@@ -308,6 +312,12 @@ class LLMEngine:
                 "max_tokens: this engine runs --runner pooling (embeddings); its requests "
                 "generate nothing (max_tokens=0, n=1)"
             )
+        if lora_name is not None:
+            lora = getattr(self.runner, "lora", None)
+            if lora is None:
+                raise ValueError(f"lora_name {lora_name!r}: this engine runs without --enable-lora")
+            if lora_name not in lora.paths:
+                raise ValueError(f"lora_name {lora_name!r}: no such LoRA adapter is loaded")
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)]
         for rid in [request_id, *child_ids]:
@@ -331,6 +341,7 @@ class LLMEngine:
                     arrival_time=arrival,
                     priority=priority,
                     cache_salt=cache_salt,
+                    lora_name=lora_name,
                 )
             )
         added = []
