@@ -429,6 +429,43 @@ class LLMEngine:
         thread may call it."""
         return self.ledger_history.get(request_id)
 
+    # ------------------------------------------------------------------ LoRA adapters (#33)
+
+    def list_loras(self) -> dict[str, str | None]:
+        """The registered LoRA adapters, name -> their ``base_model_name`` (None: the served
+        model), in registration order; empty without ``--enable-lora``."""
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            return {}
+        parents = {m[0]: m[2] for m in self.config.lora.lora_modules}
+        return {name: parents.get(name) for name in lora.paths}
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Reads, checks and registers the PEFT adapter in directory ``path`` as ``name``.
+
+        Raises:
+          ValueError: LoRA is off; ``LoRAAdapterError`` (a ValueError) for a bad adapter or a
+            name in use (one line). Nothing changes then.
+        """
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError("lora_name: this engine runs without --enable-lora")
+        lora.register(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregisters adapter ``name`` (its host copy and device slot are freed).
+
+        Raises:
+          ValueError: LoRA is off, ``name`` is not loaded, or unfinished requests use it.
+        """
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError("lora_name: this engine runs without --enable-lora")
+        users = sum(r.lora_name == name for r in self.scheduler.requests.values())
+        if users:
+            raise ValueError(f"lora_name {name!r}: in use by {users} unfinished requests")
+        lora.unregister(name)
+
     def has_unfinished_requests(self) -> bool:
         """True while any parent request (n > 1 counts once) has not produced its final output."""
         return len(self.output_processor) > 0
