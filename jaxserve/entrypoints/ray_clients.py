@@ -220,6 +220,7 @@ class ReplicaClient:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> RelayedStream:
         """Starts the request on the replica; returns once its engine holds it.
 
@@ -228,6 +229,8 @@ class ReplicaClient:
           EngineUnavailableError: the replica is gone, did not accept in ``ACCEPT_TIMEOUT_S``,
             or its engine is dead (it is marked down; nothing started).
         """
+        if lora_name is not None:
+            raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         gen = self.actor.run_request.options(num_returns="streaming").remote(
@@ -251,6 +254,26 @@ class ReplicaClient:
             raise EngineUnavailableError(f"engine replica {self.index}: {payload}") from payload
         stream = self.streams[request_id] = RelayedStream(self, request_id, gen)
         return stream
+
+    def lora_adapters(self) -> dict[str, str | None]:
+        """No LoRA adapters over Ray replicas (not built: #33 serves them in one process)."""
+        return {}
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Refused: LoRA adapters are not served over Ray replicas.
+
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Refused, as ``load_lora_adapter``.
+
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
 
     def abort(self, request_id: str) -> None:
         stream = self.streams.get(request_id)
@@ -452,6 +475,7 @@ class ReplicaSet:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> RequestOutputStream:
         """Starts the request on the replica the router picks (by its prompt's prefix).
 
@@ -459,6 +483,8 @@ class ReplicaSet:
           ValueError: the engine refused it (names the field).
           EngineUnavailableError: no replica is up.
         """
+        if lora_name is not None:
+            raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
         async def start(client: ReplicaClient) -> RelayedStream:
@@ -472,6 +498,26 @@ class ReplicaSet:
             raise EngineUnavailableError(f"no engine replica can take the request: {exc}") from None
         stream.on_close = lambda: self.router.finished(index)
         return stream
+
+    def lora_adapters(self) -> dict[str, str | None]:
+        """No LoRA adapters over Ray replicas (not built: #33 serves them in one process)."""
+        return {}
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Refused: LoRA adapters are not served over Ray replicas.
+
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Refused, as ``load_lora_adapter``.
+
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
 
     def abort(self, request_id: str) -> None:
         for client in self.clients:

@@ -7,6 +7,7 @@ refused with the engine still serving. One engine for the module (no warm-up com
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from jaxserve.engine.llm import LLM
 from jaxserve.lora.peft import LoRAAdapterError
 from jaxserve.sampling_params import SamplingParams
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "entrypoints"))
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "lora")
 BASE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden", "llama")
 GOLDEN = np.load(os.path.join(FIXTURES, "golden.npz"))
@@ -28,6 +30,7 @@ EXPECTED = {None: "base", "a1": "a1", "a2": "a2", "a3": "a1"}
 def llm():
     return LLM(
         BASE,
+        tokenizer=os.path.join(BASE, "..", "gemma2"),  # a 256-token one: the server needs one
         dtype="float32",
         enable_lora=True,
         max_loras=2,
@@ -95,3 +98,55 @@ def test_load_and_unload_at_run_time(llm, tmp_path):
     assert engine.list_loras() == before
     with pytest.raises(ValueError, match="no such LoRA adapter"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_name="a4")
+
+
+def test_openai_client_selects_adapters_by_model_name(llm):
+    """Last in the module: the engine moves behind an HTTP server (AsyncLLM takes it over)."""
+    import httpx2 as httpx
+    from openai import OpenAI
+    from server_harness import LiveServer
+
+    from jaxserve.engine.async_llm import AsyncLLM
+
+    async_llm = AsyncLLM(llm.llm_engine)
+    srv = LiveServer(async_llm, api_key="k")
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="k")
+        cards = {m.id: m for m in client.models.list().data}
+        base = next(n for n, m in cards.items() if m.parent is None)
+        assert {n: m.parent for n, m in cards.items() if n != base} == dict.fromkeys(
+            ("a1", "a2", "a3"), base
+        )
+        for name in (None, "a1", "a2"):
+            out = client.completions.create(
+                model=name or base, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=1
+            )
+            lps = out.choices[0].logprobs.token_logprobs
+            np.testing.assert_allclose(lps, GOLDEN[f"{EXPECTED[name]}_logprobs_1"], atol=1e-4)
+        http = httpx.Client(base_url=srv.url, timeout=30)
+        load = "/v1/load_lora_adapter"
+        body = {"lora_name": "a5", "lora_path": f"{FIXTURES}/a2"}
+        assert http.post(load, json=body).status_code == 401  # behind --api-key
+        auth = {"Authorization": "Bearer k"}
+        r = http.post(load, json={**body, "lora_path": "/nope"}, headers=auth)
+        assert r.status_code == 400 and "no directory /nope" in r.json()["error"]["message"]
+        r = http.post(load, json={**body, "lora_name": base}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+        assert http.post(load, json=body, headers=auth).json()["status"] == "loaded"
+        out = client.completions.create(
+            model="a5", prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=1
+        )
+        np.testing.assert_allclose(
+            out.choices[0].logprobs.token_logprobs, GOLDEN["a2_logprobs_1"], atol=1e-4
+        )
+        unload = "/v1/unload_lora_adapter"
+        assert http.post(unload, json={"lora_name": "a5"}, headers=auth).status_code == 200
+        r = http.post(unload, json={"lora_name": "a5"}, headers=auth)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = client.with_options(max_retries=0).completions.with_raw_response
+        with pytest.raises(Exception, match="404"):
+            r.create(model="a5", prompt=PROMPTS[1], max_tokens=1)
+        assert srv.internal_errors == []
+    finally:
+        srv.close()
+        async_llm.shutdown()
