@@ -447,12 +447,14 @@ class BlockStored:
       token_ids: the blocks' tokens, ``len(block_hashes) * block_size`` of them.
       group_idx: the KV-cache group whose blocks these are, when the cache has several groups
         (the same hashes are then stored once per group; vLLM's ``group_idx``); else None.
+      lora_name: the LoRA adapter whose K/V these are (#33; part of the hashes), else None.
     """
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     group_idx: int | None = None
+    lora_name: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -253,6 +253,7 @@ class Request:
             num_prompt_tokens=len(self.prompt_token_ids),
             num_output_tokens=len(self.output_token_ids),
             num_cached_tokens=self.num_cached_tokens,
+            lora_name=self.lora_name,
         )
 
     def __repr__(self) -> str:

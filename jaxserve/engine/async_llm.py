@@ -884,8 +884,11 @@ class AsyncLLM:
                 self._num_waiting = stats.num_waiting_reqs
             self._num_running = stats.num_running_reqs
             self._kv_cache_usage = stats.kv_cache_usage
+        lora_info = getattr(self.engine, "lora_requests_info", None)
         try:
             self.metrics.record_step(stats, outputs)
+            if lora_info is not None and (info := lora_info()) is not None:
+                self.metrics.record_lora_info(*info)
         except Exception:  # noqa: BLE001 - a metrics bug must not take the engine down
             logger.exception("recording metrics failed")
 

@@ -440,6 +440,16 @@ class LLMEngine:
         parents = {m[0]: m[2] for m in self.config.lora.lora_modules}
         return {name: parents.get(name) for name in lora.paths}
 
+    def lora_requests_info(self) -> tuple[list[str], list[str], int] | None:
+        """``(adapters of running requests, of waiting ones, max_loras)``, names sorted, for
+        ``vllm:lora_requests_info``; None without ``--enable-lora``. Engine thread only."""
+        if self.config.lora is None:
+            return None
+        sched = self.scheduler
+        running = sorted({r.lora_name for r in sched.running if r.lora_name is not None})
+        waiting = sorted({r.lora_name for r in sched.waiting if r.lora_name is not None})
+        return running, waiting, self.config.lora.max_loras
+
     def add_lora(self, name: str, path: str) -> None:
         """Reads, checks and registers the PEFT adapter in directory ``path`` as ``name``.
 

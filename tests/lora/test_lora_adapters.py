@@ -166,3 +166,26 @@ def test_flags():
         EngineArgs(lora_modules=["x=/p"]).lora_config()
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineArgs(enable_lora=True, max_loras=4, max_cpu_loras=2).lora_config()
+
+
+def test_kv_events_and_ledger_name_the_adapter():
+    from jaxserve.config import CacheConfig
+    from jaxserve.core.kv_cache_manager import KVCacheManager
+    from jaxserve.core.kv_cache_utils import BlockStored, update_block_hashes
+    from jaxserve.core.request import Request
+    from jaxserve.kv_events import event_to_wire
+    from jaxserve.sampling_params import SamplingParams
+
+    kv = KVCacheManager(CacheConfig(block_size=16), 8)
+    kv.block_pool.kv_events = []
+    prompt = list(range(40))
+    for name in (None, "a1"):
+        r = Request(name or "base", prompt, SamplingParams(max_tokens=4), lora_name=name)
+        hits, num_hit = kv.get_computed_blocks(r)
+        assert num_hit == 0  # the base model's blocks do not serve the adapter
+        assert kv.allocate_slots(r, r.num_tokens, 0, hits, new_request=True) is not None
+        (event,) = kv.block_pool.take_kv_events()
+        assert event == BlockStored(update_block_hashes(r, 16), None, prompt[:32], None, name)
+        assert event_to_wire(event, 16)["lora_name"] == name
+        r.close_ledger()
+        assert r.ledger.to_dict()["lora_name"] == name

@@ -124,6 +124,8 @@ def test_openai_client_selects_adapters_by_model_name(llm):
             lps = out.choices[0].logprobs.token_logprobs
             np.testing.assert_allclose(lps, GOLDEN[f"{EXPECTED[name]}_logprobs_1"], atol=1e-4)
         http = httpx.Client(base_url=srv.url, timeout=30)
+        metrics = http.get("/metrics").text
+        assert 'lora_requests_info{max_lora="2",running_lora_adapters="",' in metrics, metrics
         load = "/v1/load_lora_adapter"
         body = {"lora_name": "a5", "lora_path": f"{FIXTURES}/a2"}
         assert http.post(load, json=body).status_code == 401  # behind --api-key
