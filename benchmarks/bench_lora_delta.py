@@ -3,7 +3,8 @@ projection's delta over 1, 8 and 32 adapters in use, interleaved, as ratios to 1
 
     nice -n 19 JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_lora_delta.py
 
-Backends: ``gather`` (per-token gathered low-rank product, punica's BGMV), ``ragged``
+Backends: ``sgmv`` (tokens sorted by adapter in tiles of 16, one gathered adapter per tile:
+a batched GEMM over a static tile count, punica's SGMV), ``gather`` (per-token gathered low-rank product, punica's BGMV), ``ragged``
 (``jax.lax.ragged_dot`` over adapter-sorted tokens), ``onehot`` (the einsum over every slot
 that public JAX servers use; its cost grows with the slots, shown for reference).
 """
@@ -44,6 +45,7 @@ def main() -> None:
         a = jnp.asarray(rng.standard_normal((L, n_in, r)) * 0.01, jnp.float32)
         b = jnp.asarray(rng.standard_normal((L, r, n_out)) * 0.01, jnp.float32)
         fns = {
+            "sgmv": jax.jit(lambda x, a, b, bt: lora_delta(x, a, b, bt)),
             "gather": jax.jit(lambda x, a, b, bt: lora_delta(x, a, b, bt)),
             "ragged": jax.jit(lambda x, a, b, bt: lora_delta(x, a, b, bt)),
             "onehot": jax.jit(lambda x, a, b, bt: onehot_delta(x, a, b, bt.token_slots)),
@@ -53,7 +55,7 @@ def main() -> None:
             slots = np.arange(t) % used
             for name in fns:
                 cases[name, used] = LoraBatch.from_slots(
-                    slots, L, "ragged" if name == "ragged" else "gather"
+                    slots, L, "gather" if name == "onehot" else name
                 )
         times = {k: [] for k in cases}
         for k, bt in cases.items():  # compile

@@ -674,7 +674,7 @@ class LoRAConfig:
     max_cpu_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str, str | None], ...] = ()
-    backend: str = "gather"
+    backend: str = "sgmv"
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:

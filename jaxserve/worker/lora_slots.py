@@ -79,11 +79,18 @@ class LoRASlots:
                 ib = leaf_index[(*path, "lora_b")]
                 self.modules[name] = (ia, ib, module)
         assert set(self.modules) == set(targets), sorted(set(targets) - set(self.modules))
-        self._set = jax.jit(lambda pool, slot, value: pool.at[slot].set(value.astype(pool.dtype)))
+        # every pool's slot written in one dispatch (not donated: a step in flight may still
+        # read the old pools under async scheduling)
+        self._set = jax.jit(
+            lambda pools, slot, values: tuple(
+                p.at[slot].set(v.astype(p.dtype)) for p, v in zip(pools, values)
+            )
+        )
 
     def write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Puts ``adapter``'s matrices (zero-padded to the pool's rank; zeros for a projection
         it does not target) into ``slot`` of every pool; None clears the slot."""
+        indices, values = [], []
         for name, (ia, ib, lin) in self.modules.items():
             pool_a, pool_b = self.params[ia], self.params[ib]
             rank = pool_a.shape[-1]
@@ -95,8 +102,11 @@ class LoRASlots:
                 wb = _fit_output(wb, lin.out_shape)
                 a[:, : wa.shape[1]] = wa
                 b[: wb.shape[0]] = wb
-            self.params[ia] = self._set(pool_a, slot, a.reshape(pool_a.shape[1:]))
-            self.params[ib] = self._set(pool_b, slot, b.reshape(pool_b.shape[1:]))
+            indices += [ia, ib]
+            values += [a.reshape(pool_a.shape[1:]), b.reshape(pool_b.shape[1:])]
+        pools = self._set(tuple(self.params[i] for i in indices), np.int32(slot), tuple(values))
+        for i, pool in zip(indices, pools):
+            self.params[i] = pool
 
     def step_batch(
         self, seq_slots: np.ndarray, num_scheduled: np.ndarray, num_tokens: int

@@ -137,7 +137,7 @@ def test_delta_backends_agree_with_a_dense_reference():
             for i, s in enumerate(token_slots)
         ]
     )
-    for backend in ("gather", "ragged"):
+    for backend in ("sgmv", "gather", "ragged"):
         batch = LoraBatch.from_slots(token_slots, slots, backend)
         got = jax.jit(lora_delta)(x, a, b, batch)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
