@@ -160,6 +160,12 @@ class LoRAManager:
             out[name] = slot
         return out
 
+    def forget_slots(self) -> None:
+        """Marks every device slot empty (after the pools were reloaded: sleep mode level 2),
+        so the next steps write their adapters again."""
+        self.slots = [None] * self.max_loras
+        self._slot_lru.clear()
+
     def _free_slot(self, keep: set[str]) -> int:
         if None in self.slots:
             return self.slots.index(None)

@@ -13,6 +13,7 @@ with no adapter token gets None, and the runner runs the same executable as with
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -59,13 +60,16 @@ class LoRASlots:
         replicated for tensor parallelism since ``enable_model_lora``).
       targets: ``enable_model_lora``'s result (the checkpoint's shapes).
       state: the model's ``nnx.State`` whose flattened leaves are ``params``.
-      params: the runner's flat parameter list; updated in place.
+      params: returns the runner's flat parameter list (a new list after a sleep-mode wake-up),
+        whose pool leaves ``write_slot`` replaces in place.
       max_loras: slots.
       backend: the ``lora_delta`` backend (``jaxserve.model.layers.lora.LORA_BACKENDS``).
     """
 
-    def __init__(self, model, targets, state, params: list, max_loras: int, backend: str):
-        self.params, self.max_loras, self.backend = params, max_loras, backend
+    def __init__(
+        self, model, targets, state, params: Callable[[], list], max_loras: int, backend: str
+    ):
+        self._params, self.max_loras, self.backend = params, max_loras, backend
         leaf_index = {}
         for i, (kp, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
             keys = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in kp)
@@ -90,9 +94,10 @@ class LoRASlots:
     def write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Puts ``adapter``'s matrices (zero-padded to the pool's rank; zeros for a projection
         it does not target) into ``slot`` of every pool; None clears the slot."""
+        params = self._params()
         indices, values = [], []
         for name, (ia, ib, lin) in self.modules.items():
-            pool_a, pool_b = self.params[ia], self.params[ib]
+            pool_a, pool_b = params[ia], params[ib]
             rank = pool_a.shape[-1]
             a = np.zeros((math.prod(lin.in_shape), rank), np.float32)
             b = np.zeros((rank, math.prod(lin.out_shape)), np.float32)
@@ -104,9 +109,9 @@ class LoRASlots:
                 b[: wb.shape[0]] = wb
             indices += [ia, ib]
             values += [a.reshape(pool_a.shape[1:]), b.reshape(pool_b.shape[1:])]
-        pools = self._set(tuple(self.params[i] for i in indices), np.int32(slot), tuple(values))
+        pools = self._set(tuple(params[i] for i in indices), np.int32(slot), tuple(values))
         for i, pool in zip(indices, pools):
-            self.params[i] = pool
+            params[i] = pool
 
     def step_batch(
         self, seq_slots: np.ndarray, num_scheduled: np.ndarray, num_tokens: int

@@ -240,7 +240,7 @@ class ModelRunner:
         self.aot_forward_lora: dict[int, Any] = {}
         if lora is not None:
             self.lora_slots = LoRASlots(
-                model, lora_targets, self.state, self.params, lora.max_loras, lora.backend
+                model, lora_targets, self.state, lambda: self.params, lora.max_loras, lora.backend
             )
             self.lora = LoRAManager(
                 lora.max_loras,
@@ -545,7 +545,19 @@ class ModelRunner:
         Raises:
           ValueError: an unknown tag, or level-2 weights that cannot be reloaded as compiled.
         """
-        return sleep_mode.wake_up(self, tags, load)
+        lora = self.config.lora
+        if lora is not None and load is not None:  # a level-2 reload gets the pools again
+            inner = load
+
+            def load():
+                model, arch = inner()
+                enable_model_lora(model, lora.max_loras, lora.max_lora_rank)
+                return model, arch
+
+        awake = sleep_mode.wake_up(self, tags, load)
+        if self.lora is not None:
+            self.lora.forget_slots()  # reloaded pools are zeros: adapters are written again
+        return awake
 
     @property
     def is_sleeping(self) -> bool:
