@@ -748,6 +748,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.ledger_history < 0:
             raise ValueError(f"ledger_history must be >= 0, got {self.ledger_history}")
+        if self.lora is not None and self.model.runner == "pooling":
+            raise ValueError("enable_lora: LoRA adapters are served by --runner generate only")
 
 
 def _has_tokenizer_files(path: str) -> bool:

@@ -151,7 +151,32 @@ class RelayedStream:
             self.on_close()
 
 
-class ReplicaClient:
+class NoLoRAAdapters:
+    """The ``EngineClient`` LoRA members of the Ray clients: no adapters over Ray replicas
+    (not built; #33 serves them in one process)."""
+
+    def lora_adapters(self) -> dict[str, str | None]:
+        """None: LoRA adapters are not served over Ray replicas."""
+        return {}
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Refused: LoRA adapters are not served over Ray replicas.
+
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Refused, as ``load_lora_adapter``.
+
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
+
+
+class ReplicaClient(NoLoRAAdapters):
     """One replica actor as an ``EngineClient``: requests relayed to it, outputs streamed back;
     its load and health are what the last poll (:meth:`ReplicaSet.poll_once`) saw.
 
@@ -255,26 +280,6 @@ class ReplicaClient:
         stream = self.streams[request_id] = RelayedStream(self, request_id, gen)
         return stream
 
-    def lora_adapters(self) -> dict[str, str | None]:
-        """No LoRA adapters over Ray replicas (not built: #33 serves them in one process)."""
-        return {}
-
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        """Refused: LoRA adapters are not served over Ray replicas.
-
-        Raises:
-          ValueError: always.
-        """
-        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
-
-    async def unload_lora_adapter(self, lora_name: str) -> None:
-        """Refused, as ``load_lora_adapter``.
-
-        Raises:
-          ValueError: always.
-        """
-        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
-
     def abort(self, request_id: str) -> None:
         stream = self.streams.get(request_id)
         if stream is not None:
@@ -345,7 +350,7 @@ class ReplicaClient:
         ray.kill(self.actor, no_restart=True)
 
 
-class ReplicaSet:
+class ReplicaSet(NoLoRAAdapters):
     """Every replica as one ``EngineClient``: what the HTTP server runs on over Ray.
 
     Requests go to the replica the router picks (:meth:`route`: re-picked while none has
@@ -498,26 +503,6 @@ class ReplicaSet:
             raise EngineUnavailableError(f"no engine replica can take the request: {exc}") from None
         stream.on_close = lambda: self.router.finished(index)
         return stream
-
-    def lora_adapters(self) -> dict[str, str | None]:
-        """No LoRA adapters over Ray replicas (not built: #33 serves them in one process)."""
-        return {}
-
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        """Refused: LoRA adapters are not served over Ray replicas.
-
-        Raises:
-          ValueError: always.
-        """
-        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
-
-    async def unload_lora_adapter(self, lora_name: str) -> None:
-        """Refused, as ``load_lora_adapter``.
-
-        Raises:
-          ValueError: always.
-        """
-        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
 
     def abort(self, request_id: str) -> None:
         for client in self.clients:
