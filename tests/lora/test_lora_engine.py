@@ -43,6 +43,7 @@ def llm():
         max_num_batched_tokens=64,
         token_buckets="64",  # one bucket: two forward executables (with and without adapters)
         warmup=False,
+        enable_sleep_mode=True,
     )
 
 
@@ -98,6 +99,16 @@ def test_load_and_unload_at_run_time(llm, tmp_path):
     assert engine.list_loras() == before
     with pytest.raises(ValueError, match="no such LoRA adapter"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_name="a4")
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_adapters_survive_sleep_mode(llm, level):
+    """Level 2 reloads the weights from the checkpoint: the pools come back empty and the
+    adapters are written into them again."""
+    llm.sleep(level)
+    assert llm.wake_up()
+    names = ["a1", "a2", None]
+    check(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_name=names), names, range(3))
 
 
 def test_openai_client_selects_adapters_by_model_name(llm):
