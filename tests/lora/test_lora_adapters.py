@@ -189,3 +189,35 @@ def test_kv_events_and_ledger_name_the_adapter():
         assert event_to_wire(event, 16)["lora_name"] == name
         r.close_ledger()
         assert r.ledger.to_dict()["lora_name"] == name
+
+
+def test_delta_composes_with_a_quantized_base_weight():
+    """The seam's contract with #31: the delta is added to whatever ``project`` computes."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve.model.layers.linear import Linear
+    from jaxserve.model.layers.quant import ChannelQuant
+    from jaxserve.model.quant_config import INT8_ON_LOAD
+
+    lin = Linear(
+        8,
+        (2, 4),
+        in_axes=("embed",),
+        out_axes=("q_heads", "head_dim"),
+        bias=True,
+        dtype=jnp.float32,
+        rngs=nnx.Rngs(0),
+    )
+    method = ChannelQuant(INT8_ON_LOAD)
+    lin.set_quantization(method, method.quantize(lin.weight[...], 1))
+    lin.enable_lora(3, 4, jnp.float32)
+    rng = np.random.default_rng(1)
+    lin.lora_a.set_value(jnp.asarray(rng.standard_normal((3, 8, 4)), jnp.float32))
+    lin.lora_b.set_value(jnp.asarray(rng.standard_normal((3, 4, 2, 4)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((5, 8)), jnp.float32)
+    batch = LoraBatch.from_slots(np.array([1, -1, 0, 2, 1]), 3)
+    want = lin.project(x) + lora_delta(x, lin.lora_a[...], lin.lora_b[...], batch) + lin.bias[...]
+    np.testing.assert_allclose(np.asarray(lin(x, batch)), np.asarray(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(lin(x)), np.asarray(lin.project(x) + lin.bias[...]))
+    assert lin.quant is method
