@@ -82,7 +82,7 @@ def write_adapter(path: str, cfg: ModelArchConfig, targets: dict, rank: int, see
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--shape", choices=SHAPES, default="tiny")
     p.add_argument("--decodes", type=int, default=256)
     p.add_argument("--max-loras", type=int, default=32)

@@ -29,7 +29,7 @@ def onehot_delta(x, a, b, slots):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--max-loras", type=int, default=32)
     p.add_argument("--rank", type=int, default=16)

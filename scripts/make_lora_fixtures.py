@@ -67,7 +67,7 @@ def greedy(model, prompt):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "lora")
     )

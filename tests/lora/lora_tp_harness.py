@@ -14,7 +14,7 @@ BASE = os.path.join(HERE, "..", "fixtures", "golden", "llama")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--tp", default="1,2,4")
     args = p.parse_args()
     import jax
