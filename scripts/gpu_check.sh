@@ -16,6 +16,8 @@
 # (PART=2 and 3 use BACKEND, default pallas, since part 1's test log is not there.)
 #   PART=moe OUT=... bash scripts/gpu_check.sh # MoE at Mixtral-8x7B shapes only (~6 min), #30
 # (not part of "all": run it as its own call.)
+#   PART=lora OUT=... bash scripts/gpu_check.sh  # multi-LoRA delta backends and step cost (~5 min), #33
+# (not part of "all" either.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -39,6 +41,19 @@ timeout -k 10 "${MOE_OFFLINE_BUDGET:-240}" "$PY" benchmarks/bench_offline.py --m
     --num-prompts 512 --input-len 512 --output-len 256 --time-limit-s "${MOE_GEN_S:-90}" \
     2>&1 | tee "$OUT/offline_mixtral.log"
 echo "moe offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/offline_mixtral.log"
+exit 0
+fi
+if [ "$PART" = lora ]; then
+echo "== LoRA (#33): delta backends at 256 tokens, 32 slots of rank 16, 4096x4096 and 4096x14336 (sgmv / gather / ragged_dot / one-hot) (budget ${LORA_DELTA_BUDGET:-120}s)"
+timeout -k 10 "${LORA_DELTA_BUDGET:-120}" "$PY" benchmarks/bench_lora_delta.py \
+    --shapes 4096x4096,4096x14336 --rounds 7 2>&1 | tee "$OUT/lora_delta.log"
+echo "lora delta exit: ${PIPESTATUS[0]}" | tee -a "$OUT/lora_delta.log"
+for b in sgmv ragged; do
+echo "== LoRA (#33): paged step, 256 decodes over 1/8/32 adapters and base with/without --enable-lora, backend $b (budget ${LORA_STEP_BUDGET:-120}s)"
+timeout -k 10 "${LORA_STEP_BUDGET:-120}" "$PY" benchmarks/bench_lora.py --shape mid --backend "$b" \
+    --rounds 11 2>&1 | tee "$OUT/lora_step_$b.log"
+echo "lora step exit: ${PIPESTATUS[0]}" | tee -a "$OUT/lora_step_$b.log"
+done
 exit 0
 fi
 if [ "$PART" != 2 ] && [ "$PART" != 3 ]; then

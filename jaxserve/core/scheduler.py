@@ -182,6 +182,9 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_running_reqs = scheduler_config.max_num_seqs
+        # --max-loras (0: LoRA off): running requests use at most this many distinct adapters,
+        # so every step's adapters fit the device pool (the engine sets it)
+        self.max_loras = 0
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.chunk_limit = scheduler_config.chunk_limit
@@ -716,6 +719,10 @@ class Scheduler:
         slots_full = len(running) >= self.max_num_running_reqs
         if slots_full and not (priority and running[-1].sort_key > request.sort_key):
             return 0
+        if request.lora_name is not None and self.max_loras:  # #33: a step's adapters fit
+            adapters = {r.lora_name for r in running if r.lora_name is not None}
+            if request.lora_name not in adapters and len(adapters) >= self.max_loras:
+                return 0
         hit_blocks, num_hit = kv.get_computed_blocks(request)
         num_tokens = request.num_tokens
         num_new = num_tokens - num_hit
@@ -789,6 +796,7 @@ class Scheduler:
                 eos_token_id=request.eos_token_id,
                 block_ids=kv.get_block_ids(req_id),
                 num_computed_tokens=num_hit,
+                lora_name=request.lora_name,
             )
         )
         step.scheduled.append(request)

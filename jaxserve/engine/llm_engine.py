@@ -109,6 +109,8 @@ class LLMEngine:
             config.cache.num_gpu_blocks,
             speculative_config=config.speculative,
         )
+        if config.lora is not None:
+            self.scheduler.max_loras = config.lora.max_loras
         self.output_processor = OutputProcessor(tokenizer, config.scheduler.stream_interval)
         self.ledger_history = LedgerHistory(config.ledger_history)
         self.token_masks = TokenMaskManager(
@@ -277,6 +279,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         final_only: bool = False,
+        lora_name: str | None = None,
     ) -> None:
         """Validates and queues a request (its ``n`` samples).
 
@@ -287,6 +290,7 @@ class LLMEngine:
           params: SamplingParams (validated on construction).
           priority: smaller is more urgent (scheduling_policy "priority").
           cache_salt: mixed into the prefix-cache hash of the first block (tenant isolation).
+          lora_name: a registered LoRA adapter to run it on (#33); None: the base model.
           arrival_time: ``time.monotonic()`` seconds; defaults to now.
           final_only: only return this request's RequestOutput once, when it finished (the
             offline API uses this; it skips building per-step outputs), as
@@ -312,6 +316,12 @@ class LLMEngine:
                 "max_tokens: this engine runs --runner pooling (embeddings); its requests "
                 "generate nothing (max_tokens=0, n=1)"
             )
+        if lora_name is not None:
+            lora = getattr(self.runner, "lora", None)
+            if lora is None:
+                raise ValueError(f"lora_name {lora_name!r}: this engine runs without --enable-lora")
+            if lora_name not in lora.paths:
+                raise ValueError(f"lora_name {lora_name!r}: no such LoRA adapter is loaded")
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)]
         for rid in [request_id, *child_ids]:
@@ -335,6 +345,7 @@ class LLMEngine:
                     arrival_time=arrival,
                     priority=priority,
                     cache_salt=cache_salt,
+                    lora_name=lora_name,
                 )
             )
         added = []
@@ -421,6 +432,53 @@ class LLMEngine:
         """A finished request's ledger as JSON-ready data (``LedgerHistory.get``), or None; any
         thread may call it."""
         return self.ledger_history.get(request_id)
+
+    # ------------------------------------------------------------------ LoRA adapters (#33)
+
+    def list_loras(self) -> dict[str, str | None]:
+        """The registered LoRA adapters, name -> their ``base_model_name`` (None: the served
+        model), in registration order; empty without ``--enable-lora``."""
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            return {}
+        parents = {m[0]: m[2] for m in self.config.lora.lora_modules}
+        return {name: parents.get(name) for name in lora.paths}
+
+    def lora_requests_info(self) -> tuple[list[str], list[str], int] | None:
+        """``(adapters of running requests, of waiting ones, max_loras)``, names sorted, for
+        ``vllm:lora_requests_info``; None without ``--enable-lora``. Engine thread only."""
+        if self.config.lora is None:
+            return None
+        sched = self.scheduler
+        running = sorted({r.lora_name for r in sched.running if r.lora_name is not None})
+        waiting = sorted({r.lora_name for r in sched.waiting if r.lora_name is not None})
+        return running, waiting, self.config.lora.max_loras
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Reads, checks and registers the PEFT adapter in directory ``path`` as ``name``.
+
+        Raises:
+          ValueError: LoRA is off; ``LoRAAdapterError`` (a ValueError) for a bad adapter or a
+            name in use (one line). Nothing changes then.
+        """
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError("lora_name: this engine runs without --enable-lora")
+        lora.register(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregisters adapter ``name`` (its host copy and device slot are freed).
+
+        Raises:
+          ValueError: LoRA is off, ``name`` is not loaded, or unfinished requests use it.
+        """
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError("lora_name: this engine runs without --enable-lora")
+        users = sum(r.lora_name == name for r in self.scheduler.requests.values())
+        if users:
+            raise ValueError(f"lora_name {name!r}: in use by {users} unfinished requests")
+        lora.unregister(name)
 
     def has_unfinished_requests(self) -> bool:
         """True while any parent request (n > 1 counts once) has not produced its final output."""
