@@ -54,6 +54,16 @@ print(f"baseline ppl {base_ppl:.3f}", flush=True)
 FP8 = "float8_e4m3fn"
 
 
+def report(name, model, extra=""):
+    """Scores ``model`` on the text and prints its perplexity and distances to the baseline."""
+    lg, lp = score(model)
+    ppl = math.exp(-lp.mean())
+    print(
+        f"{name:45s} ppl {ppl:8.3f} {100 * (ppl / base_ppl - 1):+6.2f}%  |dlogp| {np.abs(lp - base_lp).mean():.4f}  max|dlogit| {np.abs(lg - base_lg).max():.3f}{extra}",
+        flush=True,
+    )
+
+
 def variant(name, pick):
     """pick(path, layer) -> WeightScheme or None."""
     m = nnx.clone(wide)
@@ -61,12 +71,7 @@ def variant(name, pick):
         s = pick(path, layer)
         if s is not None:
             quantize_layer(layer, ChannelQuant(s))
-    lg, lp = score(m)
-    ppl = math.exp(-lp.mean())
-    print(
-        f"{name:45s} ppl {ppl:8.3f} {100 * (ppl / base_ppl - 1):+6.2f}%  |dlogp| {np.abs(lp - base_lp).mean():.4f}  max|dlogit| {np.abs(lg - base_lg).max():.3f}",
-        flush=True,
-    )
+    report(name, m)
     del m
 
 
@@ -90,12 +95,7 @@ elif which == "layers":
 if which == "loaded_ppl":  # the load path as served: --quantization int8 / fp8
     for q in ("int8", "fp8"):
         m, _, _ = load_model(demo_model_path(), dtype="float32", quantization=q)
-        lg, lp = score(m)
-        ppl = math.exp(-lp.mean())
-        print(
-            f"{'load_model ' + q:45s} ppl {ppl:8.3f} {100 * (ppl / base_ppl - 1):+6.2f}%  |dlogp| {np.abs(lp - base_lp).mean():.4f}  max|dlogit| {np.abs(lg - base_lg).max():.3f}",
-            flush=True,
-        )
+        report("load_model " + q, m)
         del m
 if which == "loaded":
     m, _, _ = load_model(demo_model_path(), dtype="float32", quantization="fp8")
@@ -138,13 +138,7 @@ if which == "emb":
         ("fp8 head only (lookup wide)", (False, True)),
         ("fp8 W8A16 linears + fp8 lookup, head wide", (True, False, W8A16)),
     ]:
-        m = with_head(*args)
-        lg, lp = score(m)
-        ppl = math.exp(-lp.mean())
-        print(
-            f"{name:45s} ppl {ppl:8.3f} {100 * (ppl / base_ppl - 1):+6.2f}%  |dlogp| {np.abs(lp - base_lp).mean():.4f}  max|dlogit| {np.abs(lg - base_lg).max():.3f}",
-            flush=True,
-        )
+        report(name, with_head(*args))
 if which == "scale":
     # fp8 W8A16 linears (the default on CPU), embedding wide: the per-channel scale amax/448
     # against one chosen per output channel by a small MSE search over clip ratios.
@@ -195,12 +189,12 @@ if which == "scale":
         for _p, l in quantizable_layers(m).items():
             if isinstance(l, Linear):
                 quant(l)
-        lg, lp = score(m)
-        ppl = math.exp(-lp.mean())
         r = np.concatenate([x.ravel() for x in picked])
-        print(
-            f"fp8 W8A16 MSE scale, {label:32s} ppl {ppl:8.3f} {100 * (ppl / base_ppl - 1):+6.2f}%  |dlogp| {np.abs(lp - base_lp).mean():.4f}  max|dlogit| {np.abs(lg - base_lg).max():.3f}  ratio<1 in {np.mean(r < 0.9999):.2f} of channels, mean {r.mean():.3f}  {time.time() - t1:.0f}s",
-            flush=True,
+        report(
+            f"fp8 W8A16 MSE scale, {label}",
+            m,
+            f"  ratio<1 in {np.mean(r < 0.9999):.2f} of channels, mean {r.mean():.3f}  "
+            f"{time.time() - t1:.0f}s",
         )
         del m
 if which == "rounding":
@@ -233,12 +227,7 @@ if which == "rounding":
     for _p, l in quantizable_layers(m).items():
         if isinstance(l, Linear):
             exact(l)
-    lg, lp = score(m)
-    ppl = math.exp(-lp.mean())
-    print(
-        f"{'fp8 W8A16 linears, numpy one-rounding + RNE':45s} ppl {ppl:8.3f} {100 * (ppl / base_ppl - 1):+6.2f}%  |dlogp| {np.abs(lp - base_lp).mean():.4f}  max|dlogit| {np.abs(lg - base_lg).max():.3f}",
-        flush=True,
-    )
+    report("fp8 W8A16 linears, numpy one-rounding + RNE", m)
     print(
         f"fp8 codes differing from numpy's: same scale {counts[0]}, jitted quantize {counts[1]} "
         f"of {counts[3]}; scales differing (1 ulp) {counts[2]} of {counts[4]}",
