@@ -386,8 +386,12 @@ def main(argv=None) -> list[dict]:
         prompt_lookup_max=args.ngram_max,
         prompt_lookup_min=1,
     )
-    draft = SpeculativeConfig(
-        method="draft_model", model=args.draft, num_speculative_tokens=args.draft_k
+    draft = (  # None: no draft model for this target (n-gram workloads only)
+        SpeculativeConfig(
+            method="draft_model", model=args.draft, num_speculative_tokens=args.draft_k
+        )
+        if args.draft
+        else None
     )
     text = corpus_prompts(args.corpus, max(args.num_prompts, 8))
     if bench.base.tokenizer is None:  # dummy weights of a preset: token-id prompts
@@ -412,7 +416,7 @@ def main(argv=None) -> list[dict]:
         results.append(compare(bench, "draft", draft, text[: args.num_prompts], 1))
     if "concurrent" in chosen:
         many = [text[i % len(text)] for i in range(args.concurrent)]
-        for spec in (ngram, draft):
+        for spec in (ngram, draft) if draft is not None else (ngram,):
             spec = dataclasses.replace(spec, disable_by_batch_size=args.disable_by_batch_size)
             results.append(compare(bench, f"concurrent-{spec.method}", spec, many, args.concurrent))
     print(json.dumps(results))
