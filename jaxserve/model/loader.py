@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -246,7 +247,9 @@ def load_model(
         return quantize_dummy(model, quant, kv_scales), cfg, {}
     if load_format == "gguf" or (load_format == "auto" and is_gguf_path(model_path)):
         path = os.fspath(model_path)
-        quant = resolve_quantization(quantization, {}, True, fp8_matmul_supported())
+        quant = resolve_quantization(
+            quantization, {}, True, fp8_matmul_supported(), jax.default_backend() != "cpu"
+        )
         with GGUFFileReader(path) as reader:
             cfg = ModelArchConfig.from_hf_config(gguf_hf_config(reader.gguf, path))
             model = load_weights(cfg, resolve_dtype(dtype, cfg), reader, quant, kv_scales)

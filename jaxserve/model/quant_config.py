@@ -25,8 +25,11 @@ Weight schemes (``resolve_quantization``):
                          (dynamic per token), INT8 W8A16 (per channel or per group, packed)
     gguf                 a .gguf file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks stay blocks on the
                          device (other GGML types are dequantised on load)
-    auto (the default)   compressed-tensors when the config has it, gguf for a .gguf file, else
-                         none
+    auto (the default)   compressed-tensors when the config has it; for a .gguf file gguf on
+                         an accelerator and none on CPU (XLA:CPU widening the blocks in every
+                         step decoded SmolLM2-135M 6.4x slower than wide weights: 1.8 vs 11.5
+                         tok/s at batch 1, benchmarks/RESULTS.md; a CPU host has the memory);
+                         else none
 
 KV cache (``kv_cache_dtype``, vLLM's names): "auto" (the model dtype), "fp8" / "fp8_e4m3"
 (float8_e4m3fn) and "fp8_e5m2"; per-tensor scales per layer (the checkpoint's ``k_scale`` /
@@ -229,7 +232,11 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> CompressedTensorsConfig:
 
 
 def resolve_quantization(
-    flag: str, hf_config: dict[str, Any], is_gguf: bool, fp8_matmul: bool = False
+    flag: str,
+    hf_config: dict[str, Any],
+    is_gguf: bool,
+    fp8_matmul: bool = False,
+    keep_gguf_blocks: bool = True,
 ) -> Quantization:
     """The weight quantization to load with (see the module docstring).
 
@@ -239,6 +246,8 @@ def resolve_quantization(
       is_gguf: the checkpoint is a .gguf file.
       fp8_matmul: the device multiplies fp8 by fp8 natively (``fp8`` then quantises
         activations per token, W8A8; else weight-only, W8A16).
+      keep_gguf_blocks: what ``auto`` does with a .gguf file: keep its blocks (accelerators) or
+        dequantise them on load (False: CPU).
 
     Raises:
       ModelLoadError: an unknown flag, an unsupported checkpoint scheme (named), or a flag that
@@ -257,7 +266,7 @@ def resolve_quantization(
             "supported: compressed-tensors"
         )
     if flag == "auto":
-        flag = "compressed-tensors" if qc else "gguf" if is_gguf else "none"
+        flag = "compressed-tensors" if qc else "gguf" if is_gguf and keep_gguf_blocks else "none"
     if qc and flag != "compressed-tensors":
         raise ModelLoadError(
             f"quantization {flag!r}: the checkpoint is already quantized (compressed-tensors); "

@@ -1,7 +1,8 @@
 """GGUF loading: the bundled tiny-llama written as GGUF files the way llama.cpp's converter
 writes them (q/k rows permuted, quantised matrices, a sentencepiece vocabulary with scores),
 then loaded back through ``load_model`` / ``get_tokenizer``: dequantised on load
-(``quantization="none"``) and with its blocks kept quantized (the default)."""
+(``quantization="none"``, what ``auto`` does on CPU) and with its blocks kept quantized
+(``quantization="gguf"``, ``auto`` on an accelerator)."""
 
 from __future__ import annotations
 
@@ -217,7 +218,7 @@ def test_blocks_kept_quantized_give_the_dequantised_logits(tiny, tmp_path):
     chosen = _mixed_blocks_gguf(tiny, path)
     assert set(chosen.values()) == {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K}
     wide, _, _ = load_model(str(path), dtype="float32", quantization="none")
-    blocks, _, _ = load_model(str(path), dtype="float32")
+    blocks, _, _ = load_model(str(path), dtype="float32", quantization="gguf")
     kept = {type(layer.quant) for _, layer in nnx.iter_graph(blocks) if hasattr(layer, "quant")}
     assert kept == {BlockQuant}
     assert blocks.layers[0].self_attn.q_proj.weight.get_value().dtype in (jnp.uint8, jnp.int8)

@@ -95,6 +95,10 @@ def test_unsupported_schemes_are_one_line_errors_before_loading(tmp_path):
         )
     with pytest.raises(ModelLoadError, match="needs a .gguf"):
         resolve_quantization("gguf", {}, False)
+    # auto over a .gguf file: blocks kept on an accelerator, dequantised on load on CPU
+    assert resolve_quantization("auto", {}, True).method == "gguf"
+    assert resolve_quantization("auto", {}, True, keep_gguf_blocks=False).method == "none"
+    assert resolve_quantization("gguf", {}, True, keep_gguf_blocks=False).method == "gguf"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         kv_cache_dtype_name("int8", "bfloat16")
     assert kv_cache_dtype_name("fp8", "bfloat16") == "float8_e4m3fn"
