@@ -191,6 +191,9 @@ class LLMEngine:
             seed=engine_args.seed,
             quantization=engine_args.quantization,
             kv_cache_dtype=engine_args.kv_cache_dtype,
+            # straight onto the mesh, each process reading only its devices' slices
+            tensor_parallel_size=parallel.tensor_parallel_size,
+            enable_expert_parallel=parallel.enable_expert_parallel,
         )
         weight_bytes = quant_loading.weight_bytes(model)
         logger.info(
@@ -481,6 +484,8 @@ class LLMEngine:
                 seed=model.seed,
                 quantization=model.quantization,
                 kv_cache_dtype=self.config.cache.cache_dtype,
+                tensor_parallel_size=self.config.parallel.tensor_parallel_size,
+                enable_expert_parallel=self.config.parallel.enable_expert_parallel,
             )
             return loaded, arch
 
