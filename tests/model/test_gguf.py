@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.model import ModelLoadError, default_model_path
-from jaxserve.model import sharded_loader
+from jaxserve.model import ModelLoadError, default_model_path, sharded_loader
 from jaxserve.model.loader import load_model
 from jaxserve.model.readers.base import TensorSpec
 from jaxserve.model.readers.gguf_reader import GGUFFileReader
