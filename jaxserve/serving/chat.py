@@ -144,10 +144,7 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
     except ValueError as exc:
         raise _chat_field_error(exc, field) from exc
     check_sampler_memory(params, info)
-    params = with_tool_plan(params, tools)
-    forced = tools is not None and tools.constraint is not None
-    checks = tools.checks if tools is not None else ()
-    prepare_token_masks_of(request, params, tokenizer, info, "tools" if forced else None, checks)
+    params = apply_tool_plan(request, params, tools, tokenizer, info)
     return ChatJob(
         request=request,
         request_id=random_id("chatcmpl"),
@@ -159,6 +156,23 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
         return_tokens_as_token_ids=info.return_tokens_as_token_ids,
         tools=tools,
     )
+
+
+def apply_tool_plan(
+    request: Any, params: SamplingParams, tools: ToolPlan | None, tokenizer: Any, info: ServingInfo
+) -> SamplingParams:
+    """``params`` with the tool plan applied (:func:`with_tool_plan`), after starting the request's
+    token-mask preparation (the forced-call grammar or the request's own constraint, and the
+    tool schemas' compile checks; ``validation.prepare_token_masks_of``). Chat and Responses share it.
+
+    Raises:
+      APIError: 400 from ``prepare_token_masks_of``.
+    """
+    params = with_tool_plan(params, tools)
+    forced = tools is not None and tools.constraint is not None
+    checks = tools.checks if tools is not None else ()
+    prepare_token_masks_of(request, params, tokenizer, info, "tools" if forced else None, checks)
+    return params
 
 
 def with_tool_plan(params: SamplingParams, tools: ToolPlan | None) -> SamplingParams:

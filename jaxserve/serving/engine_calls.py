@@ -21,9 +21,10 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.serving.errors import APIError, from_value_error
 
 
-def random_id(prefix: str) -> str:
-    """An OpenAI-style id: ``cmpl-<32 hex>``, ``chatcmpl-<32 hex>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+def random_id(prefix: str, sep: str = "-") -> str:
+    """An OpenAI-style id: ``cmpl-<32 hex>``, ``chatcmpl-<32 hex>``; the Responses API's objects use ``sep="_"``
+    (``resp_<32 hex>``, ``msg_``, ``fc_``)."""
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -39,15 +39,20 @@ import collections
 import dataclasses
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxserve.engine.protocol import EngineClient, EngineDeadError, RequestOutputStream
 from jaxserve.request_output import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.serving.chat import plan_checked_tools, with_tool_plan
-from jaxserve.serving.engine_calls import collect_all, engine_error, merge_streams, start_requests
+from jaxserve.serving.chat import apply_tool_plan, plan_checked_tools
+from jaxserve.serving.engine_calls import (
+    collect_all,
+    engine_error,
+    merge_streams,
+    random_id,
+    start_requests,
+)
 from jaxserve.serving.errors import APIError, bad_request, from_value_error
 from jaxserve.serving.protocol import ResponsesRequest
 from jaxserve.serving.tool_calls import ToolPlan, template_tool_call
@@ -56,7 +61,6 @@ from jaxserve.serving.validation import (
     check_prompt_bytes,
     check_prompt_ids,
     check_sampler_memory,
-    prepare_token_masks_of,
     resolve_max_tokens,
 )
 
@@ -69,11 +73,6 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 """The roles an ``input`` message item may have."""
 TEXT_PARTS = ("input_text", "output_text", "text")
 """The content part types read as text."""
-
-
-def _new_id(prefix: str) -> str:
-    """OpenAI-style ids: ``resp_``, ``msg_``, ``fc_`` and 32 hex digits."""
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 # ---- the store ---------------------------------------------------------------------------
@@ -377,14 +376,12 @@ def prepare_responses(
     max_tokens = resolve_max_tokens(
         request.max_output_tokens, len(prompt_ids), info, field="max_output_tokens"
     )
-    params = with_tool_plan(_sampling_params(request, max_tokens, constraint, info), tools)
+    params = _sampling_params(request, max_tokens, constraint, info)
     check_sampler_memory(params, info)
-    forced = tools is not None and tools.constraint is not None
-    checks = tools.checks if tools is not None else ()
-    prepare_token_masks_of(request, params, tokenizer, info, "tools" if forced else None, checks)
+    params = apply_tool_plan(request, params, tools, tokenizer, info)
     return ResponsesJob(
         request=request,
-        request_id=_new_id("resp"),
+        request_id=random_id("resp", sep="_"),
         created_at=int(time.time()),
         model=request.model or info.model_name,
         conversation=conversation,
@@ -517,7 +514,7 @@ class OutputItems:
         if self._message is None:
             events += self._close_calls()
             item = {
-                "id": _new_id("msg"),
+                "id": random_id("msg", sep="_"),
                 "type": "message",
                 "status": "in_progress",
                 "role": "assistant",
@@ -578,7 +575,7 @@ class OutputItems:
         if "id" in call:
             events += self._close_message()
             item = {
-                "id": _new_id("fc"),
+                "id": random_id("fc", sep="_"),
                 "type": "function_call",
                 "status": "in_progress",
                 "call_id": call["id"],

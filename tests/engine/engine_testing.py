@@ -145,3 +145,27 @@ def make_prompts(vocab_size: int, num: int = 32, seed: int = 0) -> list[list[int
             ids = prompts[-1][1:41] + ids
         prompts.append([1] + ids[:200])
     return prompts
+
+
+def chosen_tokens_and_logprobs(completion) -> tuple[list[int], list[float]]:
+    """A finished ``CompletionOutput``'s token ids and the logprob of each chosen token (the
+    request asked for ``logprobs >= 0``)."""
+    tokens = list(completion.token_ids)
+    return tokens, [lp[t].logprob for t, lp in zip(tokens, completion.logprobs)]
+
+
+def step_until_done(engine, on_step=None, max_steps: int = 100_000) -> dict:
+    """Steps ``engine`` until no request is unfinished; ``on_step(step)`` runs before each step
+    (to add requests late). Returns ``{request_id: (token ids, chosen logprobs)}`` of the
+    requests that finished. Raises AssertionError if requests remain after ``max_steps``."""
+    done = {}
+    for step in range(max_steps):
+        if on_step is not None:
+            on_step(step)
+        if not engine.has_unfinished_requests() and (on_step is None or step > 3):
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = chosen_tokens_and_logprobs(out.outputs[0])
+    assert not engine.has_unfinished_requests()
+    return done

@@ -16,7 +16,7 @@ import types
 import numpy as np
 import pytest
 from conftest import XLA_CACHE_DIR
-from engine_testing import engine_args, make_prompts, variant_config
+from engine_testing import engine_args, make_prompts, step_until_done, variant_config
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -100,24 +100,14 @@ def run_all(engine, prompts, tag, urgent_last=False):
     late = len(prompts) // 2 if urgent_last else len(prompts)
     for i, p in enumerate(prompts[:late]):
         engine.add_request(f"{tag}{i}", p, GREEDY, priority=-i if urgent_last else 0)
-    done = {}
-    for step in range(3000):
+
+    def add_the_rest(step):
         if step == 3:
             for i in range(late, len(prompts)):
                 engine.add_request(f"{tag}{i}", prompts[i], GREEDY, priority=-i)
-        if step > 3 and not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    assert not engine.has_unfinished_requests()
-    results = []
-    for i in range(len(prompts)):
-        c = done[f"{tag}{i}"]
-        results.append(
-            (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-        )
-    return results
+
+    done = step_until_done(engine, add_the_rest)
+    return [done[f"{tag}{i}"] for i in range(len(prompts))]
 
 
 def test_groups_follow_the_layers(runs):
@@ -306,15 +296,7 @@ def test_golden_fixtures_with_windows_on_equal_off_and_transformers(name, kv_cac
         for tag in ("a", "b"):
             for i, p in enumerate(prompts):
                 engine.add_request(f"{tag}{i}", p, params)
-            done = {}
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        c = out.outputs[0]
-                        done[out.request_id] = (
-                            list(c.token_ids),
-                            [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                        )
+            done = step_until_done(engine)
             results += [done[f"{tag}{i}"] for i in range(len(prompts))]
         assert engine.get_stats().prefix_cache_hits_total > 0
         assert engine.scheduler.kv_cache_manager.usage == 0.0

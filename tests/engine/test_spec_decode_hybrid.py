@@ -21,7 +21,7 @@ import shutil
 import numpy as np
 import pytest
 from conftest import XLA_CACHE_DIR
-from engine_testing import engine_args
+from engine_testing import engine_args, step_until_done
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -61,15 +61,7 @@ def _run(engine, prompts) -> list:
     for tag in ("a", "b"):
         for i, p in enumerate(prompts):
             engine.add_request(f"{tag}{i}", p, GREEDY)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    c = out.outputs[0]
-                    done[out.request_id] = (
-                        list(c.token_ids),
-                        [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                    )
+        done = step_until_done(engine)
         results += [done[f"{tag}{i}"] for i in range(len(prompts))]
     kv = engine.scheduler.kv_cache_manager
     assert kv.usage == 0.0 and not kv.req_to_blocks  # no block leaked
