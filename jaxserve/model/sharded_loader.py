@@ -62,7 +62,7 @@ class LoadProgress:
         self.done = 0
         self.stream = sys.stderr if stream is None else stream
         self.live = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.t0 = self._last = time.perf_counter()
+        self.t0 = self.last_shown = time.perf_counter()
 
     def line(self) -> str:
         """The progress in words: GB placed of the total and the GB/s since the start."""
@@ -76,8 +76,8 @@ class LoadProgress:
         """Counts ``nbytes`` more placed."""
         self.done += nbytes
         now = time.perf_counter()
-        if self.live and now - self._last >= 0.5:
-            self._last = now
+        if self.live and now - self.last_shown >= 0.5:
+            self.last_shown = now
             print("\r" + self.line(), end="", file=self.stream, flush=True)
 
     def close(self) -> None:
@@ -318,7 +318,7 @@ def _filler(reader: CheckpointReader, part: TensorPart, rep: tuple | None, dtype
         key = tuple((s.start, s.stop) for s in index)
         if last[0] != key:
             last[0] = key
-            last[1] = read_replicated_part(reader, part, index, rep).astype(dtype)
+            last[1] = read_replicated_part(reader, part, index, rep).astype(dtype, copy=False)
         return last[1]
 
     return fill

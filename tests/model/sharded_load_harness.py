@@ -6,7 +6,9 @@ fixes the device count at first use):
 
     python sharded_load_harness.py --devices 8 --model DIR@1,2,4 [--model DIR@1,8] [--orbax NAME]
 
-Each ``--model`` is a HF fixture directory and the TP sizes to load it at. ``--orbax NAME[@N]``
+Each ``--model`` is a HF fixture directory and the TP sizes to load it at, optionally with a
+``--quantization`` and a ``--kv-cache-dtype`` (``DIR@2@int8@fp8``; such lines' "format" is
+``safetensors+int8+fp8``). ``--orbax NAME[@N]``
 also converts the model of that directory name to our orbax layout (in a temporary directory;
 with ``@N`` read onto N devices, each writing its shards) and loads that at each of its TP
 sizes, compared with the safetensors load.
@@ -59,13 +61,18 @@ def main() -> None:
         out = set()
         for path, var in nnx.to_flat_state(nnx.state(model)):
             if not var.get_value().sharding.is_fully_replicated:
-                src = type(model).weight_source(path, cfg, naming)
+                try:
+                    src = type(model).weight_source(path, cfg, naming)
+                except (KeyError, ValueError):  # a quantized layer's own parameter
+                    continue
                 out.update(src.stacked or src.names)
         return out
 
     for spec in args.model:
-        path, sizes = spec.rsplit("@", 1)
+        path, sizes, quantization, kv_cache_dtype = (spec.split("@") + ["auto", "auto"])[:4]
         name = os.path.basename(path.rstrip("/"))
+        knobs = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+        fmt = "+".join(["safetensors"] + [k for k in (quantization, kv_cache_dtype) if k != "auto"])
         orbax_dir = None
         writers = dict((o.split("@") + ["1"])[:2] for o in args.orbax)
         if name in writers:
@@ -73,7 +80,7 @@ def main() -> None:
             convert(path, orbax_dir, dtype="float32", tensor_parallel_size=int(writers[name]))
         for tp in map(int, sizes.split(",")):
             mesh = make_mesh(tp)
-            whole, cfg, _ = loader.load_model(path, "float32", "safetensors")
+            whole, cfg, _ = loader.load_model(path, "float32", "safetensors", **knobs)
             whole, _ = place_model(whole, cfg, mesh)
             want = flat(whole)
             reads.clear()
@@ -89,7 +96,7 @@ def main() -> None:
             )
             result = {
                 "model": name,
-                "format": "safetensors",
+                "format": fmt,
                 "tp": tp,
                 "equal": sorted(k for k in want if not np.array_equal(want[k], got[k])) == [],
                 "not_equal": sorted(k for k in want if not np.array_equal(want[k], got[k])),

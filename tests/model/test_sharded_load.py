@@ -3,7 +3,7 @@
 the parameters equal the whole load placed by ``place_model`` (KV heads replicated at TP 4, query
 heads too at TP 8), no process reads a whole tensor of a parameter it holds only a slice of, and
 our orbax layout (``jaxserve convert``, on one device or two) restores into meshes of TP 1/2/4
-equal to the safetensors load."""
+equal to the safetensors load; int8 layers and FP8 KV scales (read whole, then placed) too."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def results() -> dict[tuple[str, str, int], dict]:
     args = [sys.executable, os.path.join(HERE, "sharded_load_harness.py"), "--devices", "8"]
     for name in FAMILIES:
         args += ["--model", os.path.join(GOLDEN, name) + "@" + ",".join(map(str, TP[name]))]
+    args += ["--model", os.path.join(GOLDEN, "llama") + "@2@int8@fp8"]
     for name in ORBAX_WRITERS:
         args += ["--orbax", name]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
@@ -76,3 +77,34 @@ def test_orbax_restore_equals_safetensors_load(results, model, tp):
     r = results[(model, "orbax", tp)]
     assert r["not_equal"] == []
     assert r["same_placement"]
+
+
+@pytest.mark.slow
+def test_quantized_layers_and_fp8_kv_scales_load_onto_the_mesh(results):
+    """int8 on load (layers read whole, then placed) with FP8 KV scales, at TP 2: as the whole
+    load placed; the other parameters are still read by slices."""
+    r = results[("llama", "safetensors+int8+fp8", 2)]
+    assert r["not_equal"] == []
+    assert r["same_placement"]
+
+
+def test_progress_line_shows_gb_and_gb_per_second():
+    import io
+
+    from jaxserve.model.sharded_loader import LoadProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    progress = LoadProgress(3_000_000_000, stream=out)
+    progress.last_shown -= 1  # as if half a second had passed since the last line
+    progress.update(1_500_000_000)
+    progress.close()
+    lines = out.getvalue().replace("\r", "\n").split()
+    text = " ".join(lines)
+    assert "loading weights: 1.50/3.00 GB (" in text and "GB/s)" in text
+    quiet = io.StringIO()  # not a terminal: nothing printed (the total is logged)
+    LoadProgress(10, stream=quiet).update(10)
+    assert quiet.getvalue() == ""
