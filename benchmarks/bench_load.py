@@ -4,7 +4,9 @@ Writes a synthetic Llama-shaped bfloat16 checkpoint (about 1.5 GB, sharded safet
 index) into /tmp once, converts it to our orbax layout, then loads it in fresh processes on 8
 simulated CPU devices at TP 1, 4 and 8, four ways, interleaved:
 
-    whole            today's path: read every tensor whole, then ``place_model`` onto the mesh
+    main-whole       the loader before #36 (``--baseline-src``: a copy of that commit's
+                     ``jaxserve/``, e.g. ``git archive c1679ea jaxserve | tar -x -C DIR``)
+    whole            read every tensor whole, then ``place_model`` onto the mesh
     sharded          ``load_model(..., tensor_parallel_size=N)``: each device's slice only
     orbax-whole      our orbax layout restored whole, then placed
     orbax-sharded    our orbax layout restored by orbax with each array's target sharding
@@ -138,7 +140,7 @@ def child(mode: str, path: str, tp: int) -> None:
     sampler.start()
     t0 = time.perf_counter()
     fmt = "orbax" if mode.startswith("orbax") else "safetensors"
-    if mode.endswith("sharded"):
+    if mode.endswith("sharded"):  # main-whole: the same call, an older package
         model, cfg, _ = load_model(path, "bfloat16", fmt, tensor_parallel_size=tp)
     else:
         model, cfg, _ = load_model(path, "bfloat16", fmt)
@@ -157,6 +159,7 @@ def child(mode: str, path: str, tp: int) -> None:
                 "peak_rss_above_base": end["VmHWM"] - base["VmRSS"],
                 "peak_anon_above_base": peak_anon[0] - base["RssAnon"],
                 "end_rss_above_base": end["VmRSS"] - base["VmRSS"],
+                "package": os.path.dirname(sys.modules["jaxserve"].__file__),
             }
         ),
         flush=True,
@@ -168,6 +171,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=10)
     ap.add_argument("--tp", default="1,4,8")
     ap.add_argument("--keep", action="store_true", help="keep the files in /tmp")
+    ap.add_argument(
+        "--baseline-src",
+        default="",
+        help="a directory holding an older jaxserve/ package: adds its whole load (main-whole)",
+    )
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run")
     ap.add_argument("--child", nargs=3, metavar=("MODE", "PATH", "TP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -205,19 +214,27 @@ def main() -> None:
             "| mode | TP | peak RSS above base | x model | peak anon above base | x model | GB/s |"
         )
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        modes = [m for m in args.modes.split(",") if m]
+        if args.baseline_src and "main-whole" not in modes:
+            modes.insert(0, "main-whole")
         for tp in map(int, args.tp.split(",")):
-            for mode in MODES:
+            for mode in modes:
                 path = orbax_dir if mode.startswith("orbax") else st_dir
+                child_env = dict(env)
+                if mode == "main-whole":  # the older package first on the path
+                    child_env["PYTHONPATH"] = os.pathsep.join([args.baseline_src, REPO])
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", mode, path, str(tp)],
                     capture_output=True,
                     text=True,
-                    env=env,
+                    env=child_env,
                 )
                 if out.returncode:
                     print(f"| {mode} | {tp} | failed: {out.stderr.strip().splitlines()[-1]} |")
                     continue
                 r = json.loads(out.stdout.strip().splitlines()[-1])
+                if mode == "main-whole":
+                    assert r["package"].startswith(args.baseline_src), r["package"]
                 print(
                     f"| {mode} | {tp} | {r['peak_rss_above_base'] / 1e9:.2f} GB | "
                     f"{r['peak_rss_above_base'] / nbytes:.2f} | "
