@@ -271,7 +271,9 @@ def load_sharded(
     plans = [None if tuple(p[:-1]) in quantized else part_of(p, v) for p, v in flat_abs]
 
     placed = {}
-    if hasattr(reader, "restore_placed"):  # orbax: restored by orbax onto the mesh
+    # orbax: restored by orbax onto the mesh. Over several processes each restores the whole
+    # checkpoint on its own, as before (a collective sharded restore is not verified there).
+    if hasattr(reader, "restore_placed") and jax.process_count() == 1:
         targets = {}
         for (_, var), plan in zip(flat_abs, plans):
             if plan is not None and plan[1] is None and not plan[0].stacked:
