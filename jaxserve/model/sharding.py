@@ -124,7 +124,10 @@ def model_shardings(
 def put_global(x, sharding: NamedSharding) -> jax.Array:
     """``x`` (a host or single-device array, the same value on every process) placed with
     ``sharding``. Within one process this is ``jax.device_put``; when the mesh spans processes
-    each process builds only its own shards from its copy (no cross-process transfer)."""
+    each process builds only its own shards from its copy (no cross-process transfer). An
+    array already placed so (the sharded loader's) is returned as it is."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
     host = np.asarray(x)
