@@ -189,6 +189,36 @@ def q4_k_ratio(preset: str = "llama-3.1-8b") -> tuple[int, int]:
     return q4k, quant_loading.weight_bytes(wide)
 
 
+def fp8_lookup_ratios(preset: str = "llama-3.1-8b") -> dict[str, float]:
+    """Weight bytes x bfloat16 at ``preset``'s shapes (untied: its own LM head) for int8,
+    ``--quantization fp8`` (embedding and LM head wide, the default) and the variant not taken:
+    the fp8 projections plus an fp8 embedding table (rows widened in the lookup), the LM head
+    still wide."""
+    import jax.numpy as jnp
+
+    from jaxserve.model import quant_loading
+    from jaxserve.model.arch_config import ModelArchConfig
+    from jaxserve.model.layers.quant import ChannelQuant
+    from jaxserve.model.presets import PRESET_HF_CONFIGS
+    from jaxserve.model.quant_config import WeightScheme, resolve_quantization
+
+    cfg = ModelArchConfig.from_hf_config(PRESET_HF_CONFIGS[preset])
+    assert not cfg.tie_word_embeddings, preset
+    wide = quant_loading.abstract_model(cfg, jnp.bfloat16, {})
+    bf16 = quant_loading.weight_bytes(wide)
+    out = {
+        name: quant_loading.plan(wide, cfg, None, resolve_quantization(name, {}, False))
+        for name in ("int8", "fp8")
+    }
+    lookup = dict(out["fp8"])
+    lookup[("embed_tokens",)] = ChannelQuant(WeightScheme("float8_e4m3fn"))  # weight-only
+    out["fp8 + fp8 lookup, LM head wide"] = lookup
+    return {
+        k: quant_loading.weight_bytes(quant_loading.abstract_model(cfg, jnp.bfloat16, m)) / bf16
+        for k, m in out.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--prompts", type=int, default=200)
@@ -229,6 +259,8 @@ def main() -> None:
             f"{r['weight_bytes'] / bf16:6.3f} {r['kv_bytes_per_token']:8d} {r['seconds']:5.0f}",
             flush=True,
         )
+    for k, v in fp8_lookup_ratios().items():
+        print(f"llama-3.1-8b shapes, {k}: {v:.3f} x bf16")
     q4k, wide = q4_k_ratio()
     print(f"llama-3.1-8b shapes, every matrix Q4_K blocks: {q4k} bytes = {q4k / wide:.3f} x bf16")
 

@@ -123,6 +123,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--workloads", default="ngram-copy,draft,concurrent", help="comma-separated subset"
     )
     ap.add_argument("--json-out", default="")
+    ap.add_argument(
+        "--serial-baseline",
+        action="store_true",
+        help="batch-1 workloads: a third run per round, speculation on without the early "
+        "update of the step in flight (as before it), and the on / serial ratios",
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="print each run's time per output token (engine steps, scheduler, runner host, "
+        "device wait, output) and the load average",
+    )
     args = ap.parse_args(argv)
     from jaxserve.model import default_model_path
 
@@ -172,8 +184,10 @@ class Bench:
         self.runner = base.runner
         self.draft = self.runner.draft
 
-    def engine(self, spec: SpeculativeConfig | None):
-        """A fresh engine (empty prefix cache) with ``spec`` on the shared runner."""
+    def engine(self, spec: SpeculativeConfig | None, serial: bool = False):
+        """A fresh engine (empty prefix cache) with ``spec`` on the shared runner; ``serial``:
+        without the early update of the step in flight (``LLMEngine.step``), as before it: a
+        speculating request's next step is dispatched one engine step after an empty one."""
         from jaxserve.engine.llm_engine import LLMEngine
 
         b, runner = self.base, self.runner
@@ -181,21 +195,31 @@ class Bench:
         runner.set_speculative_config(spec)
         runner.draft = self.draft if spec is not None and spec.method == "draft_model" else None
         config = dataclasses.replace(b.config, speculative=spec)
-        return LLMEngine(config, runner, b.arch, b.tokenizer, b.generation_config)
+        engine = LLMEngine(config, runner, b.arch, b.tokenizer, b.generation_config)
+        if serial:
+            engine.scheduler.waits_for_in_flight = lambda: False
+        return engine
 
     def run(
-        self, spec: SpeculativeConfig | None, prompts: list, concurrent: int, ignore_eos: bool
+        self,
+        spec: SpeculativeConfig | None,
+        prompts: list,
+        concurrent: int,
+        ignore_eos: bool,
+        serial: bool = False,
     ) -> dict:
         """Generates ``output_len`` tokens for each prompt, ``concurrent`` at a time; returns
         output tok/s and the speculative decoding counters."""
         from jaxserve.sampling_params import SamplingParams
 
-        engine = self.engine(spec)
+        engine = self.engine(spec, serial)
         params = SamplingParams(
             temperature=0.0, max_tokens=self.args.output_len, ignore_eos=ignore_eos
         )
         queue = list(enumerate(prompts))
         outputs = {}
+        device_steps0 = self.runner.timing.num_steps
+        idle0 = (self.runner.timing.idle_s, self.runner.timing.num_idle_gaps)
         t0 = time.perf_counter()
         running = 0
         while queue or engine.has_unfinished_requests():
@@ -211,6 +235,9 @@ class Bench:
         st = engine.get_stats()
         tokens = sum(len(t) for t in outputs.values())
         steps = st.num_steps_total
+        timing = self.runner.timing
+        device_steps = timing.num_steps - device_steps0
+        idle_s, gaps = timing.idle_s - idle0[0], timing.num_idle_gaps - idle0[1]
         drafts = st.spec_decode_num_drafts_total
         accepted = st.spec_decode_num_accepted_tokens_total
         return {
@@ -223,32 +250,90 @@ class Bench:
             "accepted": accepted,
             "acceptance_length": 1 + accepted / drafts if drafts else None,
             "acceptance_rate": accepted / st.spec_decode_num_draft_tokens_total if drafts else None,
+            # drafts whose every position was accepted (the last position's count / drafts)
+            "all_accepted": (
+                st.spec_decode_num_accepted_tokens_per_pos_total[-1] / drafts if drafts else None
+            ),
             "outputs": outputs,
+            # where the time went (engine stats): engine steps and dispatched (device) steps
+            # per output token; seconds in the scheduler, the runner's host work, waiting for
+            # the device, and the output path (update, detokenize)
+            "device_steps": device_steps,
+            "schedule_s": st.schedule_s,
+            "runner_host_s": st.runner_host_s,
+            "runner_device_s": st.runner_device_s,
+            "output_s": st.output_s,
+            "idle_s": idle_s,  # device without a step (StepTiming.idle_s)
+            "idle_gaps": gaps,
         }
+
+
+def breakdown(res: dict) -> str:
+    """One run's time per output token: engine steps, device steps, and ms in the scheduler,
+    the runner's host work, the wait for the device and the output path."""
+    n = max(res["tokens"], 1)
+    ms = {k: 1e3 * res[k] / n for k in ("schedule_s", "runner_host_s", "runner_device_s")}
+    return (
+        f"per output token: {res['steps'] / n:.2f} engine steps, "
+        f"{res['device_steps'] / n:.2f} device steps; ms schedule {ms['schedule_s']:.2f}, "
+        f"runner host {ms['runner_host_s']:.2f}, device wait {ms['runner_device_s']:.2f}, "
+        f"output {1e3 * res['output_s'] / n:.2f}, wall {1e3 * res['seconds'] / n:.2f}; "
+        f"device idle {1e3 * res['idle_s'] / max(res['device_steps'], 1):.2f} ms per device step "
+        f"({res['idle_gaps']} gaps); load {os.getloadavg()[0]:.1f}"
+    )
 
 
 def compare(
     bench: Bench, name: str, spec, prompts: list, concurrent: int, ignore_eos: bool = True
 ) -> dict:
     """``--rounds`` interleaved off/on runs of one workload; prints and returns the figures."""
-    runs = {"off": [], "on": []}
+    # the serial baseline at batch 1 only (above disable_by_batch_size nothing speculates)
+    serial_too = bench.args.serial_baseline and concurrent == 1
+    modes = ("off", "on", "serial") if serial_too else ("off", "on")
+    runs = {mode: [] for mode in modes}
     for r in range(bench.args.rounds):
-        for mode in ("off", "on"):
-            res = bench.run(spec if mode == "on" else None, prompts, concurrent, ignore_eos)
+        for mode in modes:
+            res = bench.run(
+                None if mode == "off" else spec, prompts, concurrent, ignore_eos, mode == "serial"
+            )
             runs[mode].append(res)
             extra = ""
-            if mode == "on" and res["drafts"]:
+            if mode != "off" and res["drafts"]:
                 extra = (
                     f", acceptance length {res['acceptance_length']:.2f}, "
-                    f"rate {100 * res['acceptance_rate']:.0f}%"
+                    f"rate {100 * res['acceptance_rate']:.0f}%, all {spec.num_speculative_tokens} "
+                    f"accepted in {100 * res['all_accepted']:.0f}% of drafts"
                 )
             print(
                 f"{name} round {r + 1} {mode:3s}: {res['tok_s']:8.1f} tok/s "
                 f"({res['tokens']} tokens in {res['seconds']:.2f} s){extra}",
                 flush=True,
             )
+            if bench.args.breakdown:
+                print("    " + breakdown(res), flush=True)
     off = statistics.median(x["tok_s"] for x in runs["off"])
     on = statistics.median(x["tok_s"] for x in runs["on"])
+    serial = None
+
+    def idle(res: dict) -> float:
+        return res["idle_s"] / max(res["device_steps"], 1)
+
+    if "serial" in runs:  # per round, as ratios: robust to the box's load drifting
+        ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(runs["on"], runs["serial"])]
+        serial = statistics.median(x["tok_s"] for x in runs["serial"])
+        print(
+            f"{name}: on / serial per round "
+            + ", ".join(f"{x:.2f}" for x in ratios)
+            + f"; median {statistics.median(ratios):.2f}x; serial / off per round "
+            + ", ".join(
+                f"{a['tok_s'] / b['tok_s']:.2f}" for a, b in zip(runs["serial"], runs["off"])
+            )
+            + "; device idle per device step, on / serial per round "
+            + ", ".join(
+                f"{idle(a) / max(idle(b), 1e-9):.2f}" for a, b in zip(runs["on"], runs["serial"])
+            ),
+            flush=True,
+        )
     same = all(a["outputs"] == b["outputs"] for a, b in zip(runs["off"], runs["on"]))
     on_runs = [x for x in runs["on"] if x["drafts"]]
     length = statistics.median(x["acceptance_length"] for x in on_runs) if on_runs else None
@@ -263,6 +348,7 @@ def compare(
         "off_tok_s": round(off, 2),
         "on_tok_s": round(on, 2),
         "speedup": round(on / off, 3),
+        "serial_tok_s": None if serial is None else round(serial, 2),
         "acceptance_length": None if length is None else round(length, 3),
         "acceptance_rate": None if rate is None else round(rate, 3),
         "identical_outputs": same,
@@ -300,8 +386,12 @@ def main(argv=None) -> list[dict]:
         prompt_lookup_max=args.ngram_max,
         prompt_lookup_min=1,
     )
-    draft = SpeculativeConfig(
-        method="draft_model", model=args.draft, num_speculative_tokens=args.draft_k
+    draft = (  # None: no draft model for this target (n-gram workloads only)
+        SpeculativeConfig(
+            method="draft_model", model=args.draft, num_speculative_tokens=args.draft_k
+        )
+        if args.draft
+        else None
     )
     text = corpus_prompts(args.corpus, max(args.num_prompts, 8))
     if bench.base.tokenizer is None:  # dummy weights of a preset: token-id prompts
@@ -326,7 +416,7 @@ def main(argv=None) -> list[dict]:
         results.append(compare(bench, "draft", draft, text[: args.num_prompts], 1))
     if "concurrent" in chosen:
         many = [text[i % len(text)] for i in range(args.concurrent)]
-        for spec in (ngram, draft):
+        for spec in (ngram, draft) if draft is not None else (ngram,):
             spec = dataclasses.replace(spec, disable_by_batch_size=args.disable_by_batch_size)
             results.append(compare(bench, f"concurrent-{spec.method}", spec, many, args.concurrent))
     print(json.dumps(results))

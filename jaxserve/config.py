@@ -654,6 +654,75 @@ MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (#33), vLLM's ``--enable-lora`` and its knobs.
+
+    Attributes:
+      max_loras: adapters resident on the device at once (slots of the pool; a step uses at
+        most this many distinct adapters).
+      max_cpu_loras: adapters kept read in host memory (>= max_loras).
+      max_lora_rank: the pool's rank; adapters of a larger rank are refused.
+      lora_modules: ``(name, path, base_model_name)`` of each adapter served from start-up
+        (base_model_name: its ``parent`` in ``/v1/models``; None: the served model).
+      backend: how the delta is computed (``jaxserve.model.layers.lora.LORA_BACKENDS``).
+
+    Raises:
+      ValueError: a knob out of range or a repeated adapter name (named ``max_loras``, ...).
+    """
+
+    max_loras: int = 1
+    max_cpu_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()
+    backend: str = "sgmv"
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        names = [m[0] for m in self.lora_modules]
+        if len(set(names)) < len(names):
+            raise ValueError(f"lora_modules: an adapter name is repeated in {names}")
+
+    @staticmethod
+    def parse_modules(items: list[str] | tuple[str, ...] | None) -> tuple:
+        """``--lora-modules`` items, each ``name=path`` or a JSON object ``{"name": ...,
+        "path": ..., "base_model_name": ...}`` -> ``((name, path, base_model_name), ...)``.
+
+        Raises:
+          ValueError: a malformed item (``lora_modules: ...`` naming it).
+        """
+        out = []
+        for item in items or ():
+            if isinstance(item, str) and item.lstrip().startswith("{"):
+                try:
+                    data = json.loads(item)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"lora_modules: not valid JSON {item!r} ({e.msg})") from None
+                if (
+                    not isinstance(data, dict)
+                    or not isinstance(data.get("name"), str)
+                    or not (isinstance(data.get("path"), str))
+                ):
+                    raise ValueError(f"lora_modules: {item!r} needs string name and path")
+                unknown = set(data) - {"name", "path", "base_model_name"}
+                if unknown:
+                    raise ValueError(f"lora_modules: unknown field {sorted(unknown)[0]!r}")
+                out.append((data["name"], data["path"], data.get("base_model_name")))
+                continue
+            name, sep, path = str(item).partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: expected name=path or a JSON object, got {item!r}")
+            out.append((name, path, None))
+        return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """All resolved configs of one engine.
 
@@ -662,6 +731,7 @@ class EngineConfig:
       parallel: tensor parallel size and the multi-process layout.
       serving: how the OpenAI-compatible layer treats requests.
       speculative: speculative decoding, or None (off).
+      lora: multi-LoRA serving, or None (``--enable-lora`` off).
     """
 
     model: ModelConfig
@@ -673,10 +743,13 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     serving: ServingConfig = ServingConfig()
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.ledger_history < 0:
             raise ValueError(f"ledger_history must be >= 0, got {self.ledger_history}")
+        if self.lora is not None and self.model.runner == "pooling":
+            raise ValueError("enable_lora: LoRA adapters are served by --runner generate only")
 
 
 def _has_tokenizer_files(path: str) -> bool:
@@ -1017,6 +1090,28 @@ class EngineArgs:
         ),
     )
 
+    enable_lora: bool = dataclasses.field(
+        default=False, metadata=_meta("serve LoRA adapters (--lora-modules, load endpoints)")
+    )
+    lora_modules: list[str] | None = dataclasses.field(
+        default=None,
+        metadata=_meta(
+            "LoRA adapters to serve, each name=path or a JSON object "
+            '{"name": N, "path": P, "base_model_name": B}; repeatable',
+            nargs="+",
+            action="extend",
+        ),
+    )
+    max_loras: int = dataclasses.field(
+        default=1, metadata=_meta("LoRA adapters resident on the device at once (one step's)")
+    )
+    max_cpu_loras: int | None = dataclasses.field(
+        default=None, metadata=_meta("LoRA adapters kept in host memory (default: max_loras)")
+    )
+    max_lora_rank: int = dataclasses.field(
+        default=16, metadata=_meta("largest LoRA rank served (the device pool's rank)")
+    )
+
     @classmethod
     def add_cli_args(
         cls, parser: argparse.ArgumentParser, *, positional_model: bool = True
@@ -1235,6 +1330,24 @@ class EngineArgs:
                 max_log_len=self.max_log_len,
             ),
             speculative=self.speculative(),
+            lora=self.lora_config(),
+        )
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRAConfig of the ``--enable-lora`` flags; None when off.
+
+        Raises:
+          ValueError: LoRA knobs without ``--enable-lora``, or a bad knob (named).
+        """
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules: needs --enable-lora")
+            return None
+        return LoRAConfig(
+            max_loras=self.max_loras,
+            max_cpu_loras=self.max_cpu_loras or self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            lora_modules=LoRAConfig.parse_modules(self.lora_modules),
         )
 
     def speculative(self) -> SpeculativeConfig | None:

@@ -15,7 +15,7 @@ event class name under ``"type"``). Each ZMQ message has three frames::
     payload = {"ts": float (Unix seconds), "events": [event, ...], "data_parallel_rank": int}
     event   = {"type": "BlockStored", "block_hashes": [bytes32, ...],
                "parent_block_hash": bytes32 | None, "token_ids": [int, ...],
-               "block_size": int, "lora_id": None, "medium": "GPU", "lora_name": None}
+               "block_size": int, "lora_id": None, "medium": "GPU", "lora_name": str | None}
             | {"type": "BlockRemoved", "block_hashes": [bytes32, ...], "medium": "GPU"}
             | {"type": "AllBlocksCleared"}
 
@@ -93,7 +93,7 @@ def event_to_wire(
             "block_size": block_size,
             "lora_id": None,
             "medium": MEDIUM,
-            "lora_name": None,
+            "lora_name": event.lora_name,
         }
         group = event.group_idx
         if group is not None:

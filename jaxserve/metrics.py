@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -331,6 +332,8 @@ class EngineMetrics:
         self._requests: dict[str, _RequestState] = {}
         self._totals: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._lora_info: Gauge | None = None  # record_lora_info, made on first use
+        self._lora_labels: tuple[str, str, str] | None = None
 
     def record_step(self, stats: EngineStats | None, outputs: Iterable[RequestOutput]) -> None:
         """Folds one engine step into the metrics (called from the engine thread).
@@ -345,6 +348,26 @@ class EngineMetrics:
                 self._record_stats(stats)
             for output in outputs:
                 self._record_output(output)
+
+    def record_lora_info(self, running: list[str], waiting: list[str], max_loras: int) -> None:
+        """Sets ``<namespace>:lora_requests_info`` (vLLM's, for routers: labels
+        ``running_lora_adapters`` and ``waiting_lora_adapters``, comma-separated adapter
+        names, and ``max_lora``; value: the Unix time of the update), replacing the previous
+        label set when it changed (#33)."""
+        labels = (",".join(running), ",".join(waiting), str(max_loras))
+        with self._lock:
+            if self._lora_info is None:
+                self._lora_info = Gauge(
+                    self.prefix + "lora_requests_info",
+                    "Running stats on LoRA requests.",
+                    ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                    registry=self.registry,
+                )
+            if labels != self._lora_labels:
+                if self._lora_labels is not None:
+                    self._lora_info.remove(*self._lora_labels)
+                self._lora_labels = labels
+            self._lora_info.labels(*labels).set(time.time())
 
     def record_abort(self, request_id: str, num_samples: int) -> None:
         """Counts a request the client abandoned (``finished_reason="abort"``, one per sample)."""

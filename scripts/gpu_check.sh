@@ -18,6 +18,8 @@
 # (not part of "all": run it as its own call.)
 #   PART=plan OUT=... bash scripts/gpu_check.sh  # #36: `jaxserve plan`'s KV blocks and activation
 #                                                # estimate vs the engine's on this H200 (~3 min)
+#   PART=lora OUT=... bash scripts/gpu_check.sh  # multi-LoRA delta backends and step cost (~5 min), #33
+# (not part of "all" either.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -55,6 +57,19 @@ timeout -k 10 "${MOE_OFFLINE_BUDGET:-240}" "$PY" benchmarks/bench_offline.py --m
     --num-prompts 512 --input-len 512 --output-len 256 --time-limit-s "${MOE_GEN_S:-90}" \
     2>&1 | tee "$OUT/offline_mixtral.log"
 echo "moe offline exit: ${PIPESTATUS[0]}" | tee -a "$OUT/offline_mixtral.log"
+exit 0
+fi
+if [ "$PART" = lora ]; then
+echo "== LoRA (#33): delta backends at 256 tokens, 32 slots of rank 16, 4096x4096 and 4096x14336 (sgmv / gather / ragged_dot / one-hot) (budget ${LORA_DELTA_BUDGET:-120}s)"
+timeout -k 10 "${LORA_DELTA_BUDGET:-120}" "$PY" benchmarks/bench_lora_delta.py \
+    --shapes 4096x4096,4096x14336 --rounds 7 2>&1 | tee "$OUT/lora_delta.log"
+echo "lora delta exit: ${PIPESTATUS[0]}" | tee -a "$OUT/lora_delta.log"
+for b in sgmv ragged; do
+echo "== LoRA (#33): paged step, 256 decodes over 1/8/32 adapters and base with/without --enable-lora, backend $b (budget ${LORA_STEP_BUDGET:-120}s)"
+timeout -k 10 "${LORA_STEP_BUDGET:-120}" "$PY" benchmarks/bench_lora.py --shape mid --backend "$b" \
+    --rounds 11 2>&1 | tee "$OUT/lora_step_$b.log"
+echo "lora step exit: ${PIPESTATUS[0]}" | tee -a "$OUT/lora_step_$b.log"
+done
 exit 0
 fi
 if [ "$PART" != 2 ] && [ "$PART" != 3 ]; then
@@ -143,8 +158,13 @@ echo "== speculative decoding (#32), Llama-3.1-8B target, Llama-3.2-1B-shaped dr
 # Dummy weights: the drafts are rejected, so on/off tok/s at batch 1 is the step-time ratio of a
 # step verifying K=4 drafts plus the draft's prefill and 4 proposal steps; the speed-up at a
 # mean acceptance length L is about L x that ratio. 64 concurrent with disable_by_batch_size 8:
-# speculation off, which must cost nothing (target >= 0.95x).
+# speculation off, which must cost nothing (target >= 0.95x). --breakdown: per output token,
+# engine and device steps, host / wait / output ms and the device's idle gap per device step
+# between speculating steps (what an overlap of step N+1's drafting with step N could still
+# hide: 0.4-0.9 ms on the CPU box); --serial-baseline: batch 1 also without the early update of
+# the step in flight (the engine before it), interleaved, with the on / serial ratios.
 timeout -k 10 "${SPEC_BUDGET:-420}" "$PY" benchmarks/bench_spec_decode.py --model llama-3.1-8b \
+    --breakdown --serial-baseline \
     --draft llama-3.2-1b --load-format dummy --dtype bfloat16 --max-num-seqs 64 \
     --max-num-batched-tokens 2048 --token-buckets 16,64,256,2048 --max-model-len 2048 \
     --compilation-cache-dir /tmp/jaxserve-xla --attention-backend "$backend" --rounds 2 \

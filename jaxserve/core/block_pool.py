@@ -164,6 +164,7 @@ class BlockPool:
         token_ids: list[int] | None = None,
         block_size: int = 0,
         group: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         """Registers ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes in the
         prefix cache of KV-cache group ``group`` (null blocks, which a sliding window left
@@ -177,6 +178,7 @@ class BlockPool:
           token_ids, block_size: the request's tokens and the block size, read only while
             recording KV events (for ``BlockStored.token_ids``).
           group: the KV-cache group of the table.
+          lora_name: the request's LoRA adapter (``BlockStored.lora_name``), None for none.
         """
         cache = self.cached_blocks[group]
         stored = [] if self.kv_events is not None else None
@@ -204,6 +206,7 @@ class BlockPool:
                             if token_ids is not None
                             else [],
                             group if self._event_groups else None,
+                            lora_name,
                         )
                     )
                     start = i

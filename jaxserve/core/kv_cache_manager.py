@@ -677,11 +677,16 @@ class KVCacheManager:
         if request.cache_salt and not self._salted_event_token_ids:
             token_ids = None  # a salted request's BlockStored: hashes, no token ids
         cache_full_blocks = self.block_pool.cache_full_blocks
+        lora = request.lora_name
         if len(tables) == 1:
-            cache_full_blocks(tables[0], hashes, num_cached, num_full, token_ids, block_size)
+            cache_full_blocks(
+                tables[0], hashes, num_cached, num_full, token_ids, block_size, lora_name=lora
+            )
         else:
             for g, table in enumerate(tables):
-                cache_full_blocks(table, hashes, num_cached, num_full, token_ids, block_size, g)
+                cache_full_blocks(
+                    table, hashes, num_cached, num_full, token_ids, block_size, g, lora
+                )
         self.num_cached_block[request.request_id] = num_full
         return num_full
 

@@ -55,6 +55,7 @@ NONE_HASH: BlockHash = none_hash_from_seed(os.environ.get("PYTHONHASHSEED"))
 """Parent hash of a request's first block: from ``PYTHONHASHSEED`` if set, else random per process."""
 
 _SALT_TAG = b"\x01salt:"
+_LORA_TAG = b"\x01lora:"
 
 
 _PACKERS: dict[
@@ -88,9 +89,12 @@ def hash_block_tokens(
     return hashlib.sha256(parent_hash + _pack_tokens(token_ids) + extra).digest()
 
 
-def salt_extra_keys(cache_salt: str | None) -> bytes:
-    """Extra keys of a request's first block: its tagged cache salt, or nothing."""
-    return _SALT_TAG + cache_salt.encode() if cache_salt else b""
+def salt_extra_keys(cache_salt: str | None, lora_name: str | None = None) -> bytes:
+    """Extra keys of a request's first block: its tagged cache salt and its tagged LoRA
+    adapter's name (#33: an adapter's K/V differ from the base model's), or nothing; the
+    chain carries them into every later block."""
+    salt = _SALT_TAG + cache_salt.encode() if cache_salt else b""
+    return salt + (_LORA_TAG + lora_name.encode() if lora_name else b"")
 
 
 def hash_token_blocks(
@@ -100,6 +104,7 @@ def hash_token_blocks(
     cache_salt: str | None = None,
     none_hash: BlockHash = NONE_HASH,
     max_blocks: int | None = None,
+    lora_name: str | None = None,
 ) -> list[BlockHash]:
     """Chained hashes of the full blocks of a token list, exactly as the KV-cache manager
     computes them for a request with these tokens and ``cache_salt``.
@@ -111,6 +116,7 @@ def hash_token_blocks(
       none_hash: the chain's start (the engine's :data:`NONE_HASH`; a router in another
         process passes :func:`none_hash_from_seed` of the engines' ``PYTHONHASHSEED``).
       max_blocks: hash at most this many leading blocks (None: all full blocks).
+      lora_name: the request's LoRA adapter (mixed into block 0), or None.
 
     Returns:
       One 32-byte hash per full block (``len(token_ids) // block_size``, capped), in order.
@@ -121,7 +127,7 @@ def hash_token_blocks(
     hashes: list[BlockHash] = []
     parent = none_hash
     for i in range(num_full):
-        extra = salt_extra_keys(cache_salt) if i == 0 else b""
+        extra = salt_extra_keys(cache_salt, lora_name) if i == 0 else b""
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         hashes.append(parent)
     return hashes
@@ -153,8 +159,8 @@ def update_block_hashes(
     offset = 0
     for i in range(first, num_full):
         data = parent + packed[offset : offset + width]
-        if i == 0 and request.cache_salt:
-            data += salt_extra_keys(request.cache_salt)
+        if i == 0 and (request.cache_salt or request.lora_name):
+            data += salt_extra_keys(request.cache_salt, request.lora_name)
         parent = sha256(data).digest()
         hashes.append(parent)
         offset += width
@@ -441,12 +447,14 @@ class BlockStored:
       token_ids: the blocks' tokens, ``len(block_hashes) * block_size`` of them.
       group_idx: the KV-cache group whose blocks these are, when the cache has several groups
         (the same hashes are then stored once per group; vLLM's ``group_idx``); else None.
+      lora_name: the LoRA adapter whose K/V these are (#33; part of the hashes), else None.
     """
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     group_idx: int | None = None
+    lora_name: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -60,7 +60,7 @@ class RequestLedger:
       num_drafts, num_draft_tokens, num_accepted_tokens: speculative decoding: steps that
         verified drafts of it, the draft tokens they verified, and those accepted (a step's
         rejected drafts computed K/V that was rolled back).
-      request_id .. finish_reason: copied from the request by ``finished``.
+      request_id .. finish_reason, lora_name: copied from the request by ``finished``.
     """
 
     __slots__ = (
@@ -83,6 +83,7 @@ class RequestLedger:
         "num_prompt_tokens",
         "num_output_tokens",
         "num_cached_tokens",
+        "lora_name",
     )
 
     def __init__(self) -> None:
@@ -100,6 +101,7 @@ class RequestLedger:
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = self.num_output_tokens = 0
         self.num_cached_tokens = 0
+        self.lora_name: str | None = None
 
     # ------------------------------------------------------------------ scheduler events
 
@@ -173,10 +175,13 @@ class RequestLedger:
         num_prompt_tokens: int,
         num_output_tokens: int,
         num_cached_tokens: int,
+        lora_name: str | None = None,
     ) -> None:
-        """Keeps the request's times (monotonic seconds), token counts and finish reason, so
-        the ledger outlives it (``Request.close_ledger`` calls this when the request is freed;
-        ``num_cached_tokens`` -1, never scheduled, is kept as 0)."""
+        """Keeps the request's times (monotonic seconds), token counts, finish reason and LoRA
+        adapter (None: the base model), so the ledger outlives it (``Request.close_ledger``
+        calls this when the request is freed; ``num_cached_tokens`` -1, never scheduled, is
+        kept as 0)."""
+        self.lora_name = lora_name
         self.request_id = request_id
         self.arrival_time = arrival_time
         self.first_scheduled_time = first_scheduled_time
@@ -242,6 +247,7 @@ class RequestLedger:
         ttft = rel(self.first_token_time)
         return {
             "request_id": self.request_id,
+            "lora_name": self.lora_name,
             "arrival_time": None if arrival is None else round(arrival + wall, 6),
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,

@@ -76,6 +76,8 @@ class Request:
       eos_token_id: the tokenizer's EOS id, or None when the model has none.
       arrival_time: ``time.monotonic()`` seconds; defaults to now.
       priority: smaller is more urgent (vLLM's convention); used by the "priority" policy.
+      lora_name: the LoRA adapter it runs on (#33), None for the base model; mixed into the
+        first block's prefix-cache hash like the salt.
       cache_salt: optional per-tenant salt mixed into the first block's prefix-cache hash so
         tenants cannot share or probe each other's cached prefixes.
 
@@ -121,6 +123,7 @@ class Request:
         "arrival_time",
         "priority",
         "cache_salt",
+        "lora_name",
         "status",
         "output_token_ids",
         "all_token_ids",
@@ -153,8 +156,10 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_name = lora_name
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -248,6 +253,7 @@ class Request:
             num_prompt_tokens=len(self.prompt_token_ids),
             num_output_tokens=len(self.output_token_ids),
             num_cached_tokens=self.num_cached_tokens,
+            lora_name=self.lora_name,
         )
 
     def __repr__(self) -> str:

@@ -52,6 +52,7 @@ class NewRequestData:
         ``block_ids[g][t // block_size] * block_size + t % block_size``.
       num_computed_tokens: tokens already in the cache (the prefix-cache hit, block-aligned);
         this step's tokens start at this position.
+      lora_name: the LoRA adapter the request runs on (#33), None for the base model.
     """
 
     req_id: str
@@ -61,6 +62,7 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    lora_name: str | None = None
 
 
 @dataclasses.dataclass

@@ -134,6 +134,19 @@ class _SteadyDecode:
     flushed: set[str] = dataclasses.field(default_factory=set)
 
 
+def _waits_for_in_flight(request: Request, spec_on: bool) -> bool:
+    """Whether a running request with a token in flight (``num_output_placeholders`` > 0) is
+    left out of the next step: it ends with that token, or its sampler needs to see it first,
+    or its position waits for its drafts' verification, or (speculation on) its next drafts
+    wait for it."""
+    return (
+        len(request.output_token_ids) + request.num_output_placeholders >= request.max_tokens
+        or request.needs_output_history
+        or spec_on
+        or request.num_spec_in_flight > 0
+    )
+
+
 class Scheduler:
     """Decides, each step, which tokens of which requests the model computes.
 
@@ -169,6 +182,9 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_running_reqs = scheduler_config.max_num_seqs
+        # --max-loras (0: LoRA off): running requests use at most this many distinct adapters,
+        # so every step's adapters fit the device pool (the engine sets it)
+        self.max_loras = 0
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.chunk_limit = scheduler_config.chunk_limit
@@ -383,6 +399,20 @@ class Scheduler:
             in_flight.popleft()
         in_flight.append((output, scheduled, samples, steady, gap, self._running_removals))
 
+    def waits_for_in_flight(self) -> bool:
+        """True when the next ``schedule()`` could schedule nothing before the step in flight is
+        updated (async scheduling): every running request has a token of that step in flight
+        and waits for it (speculation, penalties or structured outputs, or its last token), and
+        no request waits for admission. The engine then collects and updates that step first,
+        so the next step is dispatched in the same engine step instead of one later."""
+        if not self._in_flight or self._steady is not None or self.waiting or not self.running:
+            return False
+        spec_on = self._spec_k > 0 and self._spec_on()
+        for request in self.running:
+            if not request.num_output_placeholders or not _waits_for_in_flight(request, spec_on):
+                return False
+        return True
+
     def _spec_on(self) -> bool:
         """Whether speculation runs this step: not more than ``disable_by_batch_size`` requests
         running or waiting (vLLM V0's rule)."""
@@ -582,15 +612,7 @@ class Scheduler:
             num_tokens = len(token_ids)
             placeholders = request.num_output_placeholders
             if placeholders:  # async scheduling: a token of it is still in flight
-                if (
-                    len(request.output_token_ids) + placeholders >= request.max_tokens
-                    or request.needs_output_history
-                    or spec_on
-                    or request.num_spec_in_flight
-                ):
-                    # It ends with that token, or its sampler needs to see it first, or its
-                    # position waits for its drafts' verification, or (speculation on) its next
-                    # drafts wait for it.
+                if _waits_for_in_flight(request, spec_on):
                     continue
                 num_tokens += placeholders
             num_spec = look = 0
@@ -697,6 +719,10 @@ class Scheduler:
         slots_full = len(running) >= self.max_num_running_reqs
         if slots_full and not (priority and running[-1].sort_key > request.sort_key):
             return 0
+        if request.lora_name is not None and self.max_loras:  # #33: a step's adapters fit
+            adapters = {r.lora_name for r in running if r.lora_name is not None}
+            if request.lora_name not in adapters and len(adapters) >= self.max_loras:
+                return 0
         hit_blocks, num_hit = kv.get_computed_blocks(request)
         num_tokens = request.num_tokens
         num_new = num_tokens - num_hit
@@ -770,6 +796,7 @@ class Scheduler:
                 eos_token_id=request.eos_token_id,
                 block_ids=kv.get_block_ids(req_id),
                 num_computed_tokens=num_hit,
+                lora_name=request.lora_name,
             )
         )
         step.scheduled.append(request)

@@ -226,7 +226,7 @@ class AddRequest:
 
     Attributes:
       stream: where its outputs go; the engine thread resolves its acceptance.
-      prompt, params, priority, cache_salt: as ``LLMEngine.add_request`` takes them.
+      prompt, params, priority, cache_salt, lora_name: as ``LLMEngine.add_request`` takes them.
       arrival_time: ``time.monotonic()`` when the request reached ``add_request``.
     """
 
@@ -236,6 +236,7 @@ class AddRequest:
     priority: int
     cache_salt: str | None
     arrival_time: float
+    lora_name: str | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -266,11 +267,24 @@ class WakeRequest:
     loop: asyncio.AbstractEventLoop
 
 
-InboxMessage = AddRequest | AbortRequest | SleepRequest | WakeRequest
+@dataclasses.dataclass(slots=True)
+class LoRARequest:
+    """Inbox message: load (``path`` given) or unload a LoRA adapter between steps
+    (:meth:`AsyncLLM.load_lora_adapter`); ``done`` resolves to None or the engine's error."""
+
+    name: str
+    path: str | None
+    done: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+InboxMessage = AddRequest | AbortRequest | SleepRequest | WakeRequest | LoRARequest
 """What the event loop hands the engine thread; it handles them in order between steps."""
 
 
-def _resolve(message: SleepRequest | WakeRequest, result: Any = None, error: Any = None) -> None:
+def _resolve(
+    message: SleepRequest | WakeRequest | LoRARequest, result: Any = None, error: Any = None
+) -> None:
     """Resolves a sleep / wake message's future on its loop (from the engine thread)."""
 
     def settle() -> None:
@@ -360,6 +374,9 @@ class AsyncLLM:
             self.metrics.add_expert_load(expert_load)
         self._cond = threading.Condition()
         self._inbox: list[InboxMessage] = []
+        # the loaded LoRA adapters (#33), name -> parent; rewritten by the engine thread
+        list_loras = getattr(engine, "list_loras", None)
+        self._lora_adapters: dict[str, str | None] = list_loras() if list_loras else {}
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._pending_ids: set[str] = set()  # ids added and not finished (under _cond)
         self._num_inbox_adds = 0  # adds not yet handed to the engine
@@ -443,6 +460,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> RequestStream:
         """Hands a request to the engine and returns its output stream once the engine accepted it.
 
@@ -452,6 +470,7 @@ class AsyncLLM:
           params: its SamplingParams.
           priority: smaller is more urgent (with the "priority" policy).
           cache_salt: tenant salt for prefix caching.
+          lora_name: a loaded LoRA adapter to run it on (None: the base model).
 
         Raises:
           ValueError: the engine refused the request (bad prompt or params; names the field), or
@@ -465,7 +484,9 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         delta = params.output_kind == RequestOutputKind.DELTA
         stream = RequestStream(request_id, params.n, self, loop, delta=delta)
-        message = AddRequest(stream, prompt, params, priority, cache_salt, time.monotonic())
+        message = AddRequest(
+            stream, prompt, params, priority, cache_salt, time.monotonic(), lora_name
+        )
         with self._cond:
             if self.dead_error is not None:
                 raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
@@ -587,6 +608,40 @@ class AsyncLLM:
             self._cond.notify()
         return await message.done
 
+    def lora_adapters(self) -> dict[str, str | None]:
+        """The loaded LoRA adapters, name -> ``base_model_name`` (None: the served model)."""
+        return dict(self._lora_adapters)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Reads, checks and registers a PEFT adapter between two steps.
+
+        Raises:
+          ValueError: LoRA is off, the name is in use, or a bad adapter (one line).
+          EngineDeadError: the engine died.
+        """
+        await self._send_lora(lora_name, lora_path)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unregisters a LoRA adapter between two steps.
+
+        Raises:
+          ValueError: LoRA is off, no such adapter, or unfinished requests use it.
+          EngineDeadError: the engine died.
+        """
+        await self._send_lora(lora_name, None)
+
+    async def _send_lora(self, name: str, path: str | None) -> None:
+        if self.engine_config.lora is None:
+            raise ValueError("lora_name: the server runs without --enable-lora")
+        loop = asyncio.get_running_loop()
+        message = LoRARequest(name, path, loop.create_future(), loop)
+        with self._cond:
+            if self.dead_error is not None or self._stopping:
+                raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+            self._inbox.append(message)
+            self._cond.notify()
+        await message.done
+
     def check_health(self) -> None:
         """Raises EngineDeadError if the engine thread died."""
         if self.dead_error is not None:
@@ -701,6 +756,18 @@ class AsyncLLM:
             if type(message) is WakeRequest:
                 self._wake(message)
                 continue
+            if type(message) is LoRARequest:
+                try:
+                    if message.path is None:
+                        self.engine.remove_lora(message.name)
+                    else:
+                        self.engine.add_lora(message.name, message.path)
+                except ValueError as exc:
+                    _resolve(message, error=exc)
+                else:
+                    self._lora_adapters = self.engine.list_loras()
+                    _resolve(message)
+                continue
             num_adds += 1
             stream = message.stream
             if stream._aborted:  # the client left before the engine saw the request
@@ -714,6 +781,7 @@ class AsyncLLM:
                     priority=message.priority,
                     cache_salt=message.cache_salt,
                     arrival_time=message.arrival_time,
+                    **({"lora_name": message.lora_name} if message.lora_name else {}),
                 )
             except Exception as exc:  # noqa: BLE001 - a refused request is the client's problem
                 self._forget(stream.request_id)
@@ -816,8 +884,11 @@ class AsyncLLM:
                 self._num_waiting = stats.num_waiting_reqs
             self._num_running = stats.num_running_reqs
             self._kv_cache_usage = stats.kv_cache_usage
+        lora_info = getattr(self.engine, "lora_requests_info", None)
         try:
             self.metrics.record_step(stats, outputs)
+            if lora_info is not None and (info := lora_info()) is not None:
+                self.metrics.record_lora_info(*info)
         except Exception:  # noqa: BLE001 - a metrics bug must not take the engine down
             logger.exception("recording metrics failed")
 

@@ -57,6 +57,7 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[int],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates completions for ``prompts``; returns one finished RequestOutput per prompt,
         in input order.
@@ -66,11 +67,14 @@ class LLM:
           sampling_params: one SamplingParams for all prompts, one per prompt, or None for
             ``SamplingParams()`` (16 tokens, temperature 1).
           use_tqdm: show a progress bar (requests done, output tokens/s).
+          lora_name: the LoRA adapter (``LLM(enable_lora=True, lora_modules=[...])``) of every
+            prompt, one per prompt (None: the base model), or None (vLLM's ``lora_request``).
 
         Raises:
           ValueError: bad ``prompts`` (empty list, wrong type, empty or too-long prompt, token
-            ids outside the vocabulary) or ``sampling_params`` (wrong type, list length differs
-            from the prompts). Requests already queued by this call are aborted first.
+            ids outside the vocabulary), ``sampling_params`` (wrong type, list length differs
+            from the prompts) or ``lora_name`` (unknown adapter, wrong length). Requests
+            already queued by this call are aborted first.
         """
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
@@ -89,7 +93,15 @@ class LLM:
                 f"sampling_params must be a SamplingParams or a list of them, got "
                 f"{type(sampling_params).__name__}"
             )
-        return self._run(self._add_all(prompt_list, params_list), use_tqdm)
+        if lora_name is None or isinstance(lora_name, str):
+            loras = [lora_name] * len(prompt_list)
+        else:
+            loras = list(lora_name)
+            if len(loras) != len(prompt_list):
+                raise ValueError(
+                    f"lora_name: got {len(loras)} names for {len(prompt_list)} prompts"
+                )
+        return self._run(self._add_all(prompt_list, params_list, loras), use_tqdm)
 
     def embed(
         self,
@@ -133,15 +145,22 @@ class LLM:
             )
         return outputs
 
-    def _add_all(self, prompt_list: list, params_list: list[SamplingParams]) -> list[str]:
-        """Queues every prompt; returns their request ids (aborts the queued ones on an error)."""
+    def _add_all(
+        self,
+        prompt_list: list,
+        params_list: list[SamplingParams],
+        loras: list[str | None] | None = None,
+    ) -> list[str]:
+        """Queues every prompt (on its LoRA adapter, if any); returns their request ids (aborts
+        the queued ones on an error)."""
         engine = self.llm_engine
         ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
                 rid = str(next(self._ids))
+                lora = None if loras is None else loras[i]
                 try:
-                    engine.add_request(rid, prompt, params, final_only=True)
+                    engine.add_request(rid, prompt, params, final_only=True, lora_name=lora)
                 except ValueError as e:
                     raise ValueError(f"prompts[{i}]: {e}") from e
                 ids.append(rid)

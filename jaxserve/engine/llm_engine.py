@@ -59,6 +59,7 @@ from jaxserve.stats_schema import COUNTER_TOTALS, SCHEDULER_TO_ENGINE, EngineSta
 from jaxserve.structured import TokenMaskManager
 
 if TYPE_CHECKING:
+    from jaxserve.core.runner_output import ModelRunnerOutput
     from jaxserve.model.arch_config import ModelArchConfig
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.worker.model_runner import ModelRunner
@@ -108,6 +109,8 @@ class LLMEngine:
             config.cache.num_gpu_blocks,
             speculative_config=config.speculative,
         )
+        if config.lora is not None:
+            self.scheduler.max_loras = config.lora.max_loras
         self.output_processor = OutputProcessor(tokenizer, config.scheduler.stream_interval)
         self.ledger_history = LedgerHistory(config.ledger_history)
         self.token_masks = TokenMaskManager(
@@ -120,6 +123,9 @@ class LLMEngine:
         self.async_scheduling = config.scheduler.async_scheduling
         # Async scheduling: the dispatched step not yet collected (SchedulerOutput, PendingStep).
         self._in_flight: tuple | None = None
+        # Steps whose in-flight predecessor was collected and updated before scheduling them,
+        # because nothing could run without its tokens (``Scheduler.waits_for_in_flight``).
+        self.num_early_updates = 0
         self.kv_event_publisher = self._start_kv_events(config)
 
     def _start_kv_events(self, config: EngineConfig) -> Any:
@@ -276,6 +282,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         final_only: bool = False,
+        lora_name: str | None = None,
     ) -> None:
         """Validates and queues a request (its ``n`` samples).
 
@@ -286,6 +293,7 @@ class LLMEngine:
           params: SamplingParams (validated on construction).
           priority: smaller is more urgent (scheduling_policy "priority").
           cache_salt: mixed into the prefix-cache hash of the first block (tenant isolation).
+          lora_name: a registered LoRA adapter to run it on (#33); None: the base model.
           arrival_time: ``time.monotonic()`` seconds; defaults to now.
           final_only: only return this request's RequestOutput once, when it finished (the
             offline API uses this; it skips building per-step outputs), as
@@ -311,6 +319,12 @@ class LLMEngine:
                 "max_tokens: this engine runs --runner pooling (embeddings); its requests "
                 "generate nothing (max_tokens=0, n=1)"
             )
+        if lora_name is not None:
+            lora = getattr(self.runner, "lora", None)
+            if lora is None:
+                raise ValueError(f"lora_name {lora_name!r}: this engine runs without --enable-lora")
+            if lora_name not in lora.paths:
+                raise ValueError(f"lora_name {lora_name!r}: no such LoRA adapter is loaded")
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)]
         for rid in [request_id, *child_ids]:
@@ -334,6 +348,7 @@ class LLMEngine:
                     arrival_time=arrival,
                     priority=priority,
                     cache_salt=cache_salt,
+                    lora_name=lora_name,
                 )
             )
         added = []
@@ -420,6 +435,53 @@ class LLMEngine:
         """A finished request's ledger as JSON-ready data (``LedgerHistory.get``), or None; any
         thread may call it."""
         return self.ledger_history.get(request_id)
+
+    # ------------------------------------------------------------------ LoRA adapters (#33)
+
+    def list_loras(self) -> dict[str, str | None]:
+        """The registered LoRA adapters, name -> their ``base_model_name`` (None: the served
+        model), in registration order; empty without ``--enable-lora``."""
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            return {}
+        parents = {m[0]: m[2] for m in self.config.lora.lora_modules}
+        return {name: parents.get(name) for name in lora.paths}
+
+    def lora_requests_info(self) -> tuple[list[str], list[str], int] | None:
+        """``(adapters of running requests, of waiting ones, max_loras)``, names sorted, for
+        ``vllm:lora_requests_info``; None without ``--enable-lora``. Engine thread only."""
+        if self.config.lora is None:
+            return None
+        sched = self.scheduler
+        running = sorted({r.lora_name for r in sched.running if r.lora_name is not None})
+        waiting = sorted({r.lora_name for r in sched.waiting if r.lora_name is not None})
+        return running, waiting, self.config.lora.max_loras
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Reads, checks and registers the PEFT adapter in directory ``path`` as ``name``.
+
+        Raises:
+          ValueError: LoRA is off; ``LoRAAdapterError`` (a ValueError) for a bad adapter or a
+            name in use (one line). Nothing changes then.
+        """
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError("lora_name: this engine runs without --enable-lora")
+        lora.register(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregisters adapter ``name`` (its host copy and device slot are freed).
+
+        Raises:
+          ValueError: LoRA is off, ``name`` is not loaded, or unfinished requests use it.
+        """
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError("lora_name: this engine runs without --enable-lora")
+        users = sum(r.lora_name == name for r in self.scheduler.requests.values())
+        if users:
+            raise ValueError(f"lora_name {name!r}: in use by {users} unfinished requests")
+        lora.unregister(name)
 
     def has_unfinished_requests(self) -> bool:
         """True while any parent request (n > 1 counts once) has not produced its final output."""
@@ -511,11 +573,14 @@ class LLMEngine:
         N+1 on the device (each step takes the KV pool its predecessor returned), so nothing in
         flight writes into a block after its new owner. Requests that reach ``max_tokens`` with
         step N's token are not scheduled in step N+1 at all.
+
+        When no request could be scheduled before step N's tokens land (speculating requests,
+        whose next drafts and position follow their verified tokens; penalties; see
+        ``Scheduler.waits_for_in_flight``), the call collects and updates step N first, then
+        schedules and dispatches step N+1, and makes step N's outputs (detokenization, stop
+        strings) while step N+1 runs: one engine step per device step, no empty step between.
         """
         t0, c0 = time.perf_counter(), time.thread_time()
-        sched_out = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        token_mask = self.token_masks.step_mask(sched_out, self.scheduler.requests)
         timing = self.runner.timing
         host0, dev0, launch0, aside0 = (
             timing.host_s,
@@ -523,7 +588,30 @@ class LLMEngine:
             timing.launch_s,
             timing.aside_cpu_s,
         )
-        if self.async_scheduling:
+        core_outputs = None
+        outputs: list[RequestOutput] | None = None
+        if self._in_flight is not None and self.scheduler.waits_for_in_flight():
+            # Nothing can run before step N's tokens (speculation: the verified tokens and the
+            # next drafts): collect and update step N first, schedule and dispatch step N+1,
+            # and make step N's outputs while N+1 runs (instead of an empty step N+1 and the
+            # real one an engine step later). With constrained requests in the engine, step
+            # N's outputs first: their grammars take step N's tokens before N+1's masks.
+            (done_sched, pending), self._in_flight = self._in_flight, None
+            runner_out = self.runner.collect(pending)
+            tokens_time = time.monotonic()
+            core_outputs = self.scheduler.update_from_output(done_sched, runner_out, batched=True)
+            self.num_early_updates += 1
+            if len(self.token_masks):
+                outputs = self._process(core_outputs, runner_out, tokens_time)
+                self.token_masks.drop(self.scheduler.finished_req_ids)
+        t0s = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        token_mask = self.token_masks.step_mask(sched_out, self.scheduler.requests)
+        if core_outputs is not None:  # dispatched at once: nothing else is in flight
+            pending = self.runner.dispatch(sched_out, token_mask)
+            self._in_flight = (sched_out, pending)
+        elif self.async_scheduling:
             pending = self.runner.dispatch(sched_out, token_mask)
             done, self._in_flight = self._in_flight, (sched_out, pending)
             if done is None:
@@ -533,26 +621,15 @@ class LLMEngine:
         else:
             done_sched, runner_out = sched_out, self.runner.execute_model(sched_out, token_mask)
         t2 = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        if runner_out is not None:
-            tokens_time = time.monotonic()  # the step's tokens are on the host
-            core_outputs = self.scheduler.update_from_output(done_sched, runner_out, batched=True)
-            # Grammars see their tokens now: a complete one ends its request on this token.
-            ended = self.token_masks.advance(core_outputs) if len(self.token_masks) else None
-            outputs, stopped = self.output_processor.process_outputs(core_outputs, tokens_time)
-            pooled = runner_out.pooler_output
-            if pooled:  # pooling runner: the vectors of the prompts this step completed
-                for out in outputs:
-                    if out.finished:
-                        out.pooled = pooled.get(out.request_id)
-            if stopped:
-                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-            if ended:
-                for status, req_ids in ended.items():
-                    self.scheduler.finish_requests(req_ids, status)
-            for out in outputs:
-                if out.finished:
-                    self.ledger_history.add(out.request_id, out.ledgers)
+        if outputs is None:
+            outputs = []
+            if runner_out is not None:
+                if core_outputs is None:
+                    tokens_time = time.monotonic()  # the step's tokens are on the host
+                    core_outputs = self.scheduler.update_from_output(
+                        done_sched, runner_out, batched=True
+                    )
+                outputs = self._process(core_outputs, runner_out, tokens_time)
         if len(self.token_masks):  # finished this step: their matchers go now, not next step
             self.token_masks.drop(self.scheduler.finished_req_ids)
         t3, c3 = time.perf_counter(), time.thread_time()
@@ -562,12 +639,38 @@ class LLMEngine:
                 self.kv_event_publisher.publish(events)
         self._update_stats(outputs)
         st = self._stats
-        st.schedule_s += t1 - t0
+        st.schedule_s += t1 - t0s
         st.runner_host_s += timing.host_s - host0
         st.runner_launch_s += timing.launch_s - launch0
         st.host_cpu_s += (c3 - c0) - (timing.aside_cpu_s - aside0)
         st.runner_device_s += timing.device_s - dev0
-        st.output_s += (t2 - t1) - (timing.host_s - host0) - (timing.device_s - dev0) + (t3 - t2)
+        st.output_s += (
+            (t0s - t0) + (t2 - t1) - (timing.host_s - host0) - (timing.device_s - dev0) + (t3 - t2)
+        )
+        return outputs
+
+    def _process(
+        self, core_outputs: Any, runner_out: ModelRunnerOutput, tokens_time: float
+    ) -> list[RequestOutput]:
+        """A collected step's outputs, after the scheduler's update: grammars advance (a
+        complete one ends its request), detokenization and stop strings, pooled vectors; the
+        requests they end are finished and their ledgers kept."""
+        # Grammars see their tokens now: a complete one ends its request on this token.
+        ended = self.token_masks.advance(core_outputs) if len(self.token_masks) else None
+        outputs, stopped = self.output_processor.process_outputs(core_outputs, tokens_time)
+        pooled = runner_out.pooler_output
+        if pooled:  # pooling runner: the vectors of the prompts this step completed
+            for out in outputs:
+                if out.finished:
+                    out.pooled = pooled.get(out.request_id)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if ended:
+            for status, req_ids in ended.items():
+                self.scheduler.finish_requests(req_ids, status)
+        for out in outputs:
+            if out.finished:
+                self.ledger_history.add(out.request_id, out.ledgers)
         return outputs
 
     def _update_stats(self, outputs: list[RequestOutput]) -> None:

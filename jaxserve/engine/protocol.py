@@ -169,13 +169,37 @@ class EngineClient(Protocol):
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> RequestOutputStream:
-        """Hands a request to the engine; returns its output stream once the engine holds it.
+        """Hands a request to the engine; returns its output stream once the engine holds it
+        (``lora_name``: a loaded LoRA adapter to run it on, None: the base model).
 
         Raises:
           ValueError: the engine refused the request (names the field), or the id is in use.
           EngineDeadError: the engine died.
           EngineUnavailableError: this engine cannot take it now; nothing started.
+        """
+        ...
+
+    def lora_adapters(self) -> dict[str, str | None]:
+        """The loaded LoRA adapters (#33), name -> ``base_model_name`` (None: the served
+        model); empty without ``--enable-lora``."""
+        ...
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Reads, checks and registers a PEFT adapter.
+
+        Raises:
+          ValueError: LoRA is off, the name is in use or a bad adapter (one line); nothing
+            changes then.
+        """
+        ...
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unregisters a LoRA adapter.
+
+        Raises:
+          ValueError: LoRA is off, no such adapter, or unfinished requests use it.
         """
         ...
 

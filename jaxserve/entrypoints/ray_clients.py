@@ -151,7 +151,32 @@ class RelayedStream:
             self.on_close()
 
 
-class ReplicaClient:
+class NoLoRAAdapters:
+    """The ``EngineClient`` LoRA members of the Ray clients: no adapters over Ray replicas
+    (not built; #33 serves them in one process)."""
+
+    def lora_adapters(self) -> dict[str, str | None]:
+        """None: LoRA adapters are not served over Ray replicas."""
+        return {}
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Refused: LoRA adapters are not served over Ray replicas.
+
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Refused, as ``load_lora_adapter``.
+
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
+
+
+class ReplicaClient(NoLoRAAdapters):
     """One replica actor as an ``EngineClient``: requests relayed to it, outputs streamed back;
     its load and health are what the last poll (:meth:`ReplicaSet.poll_once`) saw.
 
@@ -220,6 +245,7 @@ class ReplicaClient:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> RelayedStream:
         """Starts the request on the replica; returns once its engine holds it.
 
@@ -228,6 +254,8 @@ class ReplicaClient:
           EngineUnavailableError: the replica is gone, did not accept in ``ACCEPT_TIMEOUT_S``,
             or its engine is dead (it is marked down; nothing started).
         """
+        if lora_name is not None:
+            raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         gen = self.actor.run_request.options(num_returns="streaming").remote(
@@ -322,7 +350,7 @@ class ReplicaClient:
         ray.kill(self.actor, no_restart=True)
 
 
-class ReplicaSet:
+class ReplicaSet(NoLoRAAdapters):
     """Every replica as one ``EngineClient``: what the HTTP server runs on over Ray.
 
     Requests go to the replica the router picks (:meth:`route`: re-picked while none has
@@ -452,6 +480,7 @@ class ReplicaSet:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> RequestOutputStream:
         """Starts the request on the replica the router picks (by its prompt's prefix).
 
@@ -459,6 +488,8 @@ class ReplicaSet:
           ValueError: the engine refused it (names the field).
           EngineUnavailableError: no replica is up.
         """
+        if lora_name is not None:
+            raise ValueError("lora_name: LoRA adapters are not served over Ray replicas")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
         async def start(client: ReplicaClient) -> RelayedStream:

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve.model.attention_backends import ATTENTION_BACKENDS
 from jaxserve.model.chunked_attention import chunked_paged_attention
+from jaxserve.model.layers.lora import LoraBatch
 from jaxserve.model.sharding import MODEL_AXIS
 from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.ragged_paged_attention import (
@@ -80,6 +81,8 @@ class PagedAttentionMetadata:
       kv_layout: static; per layer, ``(group, array pair)``: the block table it reads and the
         pool's ``(k_cache, v_cache)`` pair it uses (``KVCacheLayout.layer_kv``); None: one group,
         layer i uses pair i.
+      lora: the step's adapter batch (``jaxserve.model.layers.lora.LoraBatch``) that every
+        LoRA-enabled ``Linear`` adds its delta for; None: no adapter token in the step.
     """
 
     slot_mapping: jax.Array
@@ -91,6 +94,7 @@ class PagedAttentionMetadata:
     interpret: bool = False
     mesh: Mesh | None = None
     kv_layout: tuple[tuple[int, int], ...] | None = None
+    lora: LoraBatch | None = None
 
     def __post_init__(self):
         if self.backend not in ATTENTION_BACKENDS:
@@ -119,7 +123,14 @@ class PagedAttentionMetadata:
 
 jax.tree_util.register_dataclass(
     PagedAttentionMetadata,
-    data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc", "num_seqs"],
+    data_fields=[
+        "slot_mapping",
+        "block_tables",
+        "context_lens",
+        "query_start_loc",
+        "num_seqs",
+        "lora",
+    ],
     meta_fields=["backend", "interpret", "mesh", "kv_layout"],
 )
 

@@ -52,6 +52,17 @@ from jaxserve.serving.errors import (
     from_value_error,
     model_not_found,
 )
+from jaxserve.serving.lora import (
+    LOAD_PATH,
+    UNLOAD_PATH,
+    AdapterEngine,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    adapter_cards,
+    check_enabled,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from jaxserve.serving.pooling import (
     POOLING_KINDS,
     REQUEST_MODELS,
@@ -389,6 +400,9 @@ class OpenAIServing:
         if engine.is_sleeping:
             raise engine_error(EngineSleepingError("the engine is asleep (POST /wake_up wakes it)"))
         check_queue(engine, self.info)
+        lora_name = self.info.lora_of(getattr(job, "model", None))
+        if lora_name is not None:  # "model" names a LoRA adapter (#33)
+            engine = AdapterEngine(engine, lora_name)
         if self.info.log_requests:
             log_request(job, self.info, self.engine.tokenizer)
         if job.request.stream:
@@ -486,16 +500,43 @@ class OpenAIServing:
         }
 
     def models(self) -> dict[str, Any]:
-        """``GET /v1/models``: the served model, once per name (OpenAI's list-models shape)."""
-        return {"object": "list", "data": [self.model_card(n) for n in self.info.model_names]}
+        """``GET /v1/models``: the served model, once per name, then each loaded LoRA adapter
+        with its ``parent`` (OpenAI's list-models shape)."""
+        cards = [self.model_card(n) for n in self.info.model_names]
+        return {"object": "list", "data": cards + adapter_cards(self.info, self.model_card())}
+
+    async def load_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/load_lora_adapter`` (vLLM's; ``serving.lora``).
+
+        Raises:
+          APIError: 404 without ``--enable-lora``; 400 for a bad body or adapter.
+        """
+        check_enabled(self.engine, LOAD_PATH)
+        request = validate(LoadLoRAAdapterRequest, body, LOAD_PATH)
+        return await load_lora_adapter(self.engine, self.info, request)
+
+    async def unload_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/unload_lora_adapter`` (vLLM's; ``serving.lora``).
+
+        Raises:
+          APIError: 404 without ``--enable-lora`` or for an adapter not loaded; 400 for a bad
+            body or an adapter in use.
+        """
+        check_enabled(self.engine, UNLOAD_PATH)
+        request = validate(UnloadLoRAAdapterRequest, body, UNLOAD_PATH)
+        return await unload_lora_adapter(self.engine, self.info, request)
 
     def model(self, name: str) -> dict[str, Any]:
-        """``GET /v1/models/{model}``: the served model's card under one of its names.
+        """``GET /v1/models/{model}``: the served model's card under one of its names, or a
+        loaded LoRA adapter's.
 
         Raises:
           APIError: 404 ``model_not_found`` for another name.
         """
         if name not in self.info.model_names:
+            for card in adapter_cards(self.info, self.model_card()):
+                if card["id"] == name:
+                    return card
             raise model_not_found(name)
         return self.model_card(name)
 

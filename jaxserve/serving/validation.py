@@ -61,6 +61,8 @@ class ServingInfo:
       log_requests: log each request (``--enable-log-requests``), prompts cut to
         ``max_log_len`` characters / ids (0 = whole).
       enable_sleep_mode: the sleep routes may put the engine to sleep.
+      lora_adapters: returns the engine's loaded LoRA adapters, name -> ``base_model_name``
+        (``EngineClient.lora_adapters``; live: adapters load and unload at run time).
     """
 
     model_name: str
@@ -88,6 +90,7 @@ class ServingInfo:
     log_requests: bool = False
     max_log_len: int = 0
     enable_sleep_mode: bool = False
+    lora_adapters: Callable[[], dict[str, str | None]] = dict
 
     @classmethod
     def from_engine(cls, llm: EngineClient) -> ServingInfo:
@@ -121,6 +124,7 @@ class ServingInfo:
             log_requests=cfg.serving.enable_log_requests,
             max_log_len=cfg.serving.max_log_len,
             enable_sleep_mode=cfg.model.enable_sleep_mode,
+            lora_adapters=llm.lora_adapters,
         )
 
     @property
@@ -135,9 +139,14 @@ class ServingInfo:
         return self.tool_call_parser if self.enable_auto_tool_choice else ""
 
     def check_model(self, name: Any) -> None:
-        """Raises the 404 ``model_not_found`` unless ``name`` is None or a served name."""
-        if name is not None and name not in self.model_names:
+        """Raises the 404 ``model_not_found`` unless ``name`` is None, a served name or a
+        loaded LoRA adapter's."""
+        if name is not None and name not in self.model_names and name not in self.lora_adapters():
             raise model_not_found(str(name))
+
+    def lora_of(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` selects, or None (the base model)."""
+        return name if name is not None and name in self.lora_adapters() else None
 
 
 NORMALIZATION_SHRINK = 4

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from jaxserve.core.kv_cache_groups import KVCacheLayout
 from jaxserve.model.attention import PagedAttentionMetadata
+from jaxserve.model.layers.lora import LoraBatch
 from jaxserve.model.sharding import gather_logits
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxserve.worker.batch_builder import seq_bucket
@@ -91,14 +92,21 @@ class StepGraph:
 
 
 @functools.partial(jax.jit, static_argnames="graph", donate_argnames="kv_caches")
-def forward_step(graph: StepGraph, params: list, kv_caches: list, inputs: StepInputs):
+def forward_step(
+    graph: StepGraph,
+    params: list,
+    kv_caches: list,
+    inputs: StepInputs,
+    lora: LoraBatch | None = None,
+):
     """``(params, kv_caches, inputs) -> (logits [S, V] f32, hidden [T, E], kv_caches)``;
     ``params``: the model state's leaves (``graph.state_def``); the KV caches are donated and
-    updated in place."""
+    updated in place. ``lora``: the step's adapter batch (#33), None (its own trace, the
+    base model's work only) when no token uses an adapter."""
     graph.traces["forward"] += 1
     model = merge_model(graph, params)
     hidden, kv_caches = model(
-        step_input_ids(inputs), inputs.positions, kv_caches, step_metadata(graph, inputs)
+        step_input_ids(inputs), inputs.positions, kv_caches, step_metadata(graph, inputs, lora)
     )  # [T, E]
     logits = gather_logits(model.compute_logits(hidden[inputs.logits_indices]), graph.mesh)
     return logits, hidden, kv_caches
@@ -109,8 +117,11 @@ def merge_model(graph: StepGraph, params: list) -> nnx.Module:
     return nnx.merge(graph.graphdef, jax.tree.unflatten(graph.state_def, params))
 
 
-def step_metadata(graph: StepGraph, inputs: StepInputs) -> PagedAttentionMetadata:
-    """Inside a step function: the step's attention metadata (its views of ``inputs``)."""
+def step_metadata(
+    graph: StepGraph, inputs: StepInputs, lora: LoraBatch | None = None
+) -> PagedAttentionMetadata:
+    """Inside a step function: the step's attention metadata (its views of ``inputs``, and
+    its LoRA adapter batch or None)."""
     return PagedAttentionMetadata(
         slot_mapping=inputs.slot_mapping,
         block_tables=inputs.block_tables,
@@ -121,6 +132,7 @@ def step_metadata(graph: StepGraph, inputs: StepInputs) -> PagedAttentionMetadat
         interpret=graph.interpret,
         mesh=graph.mesh,
         kv_layout=graph.kv_layout,
+        lora=lora,
     )
 
 
@@ -421,6 +433,15 @@ def warmup(runner: RunnerFields, *, progress: bool = True) -> float:
             graph, state, runner.kv_caches, padding_inputs(runner, size)
         ).compile()
         runner.aot_forward[size] = fwd
+        lora_slots = getattr(runner, "lora_slots", None)
+        if lora_slots is not None:  # the step with adapter tokens (#33): its own executable
+            runner.aot_forward_lora[size] = forward_step.lower(
+                graph,
+                state,
+                runner.kv_caches,
+                padding_inputs(runner, size),
+                lora_slots.padding_batch(size),
+            ).compile()
         logits_info, hidden_info, _ = fwd.out_info
         pooling_type = getattr(runner, "pooling_type", None)
         if pooling_type is not None:  # the pooling runner's head, on zero hidden states; it

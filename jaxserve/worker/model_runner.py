@@ -60,6 +60,7 @@ from jaxserve.core.runner_output import (
     OneTokenEach,
     TokenLogprobs,
 )
+from jaxserve.lora.manager import LoRAManager
 from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
 from jaxserve.model.attention_backends import resolve_attention_backend
 from jaxserve.model.layers.moe import attach_expert_load_recorder
@@ -87,6 +88,7 @@ from jaxserve.worker.compilation import (
 )
 from jaxserve.worker.draft_model import DraftModel
 from jaxserve.worker.kv_offload import HostKVCache, num_host_blocks, staging_memory_kind
+from jaxserve.worker.lora_slots import LoRASlots, enable_model_lora
 from jaxserve.worker.ngram_proposer import NgramProposer
 from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
 from jaxserve.worker.spec_decode import VerifyPlan, accept, accept_on_device, plan_verification
@@ -162,6 +164,10 @@ class StepTiming:
       device_s: time ``collect`` waits for the results (device work + transfer not hidden
         behind host work).
       output_s: turning the results into the ModelRunnerOutput.
+      idle_s: seconds the device sat without a step, from the end of a ``collect`` that left
+        nothing in flight to the next launch (host work on the critical path: what async
+        scheduling hides when it can dispatch step N+1 before collecting step N).
+      num_idle_gaps: launches that ended such a gap.
     """
 
     num_steps: int = 0
@@ -170,6 +176,8 @@ class StepTiming:
     aside_cpu_s: float = 0.0
     device_s: float = 0.0
     output_s: float = 0.0
+    idle_s: float = 0.0
+    num_idle_gaps: int = 0
 
 
 class ModelRunner:
@@ -206,6 +214,12 @@ class ModelRunner:
         # Tensor parallel: the mesh, the weights placed on it, heads replicated if needed
         # (model/sharding.py). ``step_mesh`` is None on one device: no shard_map, no gather.
         self.mesh = make_mesh(config.parallel.tensor_parallel_size)
+        # Multi-LoRA (#33): adapter pools in the projections before placement, so they shard
+        # like their base layers (worker/lora_slots.py)
+        lora = config.lora
+        lora_targets = (
+            None if lora is None else enable_model_lora(model, lora.max_loras, lora.max_lora_rank)
+        )
         model, self.arch = place_model(
             model, arch, self.mesh, config.parallel.enable_expert_parallel
         )
@@ -226,6 +240,23 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         # the step functions take the state's leaves (see StepGraph.state_def)
         self.params, state_def = jax.tree.flatten(self.state)
+        self.lora_slots: LoRASlots | None = None
+        self.lora: LoRAManager | None = None  # the adapters' registry, host tier, slots
+        self._lora_of: dict[str, str] = {}  # request id -> its adapter (requests with one)
+        self.aot_forward_lora: dict[int, Any] = {}
+        if lora is not None:
+            self.lora_slots = LoRASlots(
+                model, lora_targets, self.state, lambda: self.params, lora.max_loras, lora.backend
+            )
+            self.lora = LoRAManager(
+                lora.max_loras,
+                lora.max_cpu_loras,
+                lora.max_lora_rank,
+                lora_targets,
+                self.lora_slots.write_slot,
+            )
+            for name, path, _parent in lora.lora_modules:
+                self.lora.register(name, path)
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_num_seqs = sched.max_num_seqs
@@ -288,6 +319,10 @@ class ModelRunner:
         self.ngram: NgramProposer | None = None
         self.set_speculative_config(config.speculative)
         self.draft: DraftModel | None = None  # attach_draft_model
+        # Sampling steps dispatched and not collected, and when the latest collect left none
+        # (StepTiming.idle_s).
+        self._num_in_flight = 0
+        self._idle_since: float | None = None
         self.aot_draft_prefill: dict[int, Any] = {}
         # The draft's cache per row: positions whose draft K/V is valid (see _draft_prefill),
         # and whether any step ran without the draft (cached blocks may lack its K/V since).
@@ -502,6 +537,7 @@ class ModelRunner:
         self._last_batch = None
         self._pool_partial.clear()
         self._pool_epoch.clear()
+        self._num_in_flight, self._idle_since = 0, None  # a dropped engine's step is forgotten
 
     def sleep(self, level: int) -> None:
         """Frees the device memory of the weights (level 1: kept in host memory; level 2:
@@ -520,7 +556,19 @@ class ModelRunner:
         Raises:
           ValueError: an unknown tag, or level-2 weights that cannot be reloaded as compiled.
         """
-        return sleep_mode.wake_up(self, tags, load)
+        lora = self.config.lora
+        if lora is not None and load is not None:  # a level-2 reload gets the pools again
+            inner = load
+
+            def load():
+                model, arch = inner()
+                enable_model_lora(model, lora.max_loras, lora.max_lora_rank)
+                return model, arch
+
+        awake = sleep_mode.wake_up(self, tags, load)
+        if self.lora is not None:
+            self.lora.forget_slots()  # reloaded pools are zeros: adapters are written again
+        return awake
 
     @property
     def is_sleeping(self) -> bool:
@@ -579,6 +627,11 @@ class ModelRunner:
             self._md_cache = None
         for req_id in sched.finished_req_ids:
             self._seeds.pop(req_id, None)
+            self._lora_of.pop(req_id, None)
+        if self.lora is not None:
+            for new in sched.scheduled_new_reqs:
+                if new.lora_name is not None:
+                    self._lora_of[new.req_id] = new.lora_name
         if self.pooling_type is not None:
             self._forget_pooling(sched)
         host_kv = self.host_kv if sched.kv_transfers is not None else None
@@ -605,9 +658,19 @@ class ModelRunner:
         md = self._sampling_metadata(batch, token_mask, follows=prev_batch if steady else None)
 
         graph = self.graph
+        lora = self._lora_batch(batch) if self.lora is not None else None
         t1, c1 = time.perf_counter(), time.thread_time()
-        aot = self.aot_forward.get(batch.token_bucket)
-        if aot is not None:
+        if not self._num_in_flight and self._idle_since is not None:
+            self.timing.idle_s += t1 - self._idle_since
+            self.timing.num_idle_gaps += 1
+        self._num_in_flight += 1
+        if lora is not None:  # adapter tokens in the step (#33)
+            aot = self.aot_forward_lora.get(batch.token_bucket)
+            args = (self.params, self.kv_caches, batch.inputs, lora)
+            logits, hidden, self.kv_caches = (
+                aot(*args) if aot is not None else forward_step(graph, *args)
+            )
+        elif (aot := self.aot_forward.get(batch.token_bucket)) is not None:
             logits, hidden, self.kv_caches = aot(self.params, self.kv_caches, batch.inputs)
         else:
             logits, hidden, self.kv_caches = forward_step(
@@ -685,6 +748,20 @@ class ModelRunner:
             draft_ids,
         )
 
+    def _lora_batch(self, batch: StepBatch):
+        """The step's ``LoraBatch`` (its adapters put into device slots first), or None when
+        no request of the step has an adapter."""
+        lora_of = self._lora_of
+        if not lora_of:
+            return None
+        names = [lora_of.get(r) for r in batch.req_ids]
+        used = {n for n in names if n is not None}
+        if not used:
+            return None
+        slots = self.lora.activate(used)
+        seq_slots = np.array([-1 if n is None else slots[n] for n in names], np.int32)
+        return self.lora_slots.step_batch(seq_slots, batch.num_scheduled, batch.token_bucket)
+
     def _forget_pooling(self, sched: SchedulerOutput) -> None:
         """Drops the partial pooled vectors of finished and preempted requests (a preempted one
         is recomputed from its first token) and moves their epoch on."""
@@ -699,6 +776,10 @@ class ModelRunner:
         """The pooling runner's launch: the forward, then ``pool_step`` (no sampler)."""
         graph = self.graph
         t1, c1 = time.perf_counter(), time.thread_time()
+        if not self._num_in_flight and self._idle_since is not None:
+            self.timing.idle_s += t1 - self._idle_since
+            self.timing.num_idle_gaps += 1
+        self._num_in_flight += 1
         aot = self.aot_forward.get(batch.token_bucket)
         if aot is not None:
             _, hidden, self.kv_caches = aot(self.params, self.kv_caches, batch.inputs)
@@ -836,6 +917,9 @@ class ModelRunner:
         timing.num_steps += 1
         timing.device_s += t2 - t1
         timing.output_s += t3 - t2
+        self._num_in_flight -= 1
+        if not self._num_in_flight:
+            self._idle_since = t3
         return output
 
     def _draft_prefill(self, sched: SchedulerOutput, batch: StepBatch) -> None:

@@ -18,6 +18,7 @@ from core_testing import (
 )
 
 from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from jaxserve.core.request import RequestStatus
 from jaxserve.core.runner_output import ModelRunnerOutput
 from jaxserve.core.sched_output import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
@@ -321,14 +322,24 @@ def test_async_lock_step_waits_for_drafts_in_flight():
     s = spec_scheduler()
     a = make_request("a", [1, 2, 3], max_tokens=20)
     s.add_request(a)
+    assert not s.waits_for_in_flight()  # nothing in flight
     out1 = s.schedule()
-    out2 = s.schedule()  # a's first token is in flight: speculation on, it waits for it
+    # a's first token is in flight: speculation on, it waits for it (the engine updates first)
+    assert s.waits_for_in_flight()
+    out2 = s.schedule()
     assert out2.is_empty
     s.update_from_output(out1, _output(out1, {"a": [4]}))
     s.update_from_output(out2, _output(out2, {}))
+    assert not s.waits_for_in_flight()
     a.spec_token_ids = [5, 6]
     out3 = s.schedule()
     assert out3.scheduled_spec_decode_tokens == {"a": [5, 6]} and a.num_spec_in_flight == 2
+    assert s.waits_for_in_flight()
+    b = make_request("b", [1, 2], max_tokens=20)
+    s.add_request(b)  # a waiting request can be admitted: no waiting for the step in flight
+    assert not s.waits_for_in_flight()
+    s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert s.waits_for_in_flight()
     assert s.schedule().is_empty  # its drafts are in flight
     s.update_from_output(out3, _output(out3, {"a": [5, 7]}))  # one accepted
     assert a.num_computed_tokens == 5 and a.all_token_ids == [1, 2, 3, 4, 5, 7]

@@ -135,3 +135,38 @@ def test_greedy_identical_with_speculation(make_engine, run, baseline, knobs):
     _check(engine, run(engine, greedy), want)
     if "num_gpu_blocks" in knobs:
         assert engine.get_stats().num_preemptions_total > 0
+
+
+def test_batch1_speculation_overlaps_the_next_step(base, make_engine, run, baseline):
+    """Async scheduling, one speculating request: each engine step collects and updates the
+    step in flight, dispatches the next (its drafts known), and makes the outputs while that
+    one runs: one engine step per device step, never an empty step between."""
+    greedy, _, want = baseline
+    engine = make_engine(speculative=NGRAM, async_scheduling=True)
+    timing = base.runner.timing
+    device0 = timing.num_steps
+    calls = overlapped = 0
+    process = engine.output_processor.process_outputs
+
+    def counted(core_outputs, *args):
+        nonlocal overlapped
+        if core_outputs and engine._in_flight is not None and engine._in_flight[1] is not None:
+            overlapped += 1  # the next step is on the device while these outputs are made
+        return process(core_outputs, *args)
+
+    engine.output_processor.process_outputs = counted
+    step = engine.step
+
+    def counted_step():
+        nonlocal calls
+        calls += 1
+        return step()
+
+    engine.step = counted_step
+    got = run(engine, [greedy[0]])  # copy0: drafts accepted
+    _check(engine, got, want)
+    device_steps = timing.num_steps - device0
+    # the prefill step, then one call per device step (plus the last call that collects)
+    assert calls <= device_steps + 2, (calls, device_steps)
+    assert engine.num_early_updates >= device_steps - 2
+    assert overlapped >= device_steps - 2

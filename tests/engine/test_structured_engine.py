@@ -95,3 +95,36 @@ def test_allowed_token_ids_and_bad_words(make_engine, run, prompts, base):
     for seq in banned:
         assert not any(ids[i : i + len(seq)] == seq for i in range(len(ids)))
     assert ids != free["f0"].outputs[0].token_ids
+
+
+def test_batch1_constrained_and_penalty_requests_equal_the_synchronous_loop(
+    make_engine, run, prompts
+):
+    """One request at a time whose sampling reads its output history (a grammar, a penalty):
+    under async scheduling the engine updates the step in flight before scheduling the next
+    (nothing else could run), its grammar taking the tokens before the next step's mask is
+    made; outputs equal the synchronous loop's."""
+    spec = StructuredOutputsParams(json=SCHEMA)
+    requests = [
+        (
+            "json",
+            prompts[2],
+            SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=spec),
+        ),
+        (
+            "penalty",
+            prompts[5],
+            SamplingParams(temperature=0.0, max_tokens=8, presence_penalty=1.5),
+        ),
+    ]
+    got, early = {}, {}
+    for on in (True, False):
+        engine = make_engine(async_scheduling=on)
+        for req in requests:  # one at a time
+            got[on, req[0]] = _texts(run(engine, [req]))[req[0]]
+        early[on] = engine.num_early_updates
+        assert len(engine.token_masks) == 0
+    assert {k[1]: v for k, v in got.items() if k[0]} == {
+        k[1]: v for k, v in got.items() if not k[0]
+    }
+    assert early[True] >= 6 and early[False] == 0

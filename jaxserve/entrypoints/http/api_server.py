@@ -8,7 +8,8 @@ Endpoints (OpenAI API reference; vLLM's extras):
     GET  /v1/responses/{id}     a stored response; DELETE forgets it
     POST /v1/embeddings         embeddings (--runner pooling; serving/pooling.py)
     POST /pooling               vLLM's pooled vectors; POST /v1/score (and /score): cosine
-    GET  /v1/models             the served model (once per --served-model-name)
+    GET  /v1/models             the served model (once per --served-model-name), LoRA adapters
+    POST /v1/load_lora_adapter  {"lora_name", "lora_path"}; /v1/unload_lora_adapter (--enable-lora)
     GET  /v1/requests/{id}/ledger  a finished request's ledger
     GET  /health                200 while the engine serves, else 503
     GET  /metrics               Prometheus text exposition (jaxserve/metrics.py)
@@ -446,6 +447,15 @@ async def _wake_up(request: web.Request) -> web.Response:
     return json_response(await request.app[SERVING].wake_up(tags))
 
 
+async def _load_lora_adapter(request: web.Request) -> web.Response:
+    return json_response(await request.app[SERVING].load_lora_adapter(await _read_json(request)))
+
+
+async def _unload_lora_adapter(request: web.Request) -> web.Response:
+    serving = request.app[SERVING]
+    return json_response(await serving.unload_lora_adapter(await _read_json(request)))
+
+
 async def _is_sleeping(request: web.Request) -> web.Response:
     return json_response(request.app[SERVING].is_sleeping())
 
@@ -645,6 +655,8 @@ def build_app(
     router.add_post("/sleep", _sleep, expect_handler=_expect_handler)
     router.add_post("/wake_up", _wake_up, expect_handler=_expect_handler)
     router.add_get("/is_sleeping", _is_sleeping)
+    router.add_post("/v1/load_lora_adapter", _load_lora_adapter, expect_handler=_expect_handler)
+    router.add_post("/v1/unload_lora_adapter", _unload_lora_adapter, expect_handler=_expect_handler)
     if root_path:
         for route in list(router.routes()):
             if route.method != "HEAD":  # add_get added these; the copies get their own

@@ -31,6 +31,7 @@ from jaxserve.sampling_params import (
     STRUCTURED_KINDS,
 )
 from jaxserve.serving.endpoints import GENERATION, version
+from jaxserve.serving.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from jaxserve.serving.pooling import POOLING_KINDS, REQUEST_MODELS
 from jaxserve.serving.protocol import (
     ChatCompletionRequest,
@@ -50,6 +51,8 @@ _BODIES: dict[str, type[BaseModel]] = {
     **{path: REQUEST_MODELS[kind] for path, kind in POOLING_KINDS.items()},
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
 _GETS = {
     "/v1/models": "the served model (OpenAI's list-models shape)",

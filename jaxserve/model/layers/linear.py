@@ -17,14 +17,14 @@ The seam's contract, for the two features that use it:
   method and fills its parameters by name from the weight's own source (``<proj>.weight_scale``
   beside ``<proj>.weight``); ``repeat_output`` / ``repeat_input`` repeat the scales with the
   weight.
-* **LoRA adapters** (#33): ``__call__(x, lora=None)`` will take the step's adapter batch, which
-  the family passes to each projection from the step's metadata (carried beside
-  ``PagedAttentionMetadata``): each token's adapter slot (int32 ``[T]``, -1 for the base model),
-  the permutation that sorts tokens by slot and the group sizes (``[max_loras]``). The layer
-  then holds ``lora_a [max_loras, *in_shape, r]`` and ``lora_b [max_loras, r, *out_shape]``
-  (zero-padded to ``max_lora_rank``) and adds ``scale * ragged_dot(ragged_dot(x_sorted,
-  lora_a), lora_b)``, unsorted, to ``y`` before the bias. ``lora=None`` (a base-only step, or
-  no ``--enable-lora``) adds no operation. A quantized base weight changes nothing here: the
+* **LoRA adapters** (#33, built: ``jaxserve.model.layers.lora``): ``enable_lora`` gives the
+  layer a device pool ``lora_a [max_loras, *in_shape, R]`` / ``lora_b [max_loras, R,
+  *out_shape]`` (zeros; an adapter of rank r < R fills the first r columns, scaling folded into
+  B; axes the base weight's, so adapters shard like their base layer). ``__call__(x, lora)``
+  takes the step's ``LoraBatch`` (carried in ``PagedAttentionMetadata.lora``; the attention
+  and MLP layers hand it on) and adds ``lora_delta(x, lora_a, lora_b, lora)`` to ``project``'s
+  output before the bias. ``lora=None`` (a step without adapter tokens, or no
+  ``--enable-lora``) adds no operation. A quantized base weight changes nothing here: the
   delta is added to ``project``'s output, whatever represents the base weight.
 
 Without quantization the layer is one ``einsum`` and an optional bias add. It
@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.model.layers.lora import LoraBatch, lora_delta
 from jaxserve.model.layers.params import logical_param
 from jaxserve.model.layers.quant import BlockQuant, ChannelQuant, QuantMethod
 
@@ -100,11 +101,30 @@ class Linear(nnx.Module):
         self.bias = (
             logical_param(None, out_shape, dtype, tuple(out_axes), "zeros") if bias else None
         )
+        self.lora_a: nnx.Param | None = nnx.data(None)  # [max_loras, *in_shape, R] (enable_lora)
+        self.lora_b: nnx.Param | None = nnx.data(None)  # [max_loras, R, *out_shape]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``x [..., *in_shape]`` -> ``[..., *out_shape]``: ``project(x)`` plus the bias."""
+    def __call__(self, x: jax.Array, lora: LoraBatch | None = None) -> jax.Array:
+        """``x [..., *in_shape]`` -> ``[..., *out_shape]``: ``project(x)``, plus the adapters'
+        delta when ``lora`` is given and the layer has a pool, plus the bias."""
         y = self.project(x)
+        if lora is not None and self.lora_a is not None:
+            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora).astype(y.dtype)
         return y if self.bias is None else y + self.bias[...]
+
+    def enable_lora(self, max_loras: int, max_rank: int, dtype) -> None:
+        """Adds the zeroed adapter pool ``lora_a`` / ``lora_b`` of ``max_loras`` slots of rank
+        ``max_rank`` in ``dtype``, in place (axes: the base weight's, unsharded slot and rank)."""
+        self.lora_a = logical_param(
+            None, (max_loras, *self.in_shape, max_rank), dtype, (None, *self.in_axes, None), "zeros"
+        )
+        self.lora_b = logical_param(
+            None,
+            (max_loras, max_rank, *self.out_shape),
+            dtype,
+            (None, None, *self.out_axes),
+            "zeros",
+        )
 
     def project(self, x: jax.Array) -> jax.Array:
         """The matmul alone, ``x [..., *in_shape]`` -> ``[..., *out_shape]`` in x's dtype
@@ -161,6 +181,8 @@ class Linear(nnx.Module):
                 self.weight_scale.set_value(jnp.repeat(self.weight_scale[...], repeats, axis))
         if self.bias is not None:
             self.bias.set_value(jnp.repeat(self.bias[...], repeats, axis=axis))
+        if self.lora_b is not None:  # [L, R, *out]
+            self.lora_b.set_value(jnp.repeat(self.lora_b[...], repeats, axis=2 + axis))
         out = list(self.out_shape)
         out[axis] *= repeats
         self.out_shape = tuple(out)
@@ -184,6 +206,9 @@ class Linear(nnx.Module):
             (-1,) + (1,) * (w.ndim - axis - 1)
         )
         self.weight.set_value(jnp.where(first, w, jnp.zeros((), w.dtype)))
+        if self.lora_a is not None:  # [L, *in, R]: the same copies, the same zeros
+            a = jnp.repeat(self.lora_a[...], repeats, axis=1 + axis)
+            self.lora_a.set_value(jnp.where(first[..., None], a, jnp.zeros((), a.dtype)))
         shape = list(self.in_shape)
         shape[axis] *= repeats
         self.in_shape = tuple(shape)

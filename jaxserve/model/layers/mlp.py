@@ -8,6 +8,7 @@ import jax
 from flax import nnx
 
 from jaxserve.model.layers.linear import Linear
+from jaxserve.model.layers.lora import LoraBatch
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,  # SwiGLU (Llama, Mistral, Qwen)
@@ -51,7 +52,9 @@ class GatedMLP(nnx.Module):
         self.up_proj = Linear(e, f, in_axes=("embed",), out_axes=("mlp",), **kw)
         self.down_proj = Linear(f, e, in_axes=("mlp",), out_axes=("embed",), **kw)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``x [..., e]`` -> ``[..., e]`` in the model dtype."""
+    def __call__(self, x: jax.Array, lora: LoraBatch | None = None) -> jax.Array:
+        """``x [..., e]`` -> ``[..., e]`` in the model dtype; ``lora``: the step's adapter
+        batch (``PagedAttentionMetadata.lora``), None for none."""
         act = ACTIVATIONS[self.activation]
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        h = act(self.gate_proj(x, lora)) * self.up_proj(x, lora)
+        return self.down_proj(h, lora)

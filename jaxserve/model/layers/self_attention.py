@@ -84,7 +84,8 @@ class SelfAttention(nnx.Module):
         Paged when ``metadata`` is given (x is ``[T, e]``; this step's K/V are written into
         ``kv_cache``), dense causal over positions 0..L-1 otherwise (``[B, L, e]``, no cache).
         """
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [..., T, h, d]
+        lora = None if metadata is None else metadata.lora  # the step's adapters (#33)
+        q, k, v = self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)  # [.., T, h, d]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
@@ -106,7 +107,7 @@ class SelfAttention(nnx.Module):
                 k_scale=None if k_scale is None else k_scale[...],
                 v_scale=None if v_scale is None else v_scale[...],
             )
-        return self.o_proj(out), kv_cache
+        return self.o_proj(out, lora), kv_cache
 
     def head_replication(self, q_replicas: int, kv_replicas: int) -> dict[tuple, tuple]:
         """What ``replicate_heads(q_replicas, kv_replicas)`` does to each parameter, for a loader

@@ -99,7 +99,7 @@ class GemmaDecoderLayer(nnx.Module):
         see ``SelfAttention.__call__``."""
         h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata)
         x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h = self.mlp(self.pre_feedforward_layernorm(x), getattr(metadata, "lora", None))
         return x + self.post_feedforward_layernorm(h), kv_cache
 
 

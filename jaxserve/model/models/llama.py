@@ -86,7 +86,8 @@ class DecoderLayer(nnx.Module):
         see ``SelfAttention.__call__``."""
         h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        lora = getattr(metadata, "lora", None)  # the step's adapters (#33), or None
+        return x + self.mlp(self.post_attention_layernorm(x), lora), kv_cache
 
 
 class LlamaForCausalLM(CausalLM):

@@ -78,8 +78,8 @@ class MoEDecoderLayer(nnx.Module):
         h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata)
         x = x + h
         h = self.post_attention_layernorm(x)
-        if not isinstance(self.mlp, SparseMoeBlock):
-            return x + self.mlp(h), kv_cache
+        if not isinstance(self.mlp, SparseMoeBlock):  # dense: the step's adapters (#33)
+            return x + self.mlp(h, getattr(metadata, "lora", None)), kv_cache
         if metadata is None:
             return x + self.mlp(h), kv_cache
         real = metadata.query_start_loc[metadata.num_seqs]
