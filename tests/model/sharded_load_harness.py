@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 
@@ -132,6 +133,8 @@ def main() -> None:
                     ),
                     flush=True,
                 )
+        if orbax_dir is not None:
+            shutil.rmtree(os.path.dirname(orbax_dir), ignore_errors=True)
     del jax
 
 
