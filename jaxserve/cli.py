@@ -45,6 +45,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "run the five pre-production checks (load, dashboard, preemptions, prefix caching, "
         "long prompts) against a live server",
     ),
+    "plan": (
+        "jaxserve.plan",
+        "add_plan_parser",
+        "will a model fit: weights, activations, KV blocks and concurrent sequences per device, "
+        "from its config alone",
+    ),
     "generate": (
         "jaxserve.generate",
         "add_generate_parser",

@@ -16,6 +16,8 @@
 # (PART=2 and 3 use BACKEND, default pallas, since part 1's test log is not there.)
 #   PART=moe OUT=... bash scripts/gpu_check.sh # MoE at Mixtral-8x7B shapes only (~6 min), #30
 # (not part of "all": run it as its own call.)
+#   PART=plan OUT=... bash scripts/gpu_check.sh  # #36: `jaxserve plan`'s KV blocks and activation
+#                                                # estimate vs the engine's on this H200 (~3 min)
 #   PART=lora OUT=... bash scripts/gpu_check.sh  # multi-LoRA delta backends and step cost (~5 min), #33
 # (not part of "all" either.)
 set -uo pipefail
@@ -27,6 +29,20 @@ mkdir -p "$OUT"
 
 PART=${PART:-all}
 backend=${BACKEND:-pallas}
+if [ "$PART" = plan ]; then
+# issue #36, not yet run on a GPU: plan predicts the KV blocks from the device table (H200 at
+# JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION 0.75) and activations estimated from shapes; the
+# engine measures both. Compare plan_8b.json's kv_blocks / activation_bytes / bytes_limit with
+# the engine's "KV cache budget", "profiled step activations" and "KV cache (memory)" lines.
+echo "== #36: jaxserve plan vs the engine's KV pool, Llama-3.1-8B shapes, bf16 (budget ${PLAN_BUDGET:-200}s)"
+"$PY" -m jaxserve.cli plan llama-3.1-8b --device h200 --max-model-len 8192 --max-num-seqs 256 \
+    --max-num-batched-tokens 8192 --json 2>&1 | tee "$OUT/plan_8b.json"
+timeout -k 10 "${PLAN_BUDGET:-200}" "$PY" benchmarks/bench_offline.py --model llama-3.1-8b \
+    --load-format dummy --dtype bfloat16 --max-model-len 8192 --max-num-seqs 256 \
+    --max-num-batched-tokens 8192 --compilation-cache-dir /tmp/jaxserve-xla \
+    --attention-backend "$backend" --num-prompts 8 --input-len 32 --output-len 8 2>&1 \
+    | grep -E "KV cache|profiled step activations|weights:" | tee "$OUT/plan_engine_8b.log"
+fi
 if [ "$PART" = moe ]; then
 echo "== MoE (#30): one Mixtral-8x7B feed-forward (e 4096, 8 experts of f 14336, top-2, bf16), dropless grouped matmul (ragged_dot) vs a dense SwiGLU of width 2f (same FLOPs) (budget ${MOE_LAYER_BUDGET:-120}s)"
 timeout -k 10 "${MOE_LAYER_BUDGET:-120}" "$PY" benchmarks/bench_moe.py --layer --hidden-size 4096 \

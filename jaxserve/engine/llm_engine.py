@@ -197,6 +197,10 @@ class LLMEngine:
             seed=engine_args.seed,
             quantization=engine_args.quantization,
             kv_cache_dtype=engine_args.kv_cache_dtype,
+            # straight onto the mesh, each process reading only its devices' slices; with LoRA
+            # read whole: the adapter pools are added before placement (worker/lora_slots.py)
+            tensor_parallel_size=None if engine_args.enable_lora else parallel.tensor_parallel_size,
+            enable_expert_parallel=parallel.enable_expert_parallel,
         )
         weight_bytes = quant_loading.weight_bytes(model)
         logger.info(
@@ -543,6 +547,12 @@ class LLMEngine:
                 seed=model.seed,
                 quantization=model.quantization,
                 kv_cache_dtype=self.config.cache.cache_dtype,
+                tensor_parallel_size=(
+                    None
+                    if self.config.lora is not None
+                    else self.config.parallel.tensor_parallel_size
+                ),
+                enable_expert_parallel=self.config.parallel.enable_expert_parallel,
             )
             return loaded, arch
 

@@ -19,29 +19,51 @@ import shutil
 import jax
 from flax import nnx
 
-from jaxserve.model.arch_config import ModelLoadError, read_hf_config
+from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError, read_hf_config
 from jaxserve.model.loader import load_model
 from jaxserve.model.readers.gguf_reader import gguf_hf_config, is_gguf_path, open_gguf
 from jaxserve.model.readers.orbax_reader import PARAMS_DIR
+from jaxserve.model.sharding import check_tensor_parallel
 
 # Files of a HF directory that are not copied next to our params (weights and their index).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 _SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 
 
-def convert(hf_dir: str, out_dir: str, dtype: str = "auto") -> None:
+def convert(
+    hf_dir: str, out_dir: str, dtype: str = "auto", tensor_parallel_size: int | None = None
+) -> None:
     """HF directory (safetensors) or ``.gguf`` file -> our orbax layout in ``out_dir`` (created;
     must not exist). From a GGUF, the tokenizer is written as tokenizer.json +
     tokenizer_config.json (chat template included) and the EOS ids as generation_config.json.
 
+    The checkpoint is sharded (orbax writes each array in chunks) and restores into a mesh of
+    any tensor-parallel size (``load_model(out_dir, tensor_parallel_size=N)``). With
+    ``tensor_parallel_size`` the model is read straight onto that many devices (a model larger
+    than one device's memory) and each device writes its own shards; the parameters saved are
+    the model's own (unreplicated), so the size must split the heads without copying them.
+
     Raises:
       ModelLoadError: as ``load_model``; also when ``out_dir`` already exists.
+      ValueError: a ``tensor_parallel_size`` larger than the KV heads (naming both).
     """
     if os.path.exists(out_dir):
         raise ModelLoadError(f"output directory already exists: {out_dir}")
     gguf = is_gguf_path(hf_dir)
+    if tensor_parallel_size is not None:  # before any weight is read
+        hf = gguf_hf_config(open_gguf(hf_dir), hf_dir) if gguf else read_hf_config(hf_dir)
+        arch = ModelArchConfig.from_hf_config(hf)
+        if check_tensor_parallel(arch, tensor_parallel_size) != (1, 1):
+            raise ValueError(
+                f"tensor_parallel_size ({tensor_parallel_size}) is larger than the model's "
+                f"num_key_value_heads ({arch.num_kv_heads}): convert would save copied heads; "
+                f"use at most {arch.num_kv_heads}"
+            )
     model, cfg, generation_config = load_model(
-        hf_dir, dtype=dtype, load_format="gguf" if gguf else "safetensors"
+        hf_dir,
+        dtype=dtype,
+        load_format="gguf" if gguf else "safetensors",
+        tensor_parallel_size=tensor_parallel_size,
     )
     if gguf:
         from jaxserve.tokenizer.gguf_tokenizer import build_gguf_tokenizer
@@ -111,6 +133,13 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16"],
         help="dtype of the saved parameters (default: the config's torch_dtype)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="read the model straight onto this many devices, each writing its own shards "
+        "(default: one device); the checkpoint restores at any size either way",
+    )
     p.set_defaults(func=run_convert)
     return p
 
@@ -120,6 +149,11 @@ def run_convert(args: argparse.Namespace) -> int:
     ``serve`` resolves it (``smollm2``: the demo model's GGUF file)."""
     from jaxserve.model.resolve import resolve_model_path
 
-    convert(resolve_model_path(args.hf_dir), args.out_dir, dtype=args.dtype)
+    convert(
+        resolve_model_path(args.hf_dir),
+        args.out_dir,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     print(f"wrote {args.out_dir}")
     return 0

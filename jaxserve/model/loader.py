@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.model import quant_loading
 from jaxserve.model.arch_config import ModelArchConfig, ModelLoadError, read_hf_config
@@ -38,6 +39,8 @@ from jaxserve.model.readers.gguf_reader import (
 from jaxserve.model.readers.orbax_reader import PARAMS_DIR, OrbaxReader
 from jaxserve.model.readers.safetensors_reader import SafetensorsReader
 from jaxserve.model.registry import resolve_model_class
+from jaxserve.model.sharded_loader import load_sharded
+from jaxserve.model.sharding import check_tensor_parallel, make_mesh
 
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "gguf", "dummy")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -88,6 +91,8 @@ def load_weights(
     reader: CheckpointReader,
     quantization: Quantization = NO_QUANTIZATION,
     kv_scales: bool = False,
+    mesh: Mesh | None = None,
+    enable_expert_parallel: bool = False,
 ) -> nnx.Module:
     """The model of ``cfg``'s architecture with every parameter read from ``reader``.
 
@@ -98,33 +103,35 @@ def load_weights(
     are read whole, their narrow parameters kept as they are; ``kv_scales`` adds each attention
     layer's FP8 KV-cache scales (the checkpoint's, else 1.0).
 
+    With a ``mesh`` the model is loaded onto it, sharded (``load_sharded``): each process reads
+    only the slices of each tensor its devices hold; otherwise every tensor is read whole onto
+    the default device.
+
     Raises:
       ModelLoadError: a tensor is missing, or its stored shape is not the parameter's (naming
         the tensor, the expected and the found shapes).
+      ValueError: with a mesh, a model that cannot be split over it (``check_tensor_parallel``).
     """
     model = abstract_model(cfg, dtype)
     methods = quant_loading.plan(model, cfg, reader, quantization)
+    if mesh is not None:
+        q_replicas, kv_replicas = check_tensor_parallel(cfg, mesh.size, enable_expert_parallel)
+        # Quantized layers are read whole (their method decides their parameters' shapes); with
+        # replicated heads on top, the whole model is loaded first and placed by place_model.
+        if not (methods and (q_replicas > 1 or kv_replicas > 1)):
+            return load_sharded(
+                cfg, dtype, reader, methods, kv_scales, mesh, enable_expert_parallel
+            )
     if methods or kv_scales:
         model = quant_loading.abstract_model(cfg, dtype, methods, kv_scales)
-    layers = quant_loading.quantizable_layers(model)
-    attention = quant_loading.attention_layers(model) if kv_scales else {}
+    quant = quant_loading.LayerReads(model, cfg, reader, methods, kv_scales)
     graphdef, abs_state = nnx.split(model)
     flat = []
-    read: dict[tuple, dict] = {}  # quantized layer or attention path -> its parameters
     for path, var in nnx.to_flat_state(abs_state):
-        owner, leaf = tuple(path[:-1]), path[-1]
-        if owner in methods or (owner in attention and leaf in quant_loading.KV_SCALE_NAMES):
-            if owner not in read:
-                read[owner] = (
-                    quant_loading.read_layer(
-                        model, owner, layers[owner], methods[owner], cfg, reader
-                    )
-                    if owner in methods
-                    else quant_loading.read_kv_scales(model, owner, cfg, reader)
-                )
-            if leaf in read[owner]:
-                flat.append((path, var.replace(jnp.asarray(read[owner].pop(leaf), var.dtype))))
-                continue
+        value = quant.pop(tuple(path))
+        if value is not None:
+            flat.append((path, var.replace(jnp.asarray(value, var.dtype))))
+            continue
         source = model.weight_source(path, cfg, reader.naming)
         if source.stacked:  # one tensor per expert, stacked on our leading axis
             parts = [_read(reader, (n,), source.layout, var.shape[1:]) for n in source.stacked]
@@ -195,6 +202,15 @@ def detect_load_format(model_dir: str) -> str:
     return "orbax" if os.path.isdir(os.path.join(model_dir, PARAMS_DIR)) else "safetensors"
 
 
+def _placement(cfg: ModelArchConfig, tensor_parallel_size: int | None, expert_parallel: bool):
+    """``load_weights``' mesh keywords for ``tensor_parallel_size`` ({} without one); checks
+    first that the model splits over it."""
+    if tensor_parallel_size is None:
+        return {}
+    check_tensor_parallel(cfg, tensor_parallel_size, expert_parallel)
+    return dict(mesh=make_mesh(tensor_parallel_size), enable_expert_parallel=expert_parallel)
+
+
 def load_model(
     model_path: str | dict,
     dtype: str = "auto",
@@ -202,6 +218,8 @@ def load_model(
     seed: int = 0,
     quantization: str = "auto",
     kv_cache_dtype: str = "auto",
+    tensor_parallel_size: int | None = None,
+    enable_expert_parallel: bool = False,
 ) -> tuple[nnx.Module, ModelArchConfig, dict[str, Any]]:
     """Loads a model for serving.
 
@@ -218,6 +236,11 @@ def load_model(
         "int8", "fp8", "compressed-tensors" or "gguf".
       kv_cache_dtype: ``--kv-cache-dtype``; an FP8 cache gives every attention layer its
         ``k_scale`` / ``v_scale`` (the checkpoint's, else 1.0).
+      tensor_parallel_size: load straight onto the mesh of this many devices
+        (``make_mesh``), each process reading only the slices its devices hold
+        (``jaxserve.model.sharded_loader``); None: read whole onto the default device (the
+        runner places it). Random weights (dummy) are always drawn whole.
+      enable_expert_parallel: with ``tensor_parallel_size``, place experts whole per device.
 
     Returns:
       ``(model, ModelArchConfig, generation_config dict)``; the dict is ``{}`` when the directory
@@ -252,7 +275,10 @@ def load_model(
         )
         with GGUFFileReader(path) as reader:
             cfg = ModelArchConfig.from_hf_config(gguf_hf_config(reader.gguf, path))
-            model = load_weights(cfg, resolve_dtype(dtype, cfg), reader, quant, kv_scales)
+            placement = _placement(cfg, tensor_parallel_size, enable_expert_parallel)
+            model = load_weights(
+                cfg, resolve_dtype(dtype, cfg), reader, quant, kv_scales, **placement
+            )
             return model, cfg, gguf_generation_config(reader.gguf)
     model_dir = os.fspath(model_path)
     hf = read_hf_config(model_dir)
@@ -261,12 +287,13 @@ def load_model(
     jdtype = resolve_dtype(dtype, cfg)
     if load_format == "auto":
         load_format = detect_load_format(model_dir)
+    placement = _placement(cfg, tensor_parallel_size, enable_expert_parallel)
     if load_format == "dummy":
         model = quantize_dummy(dummy_model(cfg, jdtype, seed), quant, kv_scales)
     elif load_format == "orbax":  # restored straight into jdtype (orbax casts on read)
         with OrbaxReader(model_dir, jdtype) as reader:
-            model = load_weights(cfg, jdtype, reader, quant, kv_scales)
+            model = load_weights(cfg, jdtype, reader, quant, kv_scales, **placement)
     else:
         with SafetensorsReader(model_dir) as reader:
-            model = load_weights(cfg, jdtype, reader, quant, kv_scales)
+            model = load_weights(cfg, jdtype, reader, quant, kv_scales, **placement)
     return model, cfg, read_generation_config(model_dir)

@@ -5,6 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+_LLAMA_31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
 PRESET_HF_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"],
@@ -16,13 +24,24 @@ PRESET_HF_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        "rope_scaling": _LLAMA_31_ROPE,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.1-70b": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA_31_ROPE,
         "max_position_embeddings": 131072,
         "tie_word_embeddings": False,
         "bos_token_id": 128000,

@@ -267,6 +267,45 @@ def read_layer(
     return _quantize_embedding(method, w)
 
 
+class LayerReads:
+    """The parameters of quantized layers and FP8 KV scales, each layer's read once (whole) on
+    first use and handed out by parameter path; the loaders ask it first for every parameter.
+
+    Args:
+      model: the abstract model (``abstract_model`` with ``methods`` applied).
+      cfg, reader: as ``read_layer``.
+      methods: the quantization plan (``plan``).
+      kv_scales: the attention layers carry FP8 KV scales.
+    """
+
+    def __init__(self, model, cfg: ModelArchConfig, reader, methods: dict, kv_scales: bool):
+        self.model, self.cfg, self.reader, self.methods = model, cfg, reader, methods
+        self.layers = quantizable_layers(model)
+        self.attention = attention_layers(model) if kv_scales else {}
+        self.read: dict[tuple, dict] = {}  # layer or attention path -> its parameters
+
+    def pop(self, path: tuple):
+        """Parameter ``path``'s value (numpy or jax) when a quantized layer or a KV scale holds
+        it, else None (the family's ``weight_source`` says where it is)."""
+        owner, leaf = tuple(path[:-1]), path[-1]
+        if not (owner in self.methods or (owner in self.attention and leaf in KV_SCALE_NAMES)):
+            return None
+        if owner not in self.read:
+            self.read[owner] = (
+                read_layer(
+                    self.model,
+                    owner,
+                    self.layers[owner],
+                    self.methods[owner],
+                    self.cfg,
+                    self.reader,
+                )
+                if owner in self.methods
+                else read_kv_scales(self.model, owner, self.cfg, self.reader)
+            )
+        return self.read[owner].pop(leaf, None)
+
+
 def read_kv_scales(
     model: nnx.Module, path: tuple, cfg: ModelArchConfig, reader: CheckpointReader | None
 ) -> dict[str, jax.Array]:

@@ -102,15 +102,20 @@ def logical_to_pspec(
     return PartitionSpec(*(None if a is None else rules[a] for a in axes))
 
 
+def param_sharding(
+    var: nnx.Variable, mesh: Mesh, rules: dict[str, str | None] = LOGICAL_AXIS_RULES
+) -> NamedSharding:
+    """The ``NamedSharding`` of one parameter (real or abstract) from its logical axes."""
+    return NamedSharding(mesh, logical_to_pspec(var.get_metadata().get("out_sharding"), rules))
+
+
 def model_shardings(
     model: nnx.Module, mesh: Mesh, rules: dict[str, str | None] = LOGICAL_AXIS_RULES
 ) -> nnx.State:
     """The ``NamedSharding`` of every parameter of ``model`` (an ``nnx.State`` of shardings)."""
     state = nnx.state(model)
     return jax.tree.map(
-        lambda v: v.replace(
-            NamedSharding(mesh, logical_to_pspec(v.get_metadata().get("out_sharding"), rules))
-        ),
+        lambda v: v.replace(param_sharding(v, mesh, rules)),
         state,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
@@ -119,7 +124,10 @@ def model_shardings(
 def put_global(x, sharding: NamedSharding) -> jax.Array:
     """``x`` (a host or single-device array, the same value on every process) placed with
     ``sharding``. Within one process this is ``jax.device_put``; when the mesh spans processes
-    each process builds only its own shards from its copy (no cross-process transfer)."""
+    each process builds only its own shards from its copy (no cross-process transfer). An
+    array already placed so (the sharded loader's) is returned as it is."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
     host = np.asarray(x)
@@ -217,9 +225,9 @@ def check_tensor_parallel(
     return q_replicas, replicas
 
 
-def _replicate_heads(model: nnx.Module, q_replicas: int, kv_replicas: int) -> None:
+def replicate_heads(model: nnx.Module, q_replicas: int, kv_replicas: int) -> None:
     """Calls ``replicate_heads`` on every attention layer of ``model`` (any module that has it,
-    e.g. ``jaxserve.model.layers.self_attention.SelfAttention``)."""
+    e.g. ``jaxserve.model.layers.self_attention.SelfAttention``), in place."""
     layers = [m for _, m in nnx.iter_graph(model) if hasattr(m, "replicate_heads")]
     for layer in layers:
         layer.replicate_heads(q_replicas, kv_replicas)
@@ -229,7 +237,7 @@ def replicate_kv_heads(model: nnx.Module, replicas: int) -> None:
     """Repeats every KV head ``replicas`` times in the k/v projections (and biases) of
     ``model``, in place: KV head ``j`` becomes heads ``j * replicas ... j * replicas + r - 1``,
     so query head ``h`` still reads a copy of its own KV head (``h // (Hq / Hkv)``)."""
-    _replicate_heads(model, 1, replicas)
+    replicate_heads(model, 1, replicas)
 
 
 def replicate_q_heads(model: nnx.Module, replicas: int) -> None:
@@ -238,7 +246,7 @@ def replicate_q_heads(model: nnx.Module, replicas: int) -> None:
     output (a sum over heads) is unchanged. Query head ``h`` becomes heads ``h * replicas ...``,
     which still read (copies of) KV head ``h // (Hq / Hkv)`` once KV heads are replicated to the
     same count."""
-    _replicate_heads(model, replicas, 1)
+    replicate_heads(model, replicas, 1)
 
 
 def place_model(
@@ -248,7 +256,8 @@ def place_model(
 
     Checks that the heads split (``check_tensor_parallel``), replicates KV (and query) heads
     when the mesh is larger than their number, and places every parameter by the logical axis
-    rules (``axis_rules(enable_expert_parallel)``); MoE layers (any module with an
+    rules (``axis_rules(enable_expert_parallel)``; a parameter already placed so, as the sharded
+    loader leaves it, is not moved); MoE layers (any module with an
     ``expert_parallel`` attribute) learn which placement their experts have.
 
     Returns:
@@ -259,8 +268,14 @@ def place_model(
       ValueError: the model cannot be split over the mesh (see ``check_tensor_parallel``).
     """
     q_replicas, replicas = check_tensor_parallel(arch, mesh.size, enable_expert_parallel)
+    # A model loaded onto the mesh (``load_model(..., tensor_parallel_size=N)``) has its heads
+    # replicated already: its config counts them.
+    loaded = getattr(model, "config", arch)
+    if loaded.num_kv_heads != arch.num_kv_heads or loaded.num_heads != arch.num_heads:
+        q_replicas = replicas = 1
+        arch = loaded
     if q_replicas > 1 or replicas > 1:
-        _replicate_heads(model, q_replicas, replicas)
+        replicate_heads(model, q_replicas, replicas)
         arch = dataclasses.replace(
             arch, num_heads=arch.num_heads * q_replicas, num_kv_heads=arch.num_kv_heads * replicas
         )

@@ -78,6 +78,49 @@ class Layout:
             return x.T.reshape(our_shape)
         return x
 
+    def stored_index(
+        self, index: tuple[slice, ...], our_shape: tuple[int, ...]
+    ) -> tuple[slice, ...] | None:
+        """The slices of the stored tensor that hold ``x[index]`` of our parameter, or None when
+        that part is not one contiguous block of the stored tensor (then the whole tensor must
+        be read).
+
+        Args:
+          index: one ``slice`` per axis of ``our_shape`` (step 1, bounds set: a shard of a
+            ``NamedSharding``, as ``jax.make_array_from_callback`` passes it).
+          our_shape: our parameter's shape.
+
+        A sharded axis is contiguous in the stored tensor when the axes flattened after it are
+        whole (tensor parallelism splits heads, not ``head_dim``); llama.cpp's permuted q/k rows
+        need whole heads.
+        """
+        index = normalize_index(index, our_shape)
+        if self.kind == "flatten":
+            rows = flat_range(index, our_shape)
+            out = None if rows is None else (rows,)
+        elif self.kind == "linear":
+            n = self.num_in_axes
+            rows, cols = flat_range(index[n:], our_shape[n:]), flat_range(index[:n], our_shape[:n])
+            out = None if rows is None or cols is None else (rows, cols)
+        else:
+            out = index
+        if out is not None and self.permuted_heads:
+            per_head = self.stored_shape(our_shape)[0] // self.permuted_heads
+            if out[0].start % per_head or out[0].stop % per_head:
+                return None
+        return out
+
+    def slice_to_ours(self, x, index: tuple[slice, ...], our_shape: tuple[int, ...]):
+        """``x``, the stored slice ``stored_index(index, our_shape)`` -> our ``x[index]``
+        (``to_ours`` of a part)."""
+        index = normalize_index(index, our_shape)
+        shape = tuple(s.stop - s.start for s in index)
+        layout = self
+        if self.permuted_heads:  # whole heads (stored_index): the slice's own count
+            per_head = self.stored_shape(our_shape)[0] // self.permuted_heads
+            layout = dataclasses.replace(self, permuted_heads=x.shape[0] // per_head)
+        return layout.to_ours(x, shape)
+
     def to_stored(self, x):
         """Ours -> the stored tensor (the inverse of ``to_ours``; writing checkpoints)."""
         if self.kind == "flatten":
@@ -171,6 +214,37 @@ def permute_qk(x, n_head: int):
     """llama.cpp's q/k row permutation (the inverse of ``unpermute_qk``), for writing GGUFs."""
     rows = x.shape[0]
     return x.reshape(n_head, 2, rows // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def normalize_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """``index`` with every slice's bounds set (``slice(None)`` -> ``slice(0, n)``), one per axis
+    of ``shape`` (missing trailing axes whole).
+
+    Raises:
+      ValueError: a slice with a step other than 1.
+    """
+    out = []
+    for i, n in enumerate(shape):
+        s = index[i] if i < len(index) else slice(None)
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"only step-1 slices can be read, got {s} on axis {i}")
+        out.append(slice(start, stop))
+    return tuple(out)
+
+
+def flat_range(index: tuple[slice, ...], dims: tuple[int, ...]) -> slice | None:
+    """The range of the flattened (row-major) ``dims`` that ``index`` covers, or None when it is
+    not contiguous: the axes before the first one sliced to more than one index must hold one
+    index each, and every axis after it must be whole."""
+    index = normalize_index(index, dims)
+    lengths = [s.stop - s.start for s in index]
+    k = next((i for i, n in enumerate(lengths) if n != 1), len(dims) - 1)
+    if any(lengths[i] != dims[i] for i in range(k + 1, len(dims))):
+        return None
+    strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
+    start = sum(s.start * st for s, st in zip(index, strides))
+    return slice(start, start + math.prod(lengths))
 
 
 def flat_name(path: tuple) -> str:

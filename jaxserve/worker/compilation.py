@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.core.kv_cache_groups import KVCacheLayout, blocks_per_sequence
+from jaxserve.core.kv_cache_groups import KVCacheLayout
 from jaxserve.model.attention import PagedAttentionMetadata
 from jaxserve.model.layers.lora import LoraBatch
 from jaxserve.model.sharding import gather_logits
@@ -32,11 +32,11 @@ from jaxserve.worker.batch_builder import seq_bucket
 from jaxserve.worker.kv_cache_alloc import (
     KVCacheSpec,
     allocate_kv_caches,
-    determine_kv_cache_spec,
     device_memory,
     kv_cache_shapes,
     log_kv_cache_spec,
     min_over_processes,
+    size_kv_cache,
 )
 from jaxserve.worker.sampler import prompt_logprobs, sample
 from jaxserve.worker.sampling_metadata import SamplingMetadata, SamplingRow
@@ -302,6 +302,16 @@ def _probe_spec(runner: RunnerFields, num_blocks: int) -> KVCacheSpec:
     )
 
 
+def peak_activation_bytes(
+    outputs: int, forward_temp: int, sampler_temp: int, prompt_logprobs_temp: int
+) -> int:
+    """The step's peak activation bytes from its parts (``profile_peak_activation_bytes``
+    measures them; ``jaxserve plan`` estimates them): the forward's outputs that do not alias
+    the KV caches stay live while the sampler and the prompt-logprobs head run, so the peak is
+    those outputs plus the largest of the three temporaries."""
+    return outputs + max(forward_temp, sampler_temp, prompt_logprobs_temp)
+
+
 def profile_peak_activation_bytes(runner: RunnerFields) -> int:
     """Peak activation memory of the largest token bucket's step, bytes, from
     ``memory_analysis()`` of its compiled parts.
@@ -334,7 +344,7 @@ def profile_peak_activation_bytes(runner: RunnerFields) -> int:
     targets = np.zeros(t_max, np.int32)
     plp = prompt_logprobs_step.lower(graph, runner.params, hidden, targets).compile()
     plp_temp = int(plp.memory_analysis().temp_size_in_bytes)
-    peak = outputs + max(int(fwd_mem.temp_size_in_bytes), sampler_temp, plp_temp)
+    peak = peak_activation_bytes(outputs, int(fwd_mem.temp_size_in_bytes), sampler_temp, plp_temp)
     logger.info(
         "profiled step activations (T=%d): peak %.1f MiB = outputs %.1f MiB + max(forward temp "
         "%.1f, sampler temp %.1f, prompt-logprobs temp %.1f) MiB",
@@ -366,25 +376,12 @@ def initialize_kv_cache(runner: RunnerFields) -> KVCacheSpec:
         t0 = time.perf_counter()
         peak = profile_peak_activation_bytes(runner)
         runner.compile_seconds += time.perf_counter() - t0
-    layout = runner.kv_layout
-    speculative = runner.config.speculative
-    lookahead = 0 if speculative is None else speculative.num_lookahead_tokens  # Scheduler's too
-    spec = determine_kv_cache_spec(
-        num_layers=layout.num_tensors,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=runner.kv_head_dim,
-        dtype=runner.kv_dtype,
-        block_size=runner.block_size,
-        gpu_memory_utilization=cache.gpu_memory_utilization,
-        num_gpu_blocks_override=cache.num_gpu_blocks_override,
-        max_num_seqs=runner.max_num_seqs,
-        max_model_len=runner.max_model_len,
-        blocks_per_seq=blocks_per_sequence(
-            layout.sliding_windows,
-            runner.max_model_len,
-            runner.block_size,
-            runner.config.scheduler.max_num_batched_tokens + lookahead,
-        ),
+    spec = size_kv_cache(
+        runner.config,
+        arch,
+        runner.kv_layout,
+        runner.kv_head_dim,
+        runner.kv_dtype,
         device=devices,
         peak_activation_bytes=peak,
         num_shards=runner.mesh.size,

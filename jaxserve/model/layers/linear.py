@@ -154,6 +154,14 @@ class Linear(nnx.Module):
             setattr(self, name, nnx.Param(value, out_sharding=axes, eager_sharding=False))
         self.quant, self.quant_params = method, tuple(specs)
 
+    def output_axes(self, axis: int) -> dict[str, int]:
+        """{parameter name: its axis} of output axis ``axis`` in the unquantized weight and the
+        bias (what ``repeat_output(axis, ...)`` repeats)."""
+        out = {"weight": self.num_in_axes + axis}
+        if self.bias is not None:
+            out["bias"] = axis
+        return out
+
     def repeat_output(self, axis: int, repeats: int) -> None:
         """Repeats each index of output axis ``axis`` (0 = the first output axis) ``repeats``
         times in the weight and bias, in place: tensor parallelism's KV-head (and query-head)

@@ -109,6 +109,27 @@ class SelfAttention(nnx.Module):
             )
         return self.o_proj(out, lora), kv_cache
 
+    def head_replication(self, q_replicas: int, kv_replicas: int) -> dict[tuple, tuple]:
+        """What ``replicate_heads(q_replicas, kv_replicas)`` does to each parameter, for a loader
+        that builds the replicated parameters slice by slice
+        (``jaxserve.model.loader.load_weights`` with a mesh).
+
+        Returns:
+          ``{(projection, leaf): (axis, repeats, first_only)}``: index ``i`` of ``axis`` is the
+          unreplicated parameter's index ``i // repeats``; with ``first_only`` only copies with
+          ``i % repeats == 0`` keep their values, the others are zero.
+        """
+        out: dict[tuple, tuple] = {}
+        if q_replicas > 1:
+            for leaf, axis in self.q_proj.output_axes(0).items():
+                out[("q_proj", leaf)] = (axis, q_replicas, False)
+            out[("o_proj", "weight")] = (0, q_replicas, True)
+        if kv_replicas > 1:
+            for proj in ("k_proj", "v_proj"):
+                for leaf, axis in getattr(self, proj).output_axes(0).items():
+                    out[(proj, leaf)] = (axis, kv_replicas, False)
+        return out
+
     def replicate_heads(self, q_replicas: int, kv_replicas: int) -> None:
         """Copies each query head ``q_replicas`` times and each KV head ``kv_replicas`` times,
         in place, leaving the layer's output unchanged (tensor parallelism over more devices

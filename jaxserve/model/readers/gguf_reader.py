@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxserve.model.arch_config import ModelLoadError
 from jaxserve.model.readers.base import CheckpointReader, TensorSpec
+from jaxserve.model.weight_mapping import normalize_index
 
 GGUF_SUFFIX = ".gguf"
 # general.architecture -> HF architecture. Mistral GGUFs say "llama".
@@ -206,15 +207,24 @@ def dequantize(tensor) -> np.ndarray:
     Raises:
       ModelLoadError: a quantisation type the gguf package cannot dequantise (naming it).
     """
+    x = dequantize_data(tensor.data, tensor.tensor_type, tensor.name)
+    # GGUF lists dimensions innermost first; the numpy array is outermost first.
+    return x.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+def dequantize_data(data, tensor_type, name: str) -> np.ndarray:
+    """Stored GGUF data (whole or some rows: ``[rows, row_bytes]`` for block types) -> float32
+    numpy ``[rows, cols]``.
+
+    Raises:
+      ModelLoadError: a quantisation type the gguf package cannot dequantise (naming it).
+    """
     gguf = gguf_module()
     try:
-        x = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        x = gguf.quants.dequantize(data, tensor_type)
     except NotImplementedError as e:
-        raise ModelLoadError(
-            f"tensor {tensor.name}: cannot dequantise {tensor.tensor_type.name} ({e})"
-        ) from e
-    # GGUF lists dimensions innermost first; the numpy array is outermost first.
-    return np.asarray(x, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        raise ModelLoadError(f"tensor {name}: cannot dequantise {tensor_type.name} ({e})") from e
+    return np.asarray(x, dtype=np.float32)
 
 
 def gguf_generation_config(reader) -> dict[str, Any]:
@@ -267,8 +277,19 @@ class GGUFFileReader(CheckpointReader):
         return TensorSpec(tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name)
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        x = dequantize(self._tensors[name])
-        return x if index is None else x[index]
+        """Float32 numpy; with ``index`` only the rows it covers are dequantised (a view of the
+        memory-mapped file: the other rows are never read)."""
+        t = self._tensors[name]
+        if index is None:
+            return dequantize(t)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        index = normalize_index(index, shape)
+        data = t.data
+        if len(shape) < 2 or data.ndim != len(shape) or data.shape[0] != shape[0]:
+            return dequantize(t)[index]
+        rows = dequantize_data(data[index[0]], t.tensor_type, t.name)
+        rows = rows.reshape((index[0].stop - index[0].start, *shape[1:]))
+        return rows[(slice(None), *index[1:])]
 
     def read_blocks(self, name: str) -> np.ndarray:
         """The tensor's quantised bytes, uint8 ``[rows, row_bytes]`` (torch row order)."""

@@ -5,7 +5,9 @@ Tensors are named by our parameter paths, dotted (naming "jaxserve"): the layout
 reshape. The checkpoint's metadata gives every shape and dtype; the first ``read`` restores the
 whole checkpoint at once in the reader's dtype (orbax casts on read, so a float32 checkpoint
 loads as bfloat16 without a float32 copy of the model), and a slice is cut from the restored
-array. A sharded restore would instead hand orbax each array's target sharding.
+array. The sharded loader (``jaxserve.model.sharded_loader``) calls ``restore_placed`` instead:
+orbax restores each array with its target sharding, reading only each device's chunks, so the
+checkpoint restores into a mesh of any size.
 
 orbax is a heavy import: it is imported on first use.
 """
@@ -77,17 +79,32 @@ class OrbaxReader(CheckpointReader):
         x = self._arrays[name]
         return x if index is None else x[index]
 
-    def _restore(self) -> dict:
+    def _restore(self, sharding=None) -> dict:
+        """{name: array} restored in the reader's dtype; ``sharding(name)`` places each (None:
+        orbax's default, the default device)."""
         import orbax.checkpoint as ocp
 
-        target = jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, self._dtype or m.dtype), self._tree
-        )
+        def leaf(path, m):
+            where = None if sharding is None else sharding(flat_name(k.key for k in path))
+            return jax.ShapeDtypeStruct(m.shape, self._dtype or m.dtype, sharding=where)
+
+        target = jax.tree.map_with_path(leaf, self._tree)
         try:
             with ocp.StandardCheckpointer() as ckptr:
                 return _by_name(ckptr.restore(self.path, target))
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise ModelLoadError(f"cannot restore {self.path}: {e}") from e
+
+    def restore_placed(self, shardings: dict, default) -> dict:
+        """Restores every array onto devices, each of ``shardings`` ({name: sharding}) with
+        its sharding (orbax reads only each device's chunk of it), the others with
+        ``default``; ``read`` then slices the restored arrays. Returns {name: jax.Array}.
+
+        Raises:
+          ModelLoadError: the checkpoint cannot be restored.
+        """
+        self._arrays = self._restore(lambda name: shardings.get(name, default))
+        return dict(self._arrays)
 
     def close(self) -> None:
         self._arrays = None

@@ -1,19 +1,18 @@
 """Hugging Face safetensors checkpoints: ``*.safetensors`` in a model directory, one file or
 several listed by ``model.safetensors.index.json``.
 
-Reading a slice (``read(name, index)``) reads only that slice's bytes (safetensors'
-``get_slice``); the header gives every shape and dtype without reading a tensor.
+Reading a slice (``read(name, index)``) touches only that slice's pages of the memory-mapped
+file, mapped for that read alone; the header gives every shape and dtype without reading a
+tensor.
 """
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
 import struct
 from collections.abc import Iterator
-from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -37,8 +36,13 @@ _DTYPES = {
     "BOOL": "bool",
 }
 
-# Element types numpy's safetensors bindings refuse; read as raw bytes (``_read_bytes``).
-_NON_NUMPY = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+# Element types numpy has not: their ``ml_dtypes`` types (what jax uses).
+_NON_NUMPY = {
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+_NUMPY_DTYPES = {k: v for k, v in _DTYPES.items() if k not in _NON_NUMPY}
 
 
 def safetensors_index(model_dir: str) -> dict[str, str]:
@@ -73,7 +77,7 @@ def safetensors_index(model_dir: str) -> dict[str, str]:
 class SafetensorsReader(CheckpointReader):
     """The tensors of a HF model directory's safetensors files, by HF name (naming "hf").
 
-    Files are opened (memory-mapped) on first use and closed by ``close``.
+    Each read maps its tensor's bytes and unmaps them once copied; headers are read once.
 
     Raises:
       ModelLoadError: as ``safetensors_index``.
@@ -84,17 +88,7 @@ class SafetensorsReader(CheckpointReader):
     def __init__(self, model_dir: str):
         self.where = f"the safetensors files of {model_dir}"
         self._index = safetensors_index(model_dir)
-        self._files: dict[str, Any] = {}
         self._headers: dict[str, tuple[int, dict]] = {}  # path -> (data start, header)
-        self._stack = contextlib.ExitStack()
-
-    def _file(self, name: str):
-        path = self._index[name]
-        if path not in self._files:
-            from safetensors import safe_open
-
-            self._files[path] = self._stack.enter_context(safe_open(path, framework="numpy"))
-        return self._files[path]
 
     def names(self) -> Iterator[str]:
         return iter(self._index)
@@ -103,31 +97,42 @@ class SafetensorsReader(CheckpointReader):
         return name in self._index
 
     def spec(self, name: str) -> TensorSpec:
-        view = self._file(name).get_slice(name)
-        dtype = view.get_dtype()
-        return TensorSpec(tuple(int(d) for d in view.get_shape()), _DTYPES.get(dtype, dtype))
+        info = self._header(name)
+        return TensorSpec(
+            tuple(int(d) for d in info["shape"]), _DTYPES.get(info["dtype"], info["dtype"])
+        )
 
-    def read(self, name: str, index: tuple[slice, ...] | None = None):
-        f = self._file(name)
-        if f.get_slice(name).get_dtype() in _NON_NUMPY:
-            x = self._read_bytes(name)
-            return x if index is None else x[index]
-        return f.get_tensor(name) if index is None else f.get_slice(name)[index]
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The tensor (numpy), or only ``x[index]``: the file is memory-mapped for this read
+        alone and only the pages holding the slice are touched, then unmapped, so neither the
+        rest of the tensor nor the mapped pages stay in this process's memory."""
+        view = self._view(name)
+        try:
+            return np.array(view if index is None else view[index])
+        finally:
+            del view
 
-    def _read_bytes(self, name: str) -> np.ndarray:
-        """A tensor numpy's safetensors bindings cannot build (FP8), read from its file by the
-        header's byte offsets and viewed as the ``ml_dtypes`` type jax uses."""
+    def _header(self, name: str) -> dict:
+        """The safetensors header entry of ``name`` (dtype, shape, data_offsets)."""
         path = self._index[name]
         if path not in self._headers:
             with open(path, "rb") as fh:
                 size = struct.unpack("<Q", fh.read(8))[0]
                 self._headers[path] = (8 + size, json.loads(fh.read(size)))
-        base, header = self._headers[path]
-        info = header[name]
+        return self._headers[path][1][name]
+
+    def _view(self, name: str) -> np.ndarray:
+        """A read-only memory map of tensor ``name``'s bytes, viewed as its dtype and shape
+        (``ml_dtypes`` types for bfloat16 and FP8, as jax uses)."""
+        info = self._header(name)
+        base = self._headers[self._index[name]][0]
         start, end = info["data_offsets"]
-        raw = np.memmap(path, np.uint8, "r", offset=base + start, shape=(end - start,))
-        return np.asarray(raw).view(_NON_NUMPY[info["dtype"]]).reshape(info["shape"])
+        shape = tuple(int(d) for d in info["shape"])
+        dtype = _NON_NUMPY.get(info["dtype"]) or np.dtype(_NUMPY_DTYPES[info["dtype"]])
+        if end == start:
+            return np.zeros(shape, dtype)
+        raw = np.memmap(self._index[name], np.uint8, "r", offset=base + start, shape=(end - start,))
+        return raw.view(dtype).reshape(shape)
 
     def close(self) -> None:
-        self._stack.close()
-        self._files.clear()
+        self._headers.clear()
