@@ -94,7 +94,9 @@ class EngineReplica:
 
         cfg = self.llm.engine_config
         return {
-            "info": self.info,
+            # the live adapter lookup is a bound method of this process's engine (not sent;
+            # Ray replicas serve no LoRA adapters: ray_clients.NoLoRAAdapters)
+            "info": dataclasses.replace(self.info, lora_adapters=dict),
             "block_size": cfg.cache.block_size,
             "num_gpu_blocks": cfg.cache.num_gpu_blocks,
             "hash_seed": os.environ.get("PYTHONHASHSEED"),
