@@ -126,8 +126,9 @@ def put_global(x, sharding: NamedSharding) -> jax.Array:
     ``sharding``. Within one process this is ``jax.device_put``; when the mesh spans processes
     each process builds only its own shards from its copy (no cross-process transfer). An
     array already placed so (the sharded loader's) is returned as it is."""
-    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
-        return x
+    placed = getattr(x, "sharding", None)
+    if isinstance(placed, NamedSharding) and placed.is_equivalent_to(sharding, x.ndim):
+        return x  # (a single-device array still gets the mesh's NamedSharding below)
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
     host = np.asarray(x)
