@@ -12,7 +12,8 @@ decode rows from prefill chunks):
   item's partial softmax (max, sum, weighted values) is merged into its sequence's running
   state with scatter-max / scatter-add (flash-decoding's split-K merge).
 * prefill chunks (two or more query tokens): query tiles of ``prefill_rows`` consecutive tokens
-  of one sequence; a tile walks its sequence's key chunks (``prefill_keys`` keys per step, from
+  of one sequence (``short_rows`` for a sequence of at most that many query tokens: a
+  speculative verification's 1 + K, whose keys a 128-row tile would score 25 times over); a tile walks its sequence's key chunks (``prefill_keys`` keys per step, from
   the sliding window's start to its last query's position) with an online softmax (flash
   attention), so the keys are gathered once per tile, not once per query token, and masked
   only in the chunks that cross the causal diagonal or the window's edge.
@@ -44,12 +45,15 @@ class CpuAttentionTiling:
       decode_items: decode work items per loop iteration.
       prefill_rows: query tokens per prefill tile.
       prefill_keys: keys per step of a prefill tile's loop.
+      short_rows: query tokens per tile of the sequences with 2 to ``short_rows`` query tokens
+        (speculative decoding's verification rows, 1 + K; a pass of their own).
     """
 
     decode_keys: int = 32
     decode_items: int = 64
     prefill_rows: int = 128
     prefill_keys: int = 256
+    short_rows: int = 8
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -105,7 +109,13 @@ def chunked_paged_attention(
         out = _decode_pass(
             out, *step, decode, keys=tiling.decode_keys, items=tiling.decode_items, **scores
         )
-        prefill_len = jnp.where(real & (q_len > 1), q_len, 0)
+        short = tiling.short_rows if 1 < tiling.short_rows < tiling.prefill_rows else 1
+        if short > 1:  # verification rows (1 + K tokens) in tiles of their size
+            short_len = jnp.where(real & (q_len > 1) & (q_len <= short), q_len, 0)
+            out = _prefill_pass(
+                out, *step, short_len, rows=short, keys=tiling.prefill_keys, **scores
+            )
+        prefill_len = jnp.where(real & (q_len > short), q_len, 0)
         out = _prefill_pass(
             out, *step, prefill_len, rows=tiling.prefill_rows, keys=tiling.prefill_keys, **scores
         )

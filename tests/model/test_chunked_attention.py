@@ -14,8 +14,9 @@ from jaxserve.model.chunked_attention import CpuAttentionTiling, chunked_paged_a
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 # (query_len, context_len): a long prefill chunk after a cached prefix, decodes at chunk edges,
-# a fresh prompt, one token context.
-SEQS = [(20, 70), (1, 33), (1, 32), (1, 64), (9, 9), (1, 1), (1, 50)]
+# short rows (a verification's 1 + K) after a prefix and fresh, a fresh prompt, one token
+# context.
+SEQS = [(20, 70), (1, 33), (3, 40), (1, 32), (1, 64), (9, 9), (4, 4), (1, 1), (1, 50)]
 # Decode rows of very different contexts (one long row among short ones), a fresh prompt of
 # several tiles, a 2-token chunk and a chunk as long as a tile on cached prefixes.
 MIXED = [(1, 3), (1, 150), (33, 33), (1, 7), (2, 61), (8, 100), (1, 1), (1, 96)]
@@ -64,6 +65,9 @@ def check(args, seqs, tiling, *, atol=2e-5, **kw):
         (CpuAttentionTiling(8, 5, 8, 8), None, 13),
         (CpuAttentionTiling(1024, 1, 64, 1024), None, 5),  # one chunk per row; window < block
         (CpuAttentionTiling(), None, None),  # the defaults (one key chunk covers every row)
+        # short rows (speculative verification's 1 + K) in tiles of their own: 2..4 and 2
+        (CpuAttentionTiling(16, 3, 16, 16, short_rows=4), None, 13),
+        (CpuAttentionTiling(8, 2, 32, 32, short_rows=2), 30.0, None),
     ],
 )
 def test_chunked_matches_reference(tiling, soft_cap, sliding_window):
@@ -71,8 +75,8 @@ def test_chunked_matches_reference(tiling, soft_cap, sliding_window):
     args = make_args(
         rng,
         SEQS,
-        num_tokens=40,  # 34 real tokens + padding
-        num_seq_slots=8,  # one padding sequence
+        num_tokens=48,  # 41 real tokens + padding
+        num_seq_slots=10,  # one padding sequence
         hkv=2,
         group=2,
         head_dim=16,
@@ -107,8 +111,8 @@ def test_bfloat16_and_empty_batch():
     args = make_args(
         rng,
         SEQS,
-        num_tokens=40,
-        num_seq_slots=8,
+        num_tokens=48,
+        num_seq_slots=10,
         hkv=2,
         group=2,
         head_dim=16,
@@ -116,7 +120,7 @@ def test_bfloat16_and_empty_batch():
         pages=10,
     )
     bf16 = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
-    check(bf16, SEQS, CpuAttentionTiling(8, 4, 8, 16), atol=2e-2, sm_scale=0.25)
+    check(bf16, SEQS, CpuAttentionTiling(8, 4, 8, 16, short_rows=4), atol=2e-2, sm_scale=0.25)
     # no real sequence: nothing attends, every row is zero
     empty = (*args[:5], jnp.zeros_like(args[5]), jnp.int32(0))
     check(empty, [], CpuAttentionTiling(8, 4, 8, 16), sm_scale=0.25)
