@@ -114,6 +114,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ngram-k", type=int, default=4)
     ap.add_argument("--ngram-max", type=int, default=3)
     ap.add_argument("--corpus", default="data/corpus", help="held-out text for the draft prompts")
+    ap.add_argument(
+        "--draft-prompts",
+        default=None,
+        help="a JSON list of chat turns for the draft and concurrent workloads instead of the "
+        "corpus text (chat-templated with the target's tokenizer; answers end at their end of "
+        "turn), e.g. the held-out prompts of a draft distilled with scripts/train_draft.py",
+    )
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=6, help="batch-1 requests per run")
     ap.add_argument("--concurrent", type=int, default=64)
@@ -400,6 +407,13 @@ def main(argv=None) -> list[dict]:
         rng = np.random.default_rng(0)
         vocab = bench.base.vocab_size
         text = [rng.integers(3, vocab, size=24).tolist() for _ in text]
+    draft_eos = False
+    if args.draft_prompts:
+        with open(args.draft_prompts, encoding="utf-8") as f:
+            turns = json.load(f)
+        tok = bench.base.tokenizer
+        text = [tok.encode_chat([{"role": "user", "content": t}]) for t in turns]
+        draft_eos = True
     if args.copy_prompts == "chat":
         tok = bench.base.tokenizer
         tasks = [tok.encode_chat([{"role": "user", "content": t}]) for t in COPY_TASKS]
@@ -413,12 +427,22 @@ def main(argv=None) -> list[dict]:
             compare(bench, "ngram-copy", ngram, copy, 1, ignore_eos=args.copy_prompts == "text")
         )
     if "draft" in chosen:
-        results.append(compare(bench, "draft", draft, text[: args.num_prompts], 1))
+        prompts = text[: args.num_prompts]
+        results.append(compare(bench, "draft", draft, prompts, 1, ignore_eos=not draft_eos))
     if "concurrent" in chosen:
         many = [text[i % len(text)] for i in range(args.concurrent)]
         for spec in (ngram, draft) if draft is not None else (ngram,):
             spec = dataclasses.replace(spec, disable_by_batch_size=args.disable_by_batch_size)
-            results.append(compare(bench, f"concurrent-{spec.method}", spec, many, args.concurrent))
+            results.append(
+                compare(
+                    bench,
+                    f"concurrent-{spec.method}",
+                    spec,
+                    many,
+                    args.concurrent,
+                    ignore_eos=not draft_eos,
+                )
+            )
     print(json.dumps(results))
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -177,6 +177,7 @@ class LLMEngine:
         from jaxserve.model.attention_backends import resolve_attention_backend
         from jaxserve.model.loader import load_model
         from jaxserve.model.readers.gguf_reader import is_gguf_path
+        from jaxserve.worker.draft_model import read_d2t
         from jaxserve.worker.model_runner import ModelRunner
 
         t0 = time.perf_counter()
@@ -240,7 +241,7 @@ class LLMEngine:
                     draft_arch.max_position_embeddings,
                     config.scheduler.max_model_len,
                 )
-            runner.attach_draft_model(draft, draft_arch)
+            runner.attach_draft_model(draft, draft_arch, read_d2t(spec_config.model))
         spec = runner.initialize_kv_cache()
         num_host = runner.initialize_host_kv_cache(config.cache.kv_offloading_size)
         if config.runner.warmup:

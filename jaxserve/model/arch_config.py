@@ -122,6 +122,10 @@ class ModelArchConfig:
       eos_token_ids: from config.json (int or list), possibly empty.
       torch_dtype: the checkpoint's dtype name as HF writes it ("bfloat16", "float32", ...), or None.
       moe: the mixture-of-experts feed-forward, or None for a dense model.
+      draft_vocab_size: a draft model's reduced LM head (EAGLE-3's ``draft_vocab_size``, the
+        frequency-ranked vocabulary of FR-Spec): its head scores only these many of the
+        ``vocab_size`` tokens, the checkpoint's ``d2t`` tensor maps its ids to the target's;
+        None: the head covers the whole vocabulary.
     """
 
     architecture: str
@@ -151,6 +155,7 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     moe: MoEConfig | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         for name in (
@@ -187,6 +192,13 @@ class ModelArchConfig:
             raise ModelLoadError(
                 f"layer_types has {len(self.layer_sliding_windows)} entries, expected num_hidden_layers "
                 f"= {self.num_layers}"
+            )
+        if self.draft_vocab_size is not None and not (
+            0 < self.draft_vocab_size <= self.vocab_size and not self.tie_word_embeddings
+        ):
+            raise ModelLoadError(
+                f"config field draft_vocab_size ({self.draft_vocab_size}) must be in 1.."
+                f"{self.vocab_size} (vocab_size) with an untied LM head (tie_word_embeddings false)"
             )
         if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
             raise ModelLoadError(
@@ -273,6 +285,9 @@ class ModelArchConfig:
             else (() if eos is None else (int(eos),)),
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             moe=_parse_moe(hf, arch, num_layers),
+            draft_vocab_size=None
+            if hf.get("draft_vocab_size") in (None, hf.get("vocab_size"))
+            else int(hf["draft_vocab_size"]),
         )
 
     @classmethod

@@ -30,6 +30,14 @@ until it ends, so the draft's K/V there is never another request's; the other gr
 are never written in the draft's pool. A target whose layers all slide (no full group) cannot
 hold a draft's cache this way: ``ModelRunner.draft_kv_group`` refuses it at start-up.
 
+A reduced LM head (``draft_vocab_size`` in the draft's config.json, EAGLE-3's convention; the
+frequency-ranked vocabulary of FR-Spec): the head scores only the draft's most frequent tokens,
+which makes each draft token much cheaper where the head is a large part of a small draft (a
+135M target's tied head is 28M of its parameters). The checkpoint's int ``d2t`` tensor
+``[draft_vocab_size]`` maps a draft id to the target's, ``target = draft + d2t[draft]``; the
+proposer argmaxes over the reduced head and maps on the device. Verification is unchanged:
+tokens outside the head are never drafted, not wrongly accepted.
+
 Shapes: ``prefill`` compiles per token bucket (as the target's forward); ``propose`` per row
 bucket R (the proposing requests padded to a power of two, at least the attention backend's
 token multiple), with K unrolled.
@@ -85,6 +93,7 @@ def draft_propose_step(
     seqs: jax.Array,
     num_spec: jax.Array,
     num_real: jax.Array,
+    d2t: jax.Array | None,
     k: int,
 ):
     """K greedy draft tokens for each of R proposing sequences of a step.
@@ -98,6 +107,8 @@ def draft_propose_step(
       seqs: int32 ``[R]``, the proposing sequences (real ones first; padding repeats one).
       num_spec: int32 ``[R]``, drafts each of them carried this step.
       num_real: int32 ``[]``, real entries of ``seqs``.
+      d2t: int32 ``[draft_vocab_size]`` offsets from a reduced head's ids to the target's, or
+        None (the head covers the vocabulary).
       k: K (static).
 
     Returns:
@@ -139,12 +150,31 @@ def draft_propose_step(
         hidden, kv_caches = model(tok, jnp.minimum(p, max_pos - 1), kv_caches, metadata)
         logits = gather_logits(model.compute_logits(hidden), graph.mesh)  # [R, V]
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if d2t is not None:  # a reduced head's id -> the target's
+            tok = tok + d2t[tok]
         drafts = lax.dynamic_update_slice_in_dim(drafts, tok[:, None], j, axis=1)
         return tok, drafts, kv_caches
 
     drafts = jnp.zeros((r, k), jnp.int32)
     _, drafts, kv_caches = lax.fori_loop(0, k, one, (last_tokens[seqs], drafts, kv_caches))
     return drafts, kv_caches
+
+
+def read_d2t(model_dir: str) -> np.ndarray | None:
+    """The ``d2t`` tensor of a draft checkpoint directory's safetensors (a reduced head's id
+    offsets, EAGLE-3's name), or None when it has none (or is not a safetensors directory)."""
+    import os
+
+    from jaxserve.model.readers.safetensors_reader import SafetensorsReader
+
+    if not os.path.isdir(model_dir):
+        return None
+    try:
+        reader = SafetensorsReader(model_dir)
+    except (OSError, ValueError):
+        return None
+    with reader:
+        return np.asarray(reader.read("d2t")) if "d2t" in reader else None
 
 
 class DraftModel:
@@ -160,9 +190,11 @@ class DraftModel:
       token_multiple: the backend's token bucket multiple (R is at least this).
       kv_group: the target's KV-cache group whose block tables and slots hold the draft's cache
         (a full-attention group; ``ModelRunner.draft_kv_group``).
+      d2t: int ``[draft_vocab_size]``, a reduced head's id offsets (:func:`read_d2t`), or None.
 
     Raises:
-      ValueError: the draft's heads cannot be split over the mesh.
+      ValueError: the draft's heads cannot be split over the mesh; ``d2t`` does not fit its
+        head or maps outside the vocabulary.
     """
 
     def __init__(
@@ -177,7 +209,30 @@ class DraftModel:
         num_speculative_tokens: int,
         token_multiple: int = 1,
         kv_group: int = 0,
+        d2t: np.ndarray | None = None,
     ) -> None:
+        self.d2t = None
+        head_rows = arch.draft_vocab_size or arch.vocab_size
+        if d2t is not None or arch.draft_vocab_size is not None:
+            if d2t is None:
+                raise ValueError(
+                    f"config.json sets draft_vocab_size {arch.draft_vocab_size} but the "
+                    "checkpoint has no d2t tensor (draft id -> target id offsets)"
+                )
+            d2t = np.asarray(d2t).astype(np.int64).reshape(-1)
+            targets = np.arange(len(d2t)) + d2t
+            if len(d2t) != head_rows or targets.min() < 0 or targets.max() >= arch.vocab_size:
+                raise ValueError(
+                    f"d2t: {len(d2t)} offsets mapping into [{targets.min()}, {targets.max()}]; "
+                    f"expected {head_rows} (draft_vocab_size) mapping into [0, {arch.vocab_size})"
+                )
+            head = getattr(model, "lm_head", None)
+            if head is None or head.vocab_size != head_rows:
+                raise ValueError(
+                    f"draft_vocab_size {head_rows}: the {arch.architecture} family does not "
+                    "build a reduced LM head (Llama, Mistral, Qwen2 and Qwen3 do)"
+                )
+            self.d2t = jnp.asarray(d2t.astype(np.int32))
         model, self.arch = place_model(model, arch, mesh)
         self.dtype = jnp.dtype(getattr(model, "dtype", jnp.float32))
         graphdef, state = nnx.split(model)
@@ -291,6 +346,7 @@ class DraftModel:
             pad_seqs,
             pad_spec,
             np.asarray(n, np.int32),
+            self.d2t,
             k=self.k,
         )
         return drafts

@@ -455,15 +455,19 @@ class ModelRunner:
         (:func:`jaxserve.worker.compilation.warmup`). Requires ``initialize_kv_cache`` first."""
         return compilation.warmup(self, progress=progress)
 
-    def attach_draft_model(self, model: nnx.Module, arch: ModelArchConfig) -> None:
+    def attach_draft_model(
+        self, model: nnx.Module, arch: ModelArchConfig, d2t: np.ndarray | None = None
+    ) -> None:
         """Speculative decoding with a draft model (``--speculative-config`` method
         ``draft_model``): places it beside the target, before ``initialize_kv_cache`` (which
         sizes the blocks for both pools and allocates the draft's).
 
+        ``d2t``: a reduced LM head's id offsets (``draft_model.read_d2t``), or None.
+
         Raises:
-          ValueError: its vocabulary is not the target's, or its heads cannot be split over
-            the mesh (``speculative_config.model`` named); the target has no full-attention
-            KV-cache group (``draft_kv_group``).
+          ValueError: its vocabulary is not the target's, its heads cannot be split over
+            the mesh, or its reduced head and ``d2t`` disagree (``speculative_config.model``
+            named); the target has no full-attention KV-cache group (``draft_kv_group``).
         """
         assert self.kv_caches is None, "attach_draft_model() before initialize_kv_cache()"
         kv_group = self.draft_kv_group()
@@ -484,15 +488,17 @@ class ModelRunner:
                 num_speculative_tokens=self.num_spec_tokens,
                 token_multiple=token_bucket_multiple(self.backend),
                 kv_group=kv_group,
+                d2t=d2t,
             )
         except ValueError as e:
             raise ValueError(f"speculative_config.model: {e}") from None
         logger.info(
-            "draft model: %d layers, hidden %d, %d KV heads of %d; K = %d",
+            "draft model: %d layers, hidden %d, %d KV heads of %d, LM head over %d tokens; K = %d",
             arch.num_layers,
             arch.hidden_size,
             self.draft.arch.num_kv_heads,
             arch.head_dim,
+            arch.draft_vocab_size or arch.vocab_size,
             self.num_spec_tokens,
         )
 

@@ -115,7 +115,9 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+            else Embedding(
+                cfg.draft_vocab_size or cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs
+            )
         )
 
     @classmethod
