@@ -10,7 +10,7 @@
 # Variables (defaults): PEER_DIR, VLLM_VENV, MODELS_ROOT, MODEL, JS_BIN as bench_vs_vllm.sh; NUM_PROMPTS (300),
 #   PORT_JS (18733), RATE (50 samples/s), WARM (2 s after
 #   requests start running), DURATION (20), CLIENT_FLAGS (none; e.g. --max-concurrency 8), GIL (0; 1 = only samples holding the GIL),
-#   EXTRA_JS_FLAGS (none).
+#   EXTRA_JS_FLAGS (none), INPUT_LEN (128), OUTPUT_LEN (64).
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PEER_DIR=${PEER_DIR:-$REPO/../shared/peer}
@@ -32,7 +32,7 @@ start_server jaxserve "$PJ" "$OUT/js_server.log" "${JSERVE[@]}" || exit 1; JP=$S
 trap 'stop_server $JP' EXIT
 client() {  # client LABEL NUM_PROMPTS
   timeout 900 "$VLLM_PY" "$PEER_DIR/vllm_cli.py" bench serve --backend openai --base-url "http://127.0.0.1:$PJ" \
-    --model tiny --tokenizer "$MODEL_DIR" --dataset-name random --random-input-len 128 --random-output-len 64 \
+    --model tiny --tokenizer "$MODEL_DIR" --dataset-name random --random-input-len "${INPUT_LEN:-128}" --random-output-len "${OUTPUT_LEN:-64}" \
     --num-prompts "$2" --request-rate inf ${CLIENT_FLAGS:-} --ignore-eos --num-warmups 1 --seed 7 --disable-tqdm >"$OUT/$1.txt" 2>&1
 }
 client warmup 100
