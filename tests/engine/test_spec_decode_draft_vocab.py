@@ -11,7 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
-from engine_testing import BUNDLED
+from engine_testing import BUNDLED, engine_args
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -21,21 +21,16 @@ MAX_TOKENS = 24
 HEAD = 1024  # of the 4,096-token vocabulary
 
 
-def engine_args(draft_dir: str):
-    from jaxserve.config import EngineArgs
-
+def draft_args(draft_dir: str):
     spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}
-    return EngineArgs(
-        model=os.fspath(BUNDLED),
-        dtype="float32",
-        attention_backend="xla",
+    return engine_args(
+        os.fspath(BUNDLED),
+        "",
         token_buckets="16,64",
         max_num_batched_tokens=64,
         max_num_seqs=4,
-        max_model_len=256,
         num_gpu_blocks_override=64,
         warmup=False,
-        compilation_cache_dir="",
         speculative_config=json.dumps(spec),
     )
 
@@ -79,7 +74,7 @@ def full_head_run():
         pytest.skip("the bundled draft model is missing")
     from jaxserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(engine_args(DRAFT))
+    engine = LLMEngine.from_engine_args(draft_args(DRAFT))
     outputs = run(engine, TEXTS)
     st = engine.get_stats()
     rate = st.spec_decode_num_accepted_tokens_total / st.spec_decode_num_draft_tokens_total
@@ -100,7 +95,7 @@ def test_reduced_head_draft_outputs_and_acceptance(tmp_path, full_head_run):
     assert len(keep) == HEAD and keep.max() > HEAD  # ids past the head's size: d2t must map
     d2t = (keep - np.arange(HEAD)).astype(np.int64)
     draft = write_reduced_draft(str(tmp_path / "draft"), keep, d2t)
-    engine = LLMEngine.from_engine_args(engine_args(draft))
+    engine = LLMEngine.from_engine_args(draft_args(draft))
     assert engine.runner.draft.arch.draft_vocab_size == HEAD
     got = run(engine, TEXTS)
     target, _, _ = load_model(os.fspath(BUNDLED), "float32")
@@ -138,9 +133,9 @@ def test_read_d2t_and_refusals(tmp_path):
     # no d2t tensor; d2t mapping past the vocabulary: one-line errors naming the config field
     no_d2t = write_reduced_draft(str(tmp_path / "no_d2t"), keep, None)
     with pytest.raises(ValueError, match="speculative_config.model: .*no d2t tensor"):
-        LLMEngine.from_engine_args(engine_args(no_d2t))
+        LLMEngine.from_engine_args(draft_args(no_d2t))
     past = keep - np.arange(len(keep))
     past[-1] += 8
     outside = write_reduced_draft(str(tmp_path / "outside"), keep, past)
     with pytest.raises(ValueError, match=r"speculative_config.model: d2t: .*\[0, 4096\)"):
-        LLMEngine.from_engine_args(engine_args(outside))
+        LLMEngine.from_engine_args(draft_args(outside))
