@@ -11,20 +11,28 @@ of them (SmolLM2-135M: 28M of 135M parameters), so the reduced head is what make
 draft cheap.
 
 Data: ``--data`` JSON lines ``{"prompt": [ids], "output": [ids]}``, the target's greedy
-continuations of chat prompts (``--generate PROMPTS.json`` makes them with jaxserve first). The
-loss is next-token cross-entropy on the answer tokens (the target's greedy choices: what
-greedy verification accepts), over the reduced head; answer tokens outside it are not
-counted. The embedding stays frozen (it is the target's); layers, norm and head train with
-AdamW (``scripts/train_tiny.py``'s).
+answers to chat prompts (``--generate PROMPTS.json`` makes them with jaxserve first, resuming
+a partial file; ``--make-prompts DIR`` writes training and held-out prompts built from the
+standard library's docstrings and source, so nothing is downloaded). The loss is next-token
+cross-entropy on the answer tokens (the target's greedy choices: what greedy verification
+accepts), over the reduced head, computed at the answer positions only; answer tokens outside
+the head are not counted. The embedding stays frozen (it is the target's); layers, norm and
+head train with AdamW (``scripts/train_tiny.py``'s). Two layers, not one: copying from the
+prompt (much of a chat answer) needs an induction circuit, which takes two.
 
 Writes into ``--out``: ``model.safetensors`` (HF Llama names, float32, plus ``d2t``: int64
 offsets, target id = draft id + d2t[draft id]), ``config.json`` (the target's with
 ``num_hidden_layers``, ``tie_word_embeddings`` false, ``draft_vocab_size``) and
 ``train_log.json`` (losses, held-out greedy agreement, data sizes, wall time).
 
-    JAX_PLATFORMS=cpu .venv/bin/python scripts/train_draft.py --target smollm2 \\
-        --generate /tmp/prompts.json --data /tmp/teacher.jsonl --num-layers 1 \\
-        --draft-vocab-size 8192 --out /tmp/smollm2-draft
+The SmolLM2 draft of benchmarks/RESULTS.md (#32), on the 2-core CPU box: prompts, the
+target's answers to the training ones (956 answers, 111,188 tokens, ~20 min at ~90 tok/s),
+then ~35 min of training (the last ``--valid-lines`` 56 answers held out for the agreement;
+the benchmark's prompts are the held-out modules' ``valid_prompts.json``):
+
+    python scripts/train_draft.py --make-prompts /tmp/draft
+    python scripts/train_draft.py --target smollm2 --generate /tmp/draft/train_prompts.json \
+        --data /tmp/draft/answers.jsonl --time-budget-s 2100 --out /tmp/smollm2-draft
 """
 
 from __future__ import annotations
@@ -50,6 +58,69 @@ from train_tiny import adamw_init, adamw_update, export_hf, lr_at  # noqa: E402
 
 from jaxserve.model.layers.causal_lm import run_layers  # noqa: E402
 from jaxserve.model.models.llama import LlamaForCausalLM  # noqa: E402
+
+DOC_TASKS = (
+    "Summarize this documentation in a few sentences:\n\n{x}",
+    "Explain this to a beginner:\n\n{x}",
+    "Rewrite this text in simpler words:\n\n{x}",
+    "What is this about? Answer briefly.\n\n{x}",
+    "Copy this paragraph exactly:\n\n{x}",
+    "Turn this into a bulleted list of key points:\n\n{x}",
+)
+CODE_TASKS = (
+    "Explain what this Python function does:\n```python\n{x}```",
+    "Add comments to this code and output the whole code:\n```python\n{x}```",
+    "Find possible bugs in this function:\n```python\n{x}```",
+    "Rename the variables in this code to clearer names and output the whole code:\n"
+    "```python\n{x}```",
+)
+
+
+def stdlib_prompts(out_dir: str, seed: int = 0) -> tuple[int, int]:
+    """Chat prompts built from this Python's standard library (docstrings of 200-1,200
+    characters, functions' source of 150-1,400), each with a random task; writes
+    ``train_prompts.json`` and ``valid_prompts.json`` (held out: every prompt of the modules
+    whose name's CRC32 is 0 mod 10) into ``out_dir``; returns their counts. Nothing is
+    downloaded: any chat model's answers to these make a draft's training data."""
+    import importlib
+    import inspect
+    import pkgutil
+    import random
+    import textwrap
+    import zlib
+
+    rng = random.Random(seed)
+    stdlib = os.path.dirname(os.__file__)
+    skip = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "ensurepip"}
+    items = []
+    for info in sorted(pkgutil.iter_modules([stdlib]), key=lambda m: m.name):
+        if info.name.startswith("_") or info.name in skip:
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except BaseException:  # noqa: BLE001 - platform-specific modules
+            continue
+        for attr, obj in list(vars(module).items())[:400]:
+            if attr.startswith("_") or getattr(obj, "__module__", None) != info.name:
+                continue
+            doc = inspect.getdoc(obj)
+            if doc and 200 < len(doc) < 1200:
+                items.append((info.name, rng.choice(DOC_TASKS).format(x=doc)))
+            if inspect.isfunction(obj):
+                try:
+                    src = textwrap.dedent(inspect.getsource(obj))
+                except (OSError, TypeError):
+                    continue
+                if 150 < len(src) < 1400:
+                    items.append((info.name, rng.choice(CODE_TASKS).format(x=src)))
+    rng.shuffle(items)
+    held_out = [p for name, p in items if zlib.crc32(name.encode()) % 10 == 0]
+    train = [p for name, p in items if zlib.crc32(name.encode()) % 10 != 0]
+    os.makedirs(out_dir, exist_ok=True)
+    for name, prompts in (("train_prompts.json", train), ("valid_prompts.json", held_out)):
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(prompts, f)
+    return len(train), len(held_out)
 
 
 def generate(target: str, prompts_path: str, data_path: str, max_tokens: int, batch: int) -> None:
@@ -125,23 +196,39 @@ def batches(rows, draft_of: np.ndarray, batch: int, seq_len: int, answer_len: in
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--target", required=True, help="the target model (directory, .gguf or 'smollm2')"
+        "--make-prompts",
+        default=None,
+        metavar="DIR",
+        help="write chat prompts from the standard library (train_prompts.json, "
+        "valid_prompts.json) into DIR and exit",
     )
-    ap.add_argument("--data", required=True, help="JSON lines of the target's greedy answers")
+    ap.add_argument("--target", help="the target model (directory, .gguf or 'smollm2')")
+    ap.add_argument("--data", help="JSON lines of the target's greedy answers")
     ap.add_argument("--generate", default=None, help="a JSON list of chat prompts to answer first")
-    ap.add_argument("--valid-data", default=None, help="held-out answers (agreement measured)")
+    ap.add_argument(
+        "--valid-lines",
+        type=int,
+        default=56,
+        help="the last N answers of --data are held out: the agreement is measured on them",
+    )
     ap.add_argument("--gen-max-tokens", type=int, default=160)
-    ap.add_argument("--num-layers", type=int, default=1)
-    ap.add_argument("--draft-vocab-size", type=int, default=8192)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--draft-vocab-size", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=384)
     ap.add_argument("--answer-len", type=int, default=160, help="answer tokens trained per row")
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--epochs", type=float, default=2.0)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--epochs", type=float, default=12.0)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--time-budget-s", type=float, default=3600.0)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if args.make_prompts:
+        n_train, n_valid = stdlib_prompts(args.make_prompts)
+        print(f"{n_train} training and {n_valid} held-out prompts in {args.make_prompts}")
+        return
+    if not (args.target and args.data and args.out):
+        ap.error("--target, --data and --out are required (unless --make-prompts)")
     if args.generate:
         generate(args.target, args.generate, args.data, args.gen_max_tokens, 128)
 
@@ -151,6 +238,8 @@ def main(argv=None) -> None:
     t_start = time.time()
     target, arch, _ = load_model(resolve_model_path(args.target), "float32")
     rows = load_examples(args.data, args.seq_len, args.answer_len)
+    n_valid = min(max(args.valid_lines, 0), len(rows) // 2)
+    rows, valid = rows[: len(rows) - n_valid], rows[len(rows) - n_valid :]
     # The reduced vocabulary: the answers' most frequent tokens (and the target's EOS ids).
     counts = collections.Counter()
     for ids, start in rows:
@@ -229,7 +318,6 @@ def main(argv=None) -> None:
         return params, opt, loss, acc
 
     eval_fn = jax.jit(loss_fn)
-    valid = load_examples(args.valid_data, args.seq_len, args.answer_len) if args.valid_data else []
 
     def evaluate(params):
         if not valid:
