@@ -407,16 +407,17 @@ def main(argv=None) -> list[dict]:
         rng = np.random.default_rng(0)
         vocab = bench.base.vocab_size
         text = [rng.integers(3, vocab, size=24).tolist() for _ in text]
+
+    def chat(turns) -> list[list[int]]:  # one user turn each, chat-templated
+        return [bench.base.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in turns]
+
     draft_eos = False
     if args.draft_prompts:
         with open(args.draft_prompts, encoding="utf-8") as f:
-            turns = json.load(f)
-        tok = bench.base.tokenizer
-        text = [tok.encode_chat([{"role": "user", "content": t}]) for t in turns]
+            text = chat(json.load(f))
         draft_eos = True
     if args.copy_prompts == "chat":
-        tok = bench.base.tokenizer
-        tasks = [tok.encode_chat([{"role": "user", "content": t}]) for t in COPY_TASKS]
+        tasks = chat(COPY_TASKS)
     else:
         tasks = list(COPY_PROMPTS)
     copy = [tasks[i % len(tasks)] for i in range(args.num_prompts)]

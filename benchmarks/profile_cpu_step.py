@@ -160,13 +160,8 @@ def retime_parts(engine, repeats: int, ops: bool = False) -> dict[str, float]:
             q, k, v, bt, cl, qsl, n, sm_scale=arch.head_dim**-0.5
         )
     )
-    args = (
-        q,
-        k_cache,
-        v_cache,
-        inputs.block_tables[0],
-        inputs.context_lens,
-    )  # group 0: full attention
+    tables = inputs.block_tables[0]  # [G, S, P]: group 0, full attention
+    args = (q, k_cache, v_cache, tables, inputs.context_lens)
     args += (inputs.query_start_loc, inputs.num_seqs)
     attention_ms = arch.num_layers * _median_ms(lambda: attend(*args), repeats)
     logits = forward()

@@ -49,7 +49,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -244,10 +243,8 @@ def main(argv=None) -> None:
     counts = collections.Counter()
     for ids, start in rows:
         counts.update(ids[start:].tolist())
-    keep = [t for t, _ in counts.most_common(args.draft_vocab_size)]
-    for t in arch.eos_token_ids:
-        if t not in keep:
-            keep = keep[: args.draft_vocab_size - 1] + [t]
+    keep = list(dict.fromkeys(arch.eos_token_ids))  # the EOS ids first, then by frequency
+    keep += [t for t, _ in counts.most_common() if t not in keep]
     top = np.sort(np.asarray(keep[: args.draft_vocab_size], np.int64))
     if len(top) < args.draft_vocab_size:  # few distinct tokens: pad with the lowest unused ids
         unused = np.setdiff1d(np.arange(arch.vocab_size), top)[: args.draft_vocab_size - len(top)]
@@ -290,14 +287,13 @@ def main(argv=None) -> None:
         flush=True,
     )
 
+    def full_state(params):
+        """The draft's state: the trained ``params`` and the frozen embedding."""
+        values = {**params, **frozen}
+        return nnx.from_flat_state({k: flat[k].replace(values[k]) for k in flat})
+
     def merged(params):
-        st = nnx.from_flat_state(
-            {
-                **{k: flat[k].replace(params[k]) for k in train_keys},
-                **{k: flat[k].replace(frozen[k]) for k in frozen_keys},
-            }
-        )
-        return nnx.merge(graphdef, st)
+        return nnx.merge(graphdef, full_state(params))
 
     def loss_fn(params, x, at, y, m):
         model = merged(params)
@@ -365,17 +361,8 @@ def main(argv=None) -> None:
         log["valid_agreement"].append((step, a))
 
     os.makedirs(args.out, exist_ok=True)
-    out_state = nnx.from_flat_state(
-        {
-            **{k: flat[k].replace(params[k]) for k in train_keys},
-            **{k: flat[k].replace(frozen[k]) for k in frozen_keys},
-        }
-    )
-    export_hf(out_state, cfg, args.out)
-    path = os.path.join(args.out, "model.safetensors")
-    tensors = load_file(path)
-    tensors["d2t"] = (top - np.arange(len(top))).astype(np.int64)
-    save_file(tensors, path, metadata={"format": "pt"})
+    d2t = (top - np.arange(len(top))).astype(np.int64)
+    export_hf(full_state(params), cfg, args.out, extra={"d2t": d2t})
     hf = dict(target_hf_config(args.target))
     hf.update(
         architectures=["LlamaForCausalLM"],

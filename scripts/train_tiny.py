@@ -242,9 +242,9 @@ def greedy_sample(forward, params, tokenizer, prompt: str, new_tokens: int, buf_
     return prompt + tokenizer.decode(ids + out)[len(tokenizer.decode(ids)) :]
 
 
-def export_hf(params_state, cfg: ModelArchConfig, out_dir: str) -> int:
-    """Writes ``model.safetensors`` with HF names/layouts (inverse of the loader's mapping);
-    returns the parameter count."""
+def export_hf(params_state, cfg: ModelArchConfig, out_dir: str, extra: dict | None = None) -> int:
+    """Writes ``model.safetensors`` with HF names/layouts (inverse of the loader's mapping),
+    plus the ``extra`` tensors by name (a draft's ``d2t``); returns the parameter count."""
     tensors = {}
     for path, var in nnx.to_flat_state(params_state):
         x = np.asarray(var[...], dtype=np.float32)
@@ -252,8 +252,10 @@ def export_hf(params_state, cfg: ModelArchConfig, out_dir: str) -> int:
         y = source.layout.to_stored(x)
         assert y.shape == source.layout.stored_shape(x.shape), (source.name, y.shape)
         tensors[source.name] = np.ascontiguousarray(y)
+    count = sum(t.size for t in tensors.values())
+    tensors.update(extra or {})
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    return sum(t.size for t in tensors.values())
+    return count
 
 
 def transformers_logit_diff(out_dir: str, probe: np.ndarray, ref: np.ndarray) -> float | str:

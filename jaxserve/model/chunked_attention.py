@@ -13,7 +13,8 @@ decode rows from prefill chunks):
   state with scatter-max / scatter-add (flash-decoding's split-K merge).
 * prefill chunks (two or more query tokens): query tiles of ``prefill_rows`` consecutive tokens
   of one sequence (``short_rows`` for a sequence of at most that many query tokens: a
-  speculative verification's 1 + K, whose keys a 128-row tile would score 25 times over); a tile walks its sequence's key chunks (``prefill_keys`` keys per step, from
+  speculative verification's 1 + K, whose keys a 128-row tile would score 25 times over); a
+  tile walks its sequence's key chunks (``prefill_keys`` keys per step, from
   the sliding window's start to its last query's position) with an online softmax (flash
   attention), so the keys are gathered once per tile, not once per query token, and masked
   only in the chunks that cross the causal diagonal or the window's edge.

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import jax
@@ -163,8 +164,6 @@ def draft_propose_step(
 def read_d2t(model_dir: str) -> np.ndarray | None:
     """The ``d2t`` tensor of a draft checkpoint directory's safetensors (a reduced head's id
     offsets, EAGLE-3's name), or None when it has none (or is not a safetensors directory)."""
-    import os
-
     from jaxserve.model.readers.safetensors_reader import SafetensorsReader
 
     if not os.path.isdir(model_dir):
@@ -221,10 +220,14 @@ class DraftModel:
                 )
             d2t = np.asarray(d2t).astype(np.int64).reshape(-1)
             targets = np.arange(len(d2t)) + d2t
-            if len(d2t) != head_rows or targets.min() < 0 or targets.max() >= arch.vocab_size:
+            if len(d2t) != head_rows:
                 raise ValueError(
-                    f"d2t: {len(d2t)} offsets mapping into [{targets.min()}, {targets.max()}]; "
-                    f"expected {head_rows} (draft_vocab_size) mapping into [0, {arch.vocab_size})"
+                    f"d2t: {len(d2t)} offsets, expected {head_rows} (draft_vocab_size)"
+                )
+            if targets.min() < 0 or targets.max() >= arch.vocab_size:
+                raise ValueError(
+                    f"d2t: offsets mapping into [{targets.min()}, {targets.max()}]; expected "
+                    f"[0, {arch.vocab_size})"
                 )
             head = getattr(model, "lm_head", None)
             if head is None or head.vocab_size != head_rows:
