@@ -52,8 +52,9 @@ class CpuAttentionTiling:
       long_rows: query tokens per tile of a prefill chunk's leading whole tiles of this size
         (a remainder of at least 3/4 of it takes one more such tile; a shorter one goes in
         ``prefill_rows`` tiles); at most ``prefill_rows`` turns them off. Bigger tiles read
-        each key chunk fewer times: 1.3-1.7x faster at 3,000-12,000 keys on the 2-core box
-        (benchmarks/RESULTS.md, #34).
+        each key chunk fewer times: a 512-token chunk over 12,000 keys is ~1.5x faster in
+        512-row tiles than in 128-row ones on the 2-core box (tiny llama; ~1.05x at 3,000
+        keys; neutral at SmolLM2's head shapes; benchmarks/RESULTS.md, #34).
     """
 
     decode_keys: int = 32
