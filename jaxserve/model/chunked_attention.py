@@ -112,35 +112,45 @@ def chunked_paged_attention(
     scores = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     q_f32 = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
     step = (q_f32, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    # Passes no sequence of a T-token step can need are left out of its program (a smaller
+    # executable, compiled sooner): a one-token step only decodes, a long tile needs a chunk
+    # of at least 3/4 of it.
+    short = tiling.short_rows if 1 < tiling.short_rows < tiling.prefill_rows else 1
     long = tiling.long_rows if tiling.long_rows > tiling.prefill_rows else 0
+    if num_tokens < long - long // 4:
+        long = 0
+    tile_rows = [short] * (1 < short and num_tokens > 1)
+    tile_rows += [tiling.prefill_rows] * (num_tokens > short)
+    tile_rows += [long] * bool(long)
     with jax.named_scope("ragged_attention"):
-        pad = max(tiling.prefill_rows, long)
-        out = jnp.zeros((num_tokens + pad, num_kv_heads, group, head_dim))
+        out = jnp.zeros((num_tokens + max(tile_rows, default=0), num_kv_heads, group, head_dim))
         decode = real & (q_len == 1)
         out = _decode_pass(
             out, *step, decode, keys=tiling.decode_keys, items=tiling.decode_items, **scores
         )
-        short = tiling.short_rows if 1 < tiling.short_rows < tiling.prefill_rows else 1
-        if short > 1:  # verification rows (1 + K tokens) in tiles of their size
+        if short > 1 and num_tokens > 1:  # verification rows (1 + K tokens), tiles of their size
             short_len = jnp.where(real & (q_len > 1) & (q_len <= short), q_len, 0)
             out = _prefill_pass(
                 out, *step, short_len, rows=short, keys=tiling.prefill_keys, **scores
             )
-        prefill_len = jnp.where(real & (q_len > short), q_len, 0)
-        first = jnp.zeros_like(prefill_len)
-        if long:  # the leading whole long tiles (and a remainder of >= 3/4 of one)
-            num_long = prefill_len // long + (prefill_len % long >= long - long // 4)
-            first = jnp.minimum(num_long * long, prefill_len)
-            out = _prefill_pass(out, *step, first, rows=long, keys=tiling.prefill_keys, **scores)
-        out = _prefill_pass(
-            out,
-            *step,
-            prefill_len - first,
-            first_row=first,
-            rows=tiling.prefill_rows,
-            keys=tiling.prefill_keys,
-            **scores,
-        )
+        if num_tokens > short:
+            prefill_len = jnp.where(real & (q_len > short), q_len, 0)
+            first = jnp.zeros_like(prefill_len)
+            if long:  # the leading whole long tiles (and a remainder of >= 3/4 of one)
+                num_long = prefill_len // long + (prefill_len % long >= long - long // 4)
+                first = jnp.minimum(num_long * long, prefill_len)
+                out = _prefill_pass(
+                    out, *step, first, rows=long, keys=tiling.prefill_keys, **scores
+                )
+            out = _prefill_pass(
+                out,
+                *step,
+                prefill_len - first,
+                first_row=first,
+                rows=tiling.prefill_rows,
+                keys=tiling.prefill_keys,
+                **scores,
+            )
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
