@@ -53,8 +53,11 @@ class CpuAttentionTiling:
         (a remainder of at least 3/4 of it takes one more such tile; a shorter one goes in
         ``prefill_rows`` tiles); at most ``prefill_rows`` turns them off. Bigger tiles read
         each key chunk fewer times: a 512-token chunk over 12,000 keys is ~1.5x faster in
-        512-row tiles than in 128-row ones on the 2-core box (tiny llama; ~1.05x at 3,000
-        keys; neutral at SmolLM2's head shapes; benchmarks/RESULTS.md, #34).
+        512-row tiles than in 128-row ones on the 2-core box (tiny llama; neutral at
+        SmolLM2's head shapes; benchmarks/RESULTS.md, #34).
+      long_prefix: cached keys before a chunk for its long tiles: a long tile scores its
+        whole causal triangle, which short tiles mostly skip (a fresh 512-token prompt is
+        ~1.3x slower in one 512-row tile), so only chunks deep into a context take them.
     """
 
     decode_keys: int = 32
@@ -63,10 +66,11 @@ class CpuAttentionTiling:
     prefill_keys: int = 256
     short_rows: int = 8
     long_rows: int = 512
+    long_prefix: int = 2048
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 1:
+            if getattr(self, f.name) < (f.name != "long_prefix"):
                 raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
 
 
@@ -138,6 +142,9 @@ def chunked_paged_attention(
             first = jnp.zeros_like(prefill_len)
             if long:  # the leading whole long tiles (and a remainder of >= 3/4 of one)
                 num_long = prefill_len // long + (prefill_len % long >= long - long // 4)
+                # only after a long prefix: a long tile scores its whole causal triangle,
+                # which short tiles mostly skip (a fresh 512-token prompt is slower in one)
+                num_long = jnp.where(context_lens - q_len >= tiling.long_prefix, num_long, 0)
                 first = jnp.minimum(num_long * long, prefill_len)
                 out = _prefill_pass(
                     out, *step, first, rows=long, keys=tiling.prefill_keys, **scores
