@@ -1007,7 +1007,8 @@ class EngineArgs:
     token_buckets: str | None = dataclasses.field(
         default=None,
         metadata=_meta(
-            "comma-separated padded step sizes in tokens; default: powers of two up to the budget"
+            "comma-separated padded step sizes in tokens; default: powers of two up to the "
+            "budget, from 1 on the CPU's xla backend (16 with the Pallas kernels)"
         ),
     )
     warmup: bool = dataclasses.field(

@@ -50,6 +50,14 @@ def token_bucket_multiple(backend: str) -> int:
     return TPU_BLOCK_Q if backend == "pallas-tpu" else 1
 
 
+def min_token_bucket(backend: str) -> int:
+    """The smallest default token bucket of ``backend``: 1 for the jnp backends ("xla",
+    "reference": XLA CPU's cost follows the padded rows, and a one-sequence decode step padded
+    to 16 rows spends most of its time on the padding: the LM head alone is ~3x at 16 rows),
+    16 for the Pallas kernels (whose query tiles have not been measured below that on a GPU)."""
+    return 1 if backend in ("xla", "reference") else 16
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionMetadata:
     """Where this step's tokens go in the paged KV cache and what each one attends to.

@@ -13,11 +13,12 @@ decode rows from prefill chunks):
   state with scatter-max / scatter-add (flash-decoding's split-K merge).
 * prefill chunks (two or more query tokens): query tiles of ``prefill_rows`` consecutive tokens
   of one sequence (``short_rows`` for a sequence of at most that many query tokens: a
-  speculative verification's 1 + K, whose keys a 128-row tile would score 25 times over); a
-  tile walks its sequence's key chunks (``prefill_keys`` keys per step, from
-  the sliding window's start to its last query's position) with an online softmax (flash
-  attention), so the keys are gathered once per tile, not once per query token, and masked
-  only in the chunks that cross the causal diagonal or the window's edge.
+  speculative verification's 1 + K, whose keys a 128-row tile would score 25 times over;
+  ``long_rows`` for a long chunk's whole tiles, whose keys a 128-row tile would gather and
+  transpose four times over); a tile walks its sequence's key chunks (``prefill_keys`` keys per
+  step, from the sliding window's start to its last query's position) with an online softmax
+  (flash attention), so the keys are gathered once per tile, not once per query token, and
+  masked only in the chunks that cross the causal diagonal or the window's edge.
 
 Trip counts are traced values (``lax.while_loop``): one compiled step serves every mix of
 context lengths, with no extra buckets or compiles. Every while loop's body has static shapes
@@ -48,6 +49,15 @@ class CpuAttentionTiling:
       prefill_keys: keys per step of a prefill tile's loop.
       short_rows: query tokens per tile of the sequences with 2 to ``short_rows`` query tokens
         (speculative decoding's verification rows, 1 + K; a pass of their own).
+      long_rows: query tokens per tile of a prefill chunk's leading whole tiles of this size
+        (a remainder of at least 3/4 of it takes one more such tile; a shorter one goes in
+        ``prefill_rows`` tiles); at most ``prefill_rows`` turns them off. Bigger tiles read
+        each key chunk fewer times: a 512-token chunk over 12,000 keys is ~1.5x faster in
+        512-row tiles than in 128-row ones on the 2-core box (tiny llama; neutral at
+        SmolLM2's head shapes; benchmarks/RESULTS.md, #34).
+      long_prefix: cached keys before a chunk for its long tiles: a long tile scores its
+        whole causal triangle, which short tiles mostly skip (a fresh 512-token prompt is
+        ~1.3x slower in one 512-row tile), so only chunks deep into a context take them.
     """
 
     decode_keys: int = 32
@@ -55,10 +65,12 @@ class CpuAttentionTiling:
     prefill_rows: int = 128
     prefill_keys: int = 256
     short_rows: int = 8
+    long_rows: int = 512
+    long_prefix: int = 2048
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 1:
+            if getattr(self, f.name) < (f.name != "long_prefix"):
                 raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
 
 
@@ -104,22 +116,48 @@ def chunked_paged_attention(
     scores = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     q_f32 = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
     step = (q_f32, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    # Passes no sequence of a T-token step can need are left out of its program (a smaller
+    # executable, compiled sooner): a one-token step only decodes, a long tile needs a chunk
+    # of at least 3/4 of it.
+    short = tiling.short_rows if 1 < tiling.short_rows < tiling.prefill_rows else 1
+    long = tiling.long_rows if tiling.long_rows > tiling.prefill_rows else 0
+    if num_tokens < long - long // 4:
+        long = 0
+    tile_rows = [short] * (1 < short and num_tokens > 1)
+    tile_rows += [tiling.prefill_rows] * (num_tokens > short)
+    tile_rows += [long] * bool(long)
     with jax.named_scope("ragged_attention"):
-        out = jnp.zeros((num_tokens + tiling.prefill_rows, num_kv_heads, group, head_dim))
+        out = jnp.zeros((num_tokens + max(tile_rows, default=0), num_kv_heads, group, head_dim))
         decode = real & (q_len == 1)
         out = _decode_pass(
             out, *step, decode, keys=tiling.decode_keys, items=tiling.decode_items, **scores
         )
-        short = tiling.short_rows if 1 < tiling.short_rows < tiling.prefill_rows else 1
-        if short > 1:  # verification rows (1 + K tokens) in tiles of their size
+        if short > 1 and num_tokens > 1:  # verification rows (1 + K tokens), tiles of their size
             short_len = jnp.where(real & (q_len > 1) & (q_len <= short), q_len, 0)
             out = _prefill_pass(
                 out, *step, short_len, rows=short, keys=tiling.prefill_keys, **scores
             )
-        prefill_len = jnp.where(real & (q_len > short), q_len, 0)
-        out = _prefill_pass(
-            out, *step, prefill_len, rows=tiling.prefill_rows, keys=tiling.prefill_keys, **scores
-        )
+        if num_tokens > short:
+            prefill_len = jnp.where(real & (q_len > short), q_len, 0)
+            first = jnp.zeros_like(prefill_len)
+            if long:  # the leading whole long tiles (and a remainder of >= 3/4 of one)
+                num_long = prefill_len // long + (prefill_len % long >= long - long // 4)
+                # only after a long prefix: a long tile scores its whole causal triangle,
+                # which short tiles mostly skip (a fresh 512-token prompt is slower in one)
+                num_long = jnp.where(context_lens - q_len >= tiling.long_prefix, num_long, 0)
+                first = jnp.minimum(num_long * long, prefill_len)
+                out = _prefill_pass(
+                    out, *step, first, rows=long, keys=tiling.prefill_keys, **scores
+                )
+            out = _prefill_pass(
+                out,
+                *step,
+                prefill_len - first,
+                first_row=first,
+                rows=tiling.prefill_rows,
+                keys=tiling.prefill_keys,
+                **scores,
+            )
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -254,16 +292,18 @@ def _prefill_pass(
     block_tables,
     context_lens,
     query_start_loc,
-    q_len,
+    num_rows,
     *,
+    first_row=None,
     rows,
     keys,
     sm_scale,
     soft_cap,
     sliding_window,
 ):
-    """Attention of the multi-token sequences (``q_len [S]``, 0 for the others) in query
-    tiles, written into their rows of ``out [T + rows, Hkv, G, D]`` (float32, returned)."""
+    """Attention of ``num_rows [S]`` query tokens of each sequence (0: none), from its query
+    token ``first_row [S]`` on (default 0), in tiles of ``rows``, written into their rows of
+    ``out [T + rows, Hkv, G, D]`` (float32, returned)."""
     _, hkv, group, head_dim = q.shape
     _, block_size, _, _ = k_cache.shape
     num_seq_slots, pages_per_seq = block_tables.shape
@@ -271,7 +311,10 @@ def _prefill_pass(
     chunk_keys = chunk_pages * block_size
     block_tables = _pad_pages(block_tables, chunk_pages)
     q = jnp.pad(q, ((0, rows), (0, 0), (0, 0), (0, 0)))  # a tile may read past the last token
-    tiles = (q_len + rows - 1) // rows  # [S]
+    q_len = query_start_loc[1:] - query_start_loc[:-1]  # [S] the sequences' query tokens
+    if first_row is None:
+        first_row = jnp.zeros_like(num_rows)
+    tiles = (num_rows + rows - 1) // rows  # [S]
     ends = jnp.cumsum(tiles)
     row_offsets = jnp.arange(rows, dtype=jnp.int32)
     key_offsets = jnp.arange(chunk_keys, dtype=jnp.int32)
@@ -279,11 +322,11 @@ def _prefill_pass(
     def tile_body(carry):
         t, out = carry
         seq = jnp.minimum(jnp.searchsorted(ends, t, side="right"), num_seq_slots - 1)
-        first_row = (t - (ends[seq] - tiles[seq])) * rows
-        num_rows = jnp.minimum(rows, q_len[seq] - first_row)
-        token = query_start_loc[seq] + first_row
-        first_pos = context_lens[seq] - q_len[seq] + first_row  # position of the tile's row 0
-        last_pos = first_pos + num_rows - 1
+        row0 = first_row[seq] + (t - (ends[seq] - tiles[seq])) * rows  # in the sequence
+        live = jnp.minimum(rows, first_row[seq] + num_rows[seq] - row0)  # the tile's real rows
+        token = query_start_loc[seq] + row0
+        first_pos = context_lens[seq] - q_len[seq] + row0  # position of the tile's row 0
+        last_pos = first_pos + live - 1
         row_pos = first_pos + row_offsets  # [R]
         lo = 0
         if sliding_window is not None:
@@ -331,7 +374,7 @@ def _prefill_pass(
         _, _, l, acc = lax.while_loop(lambda c: c[0] < stop, chunk_body, init)
         res = jnp.moveaxis(acc / jnp.where(l == 0.0, 1.0, l)[..., None], 0, 1)  # [R, Hkv, G, D]
         old = lax.dynamic_slice_in_dim(out, token, rows)
-        res = jnp.where((row_offsets < num_rows)[:, None, None, None], res, old)
+        res = jnp.where((row_offsets < live)[:, None, None, None], res, old)
         return t + 1, lax.dynamic_update_slice_in_dim(out, res, token, 0)
 
     _, out = lax.while_loop(lambda c: c[0] < ends[-1], tile_body, (jnp.int32(0), out))

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from jaxserve.sampling_params import SamplingParams
 
 MIN_TOKEN_BUCKET = 16
-MAX_TOKEN_BUCKETS = 12
+MAX_TOKEN_BUCKETS = 16
 
 
 def default_token_buckets(
@@ -42,6 +42,8 @@ def default_token_buckets(
 
     >>> default_token_buckets(8192)
     (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    >>> default_token_buckets(512, min_bucket=1)
+    (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     """
     buckets = []
     b = min_bucket
@@ -53,13 +55,18 @@ def default_token_buckets(
 
 
 def resolve_token_buckets(
-    configured: tuple[int, ...], max_num_batched_tokens: int, *, multiple: int = 1
+    configured: tuple[int, ...],
+    max_num_batched_tokens: int,
+    *,
+    multiple: int = 1,
+    min_bucket: int = MIN_TOKEN_BUCKET,
 ) -> tuple[int, ...]:
     """The configured buckets (``RunnerConfig.token_buckets``) or the default ones.
 
     ``multiple``: every bucket must be a multiple of it (the attention backend's rule,
     ``jaxserve.model.attention.token_bucket_multiple``: 8 for the TPU kernel); the default
-    buckets round the budget's own bucket up to one.
+    buckets round the budget's own bucket up to one. ``min_bucket``: the default ladder's
+    first bucket (``jaxserve.model.attention.min_token_bucket``: 1 on the CPU's backend).
 
     Raises:
       ValueError: the largest configured bucket is below max_num_batched_tokens (a full step
@@ -67,7 +74,7 @@ def resolve_token_buckets(
         multiple of ``multiple``.
     """
     if not configured:
-        buckets = default_token_buckets(max_num_batched_tokens)
+        buckets = default_token_buckets(max_num_batched_tokens, min_bucket)
         return tuple(sorted({-(-b // multiple) * multiple for b in buckets}))
     odd = [b for b in configured if b % multiple]
     if odd:

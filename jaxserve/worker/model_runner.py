@@ -61,7 +61,7 @@ from jaxserve.core.runner_output import (
     TokenLogprobs,
 )
 from jaxserve.lora.manager import LoRAManager
-from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
+from jaxserve.model.attention import cache_head_dim, min_token_bucket, token_bucket_multiple
 from jaxserve.model.attention_backends import resolve_attention_backend
 from jaxserve.model.layers.moe import attach_expert_load_recorder
 from jaxserve.model.quant_config import kv_cache_dtype_name
@@ -272,6 +272,7 @@ class ModelRunner:
             config.runner.token_buckets,
             sched.max_num_batched_tokens,
             multiple=token_bucket_multiple(self.backend),
+            min_bucket=min_token_bucket(self.backend),
         )
         self.seq_buckets = tuple(
             sorted({seq_bucket(t, self.max_num_seqs) for t in self.token_buckets})

@@ -85,3 +85,25 @@ def test_header_cache_follows_changes_of_value_type_and_content():
         chunk = {**header, "choices": []}
         assert encoder.event(chunk) == reference(chunk)
         usage["prompt_tokens"] += 1  # mutated in place between chunks
+
+
+def test_the_server_loop_is_uvloops_unless_asked_for_asyncios(monkeypatch):
+    """The event loop the server runs on (``run_loop``): uvloop's (installed with
+    orbax-checkpoint) by default, asyncio's with ``JAXSERVE_EVENT_LOOP=asyncio``."""
+    import asyncio
+
+    import uvloop
+
+    from jaxserve.entrypoints.http.api_server import new_event_loop
+
+    for env, is_uvloop in ((None, True), ("asyncio", False)):
+        if env is None:
+            monkeypatch.delenv("JAXSERVE_EVENT_LOOP", raising=False)
+        else:
+            monkeypatch.setenv("JAXSERVE_EVENT_LOOP", env)
+        loop = new_event_loop()
+        try:
+            assert isinstance(loop, uvloop.Loop) == is_uvloop
+            assert loop.run_until_complete(asyncio.sleep(0, result=7)) == 7
+        finally:
+            loop.close()

@@ -5,6 +5,8 @@ of very different contexts, prefill chunks over several query tiles and key chun
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,6 +70,10 @@ def check(args, seqs, tiling, *, atol=2e-5, **kw):
         # short rows (speculative verification's 1 + K) in tiles of their own: 2..4 and 2
         (CpuAttentionTiling(16, 3, 16, 16, short_rows=4), None, 13),
         (CpuAttentionTiling(8, 2, 32, 32, short_rows=2), 30.0, None),
+        # long tiles: 20 = 2 x 8 + 4 in 4-row tiles; 9 = 8 + 1; 3 in a 4-row tile
+        (CpuAttentionTiling(16, 3, 4, 16, long_rows=8, long_prefix=0), None, None),
+        # 20 = 12 + 8 in 4-row tiles (8 < 3/4 of 12); 9 >= 3/4 of 12: one long tile, 9 live rows
+        (CpuAttentionTiling(8, 2, 4, 8, long_rows=12, long_prefix=0), 30.0, 13),
     ],
 )
 def test_chunked_matches_reference(tiling, soft_cap, sliding_window):
@@ -103,6 +109,12 @@ def test_rows_read_their_own_context(sliding_window):
         pages=20,
     )
     tiling = CpuAttentionTiling(decode_keys=16, decode_items=4, prefill_rows=4, prefill_keys=16)
+    check(args, MIXED, tiling, sm_scale=0.3, sliding_window=sliding_window)
+    # the 33-token chunk as 2 long tiles of 16 and one row in a 4-row tile; then long tiles
+    # only after 64 cached keys: the 8-token chunk at 92 takes them, the fresh 33 does not
+    tiling = dataclasses.replace(tiling, long_rows=16, long_prefix=0)
+    check(args, MIXED, tiling, sm_scale=0.3, sliding_window=sliding_window)
+    tiling = dataclasses.replace(tiling, long_rows=8, short_rows=2, long_prefix=64)
     check(args, MIXED, tiling, sm_scale=0.3, sliding_window=sliding_window)
 
 

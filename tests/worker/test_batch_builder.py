@@ -27,7 +27,11 @@ def test_default_buckets_are_powers_of_two_up_to_the_budget():
     assert default_token_buckets(100) == (16, 32, 64, 100)
     assert default_token_buckets(8) == (8,)
     many = default_token_buckets(1 << 20)
-    assert len(many) == 12 and many[-1] == 1 << 20 and many[0] == 1 << 9
+    assert len(many) == 16 and many[-1] == 1 << 20 and many[0] == 1 << 5
+    # the CPU's ladder starts at one token (a lone decode row is not padded to 16)
+    assert default_token_buckets(512, min_bucket=1) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert resolve_token_buckets((), 512, min_bucket=1)[:2] == (1, 2)
+    assert resolve_token_buckets((), 64, multiple=8, min_bucket=1) == (8, 16, 32, 64)
 
 
 def test_configured_buckets_must_reach_the_budget():
@@ -35,7 +39,7 @@ def test_configured_buckets_must_reach_the_budget():
     with pytest.raises(ValueError, match="token_buckets"):
         resolve_token_buckets((16, 32), 64)
     with pytest.raises(ValueError, match="token_buckets"):
-        resolve_token_buckets(tuple(2**i for i in range(4, 18)), 16)
+        resolve_token_buckets(tuple(2**i for i in range(4, 22)), 16)
 
 
 def test_seq_bucket_and_pick_bucket():
