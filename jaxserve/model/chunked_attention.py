@@ -70,8 +70,9 @@ class CpuAttentionTiling:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < (f.name != "long_prefix"):
-                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+            least = 0 if f.name == "long_prefix" else 1
+            if getattr(self, f.name) < least:
+                raise ValueError(f"{f.name} must be >= {least}, got {getattr(self, f.name)}")
 
 
 DEFAULT_TILING = CpuAttentionTiling()
@@ -121,27 +122,27 @@ def chunked_paged_attention(
     # of at least 3/4 of it.
     short = tiling.short_rows if 1 < tiling.short_rows < tiling.prefill_rows else 1
     long = tiling.long_rows if tiling.long_rows > tiling.prefill_rows else 0
-    if num_tokens < long - long // 4:
-        long = 0
-    tile_rows = [short] * (1 < short and num_tokens > 1)
-    tile_rows += [tiling.prefill_rows] * (num_tokens > short)
-    tile_rows += [long] * bool(long)
+    long_min = long - long // 4  # the fewest rows a long tile takes
+    use_short = short > 1 and num_tokens > 1
+    use_prefill = num_tokens > short
+    use_long = use_prefill and long > 0 and num_tokens >= long_min
+    pad = max(short * use_short, tiling.prefill_rows * use_prefill, long * use_long)
     with jax.named_scope("ragged_attention"):
-        out = jnp.zeros((num_tokens + max(tile_rows, default=0), num_kv_heads, group, head_dim))
+        out = jnp.zeros((num_tokens + pad, num_kv_heads, group, head_dim))
         decode = real & (q_len == 1)
         out = _decode_pass(
             out, *step, decode, keys=tiling.decode_keys, items=tiling.decode_items, **scores
         )
-        if short > 1 and num_tokens > 1:  # verification rows (1 + K tokens), tiles of their size
+        if use_short:  # verification rows (1 + K tokens) in tiles of their size
             short_len = jnp.where(real & (q_len > 1) & (q_len <= short), q_len, 0)
             out = _prefill_pass(
                 out, *step, short_len, rows=short, keys=tiling.prefill_keys, **scores
             )
-        if num_tokens > short:
+        if use_prefill:
             prefill_len = jnp.where(real & (q_len > short), q_len, 0)
             first = jnp.zeros_like(prefill_len)
-            if long:  # the leading whole long tiles (and a remainder of >= 3/4 of one)
-                num_long = prefill_len // long + (prefill_len % long >= long - long // 4)
+            if use_long:  # the leading whole long tiles (and a remainder of >= long_min)
+                num_long = prefill_len // long + (prefill_len % long >= long_min)
                 # only after a long prefix: a long tile scores its whole causal triangle,
                 # which short tiles mostly skip (a fresh 512-token prompt is slower in one)
                 num_long = jnp.where(context_lens - q_len >= tiling.long_prefix, num_long, 0)
