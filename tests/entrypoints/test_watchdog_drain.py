@@ -59,16 +59,18 @@ def test_watchdog_leaves_slow_but_live_steps_alone():
     llm = AsyncLLM(FakeEngine(MODEL_DIR, step_s=0.2), step_timeout_s=0.6)
     srv = LiveServer(llm)
     health: list[int] = []
+    done: list = []  # the completion's response (apart from health: a /health probe in flight
+    # when the completion ends would land after it in a shared list)
     try:
         with httpx.Client(base_url=srv.url, timeout=20) as c:
             t = threading.Thread(
-                target=lambda: health.append(c.post(COMPL, json={"prompt": "x", "max_tokens": 6}))
+                target=lambda: done.append(c.post(COMPL, json={"prompt": "x", "max_tokens": 6}))
             )
             t.start()
             while t.is_alive():  # the engine is busy (0.2 s steps) but alive: /health 200
                 health.append(c.get("/health").status_code)
                 time.sleep(0.05)
-            r = health.pop()
+            r = done.pop()
             assert r.status_code == 200 and not llm.errored
             assert len(health) > 5 and set(health) == {200}, health
     finally:
