@@ -61,7 +61,7 @@ from jaxserve.core.runner_output import (
     TokenLogprobs,
 )
 from jaxserve.lora.manager import LoRAManager
-from jaxserve.model.attention import cache_head_dim, min_token_bucket, token_bucket_multiple
+from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
 from jaxserve.model.attention_backends import resolve_attention_backend
 from jaxserve.model.layers.moe import attach_expert_load_recorder
 from jaxserve.model.quant_config import kv_cache_dtype_name
@@ -72,7 +72,7 @@ from jaxserve.worker.batch_builder import (
     BatchBuilder,
     InputBatch,
     StepBatch,
-    resolve_token_buckets,
+    backend_token_buckets,
     seq_bucket,
 )
 from jaxserve.worker.compilation import (
@@ -268,11 +268,8 @@ class ModelRunner:
             hybrid=not config.cache.disable_hybrid_kv_cache_manager,
             max_model_len=sched.max_model_len,
         )
-        self.token_buckets = resolve_token_buckets(
-            config.runner.token_buckets,
-            sched.max_num_batched_tokens,
-            multiple=token_bucket_multiple(self.backend),
-            min_bucket=min_token_bucket(self.backend),
+        self.token_buckets = backend_token_buckets(
+            self.backend, config.runner.token_buckets, sched.max_num_batched_tokens
         )
         self.seq_buckets = tuple(
             sorted({seq_bucket(t, self.max_num_seqs) for t in self.token_buckets})
