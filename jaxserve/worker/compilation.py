@@ -546,20 +546,22 @@ def spec_row_buckets(runner: RunnerFields, token_bucket: int | None = None) -> l
     return out + [r]
 
 
-ONE_HEAD_ROWS = 4
+ONE_HEAD_ROWS = 1
 """Verification steps of up to this many drafted requests (all-drafts steps: R x (1 + K)
-tokens) read the LM head once (``one_head_buckets``)."""
+tokens) read the LM head once (``one_head_buckets``). Each bucket this covers compiles one more
+forward at warm-up (~7 s each for SmolLM2 on the 2-core CPU: 3 buckets at K = 4; one bucket,
+16 tokens, with the GPU's ladder), so it covers the case where the head weighs most, a lone
+request's verification."""
 
 
 def one_head_buckets(runner: RunnerFields) -> list[int]:
     """The token buckets whose verification steps read the LM head once
     (``forward_hidden_step`` + ``verify_logits_step``): from 2 tokens (the least a verified
     sequence carries) to the first bucket that holds an all-drafts step of ``ONE_HEAD_ROWS``
-    requests (or of the warm row buckets' largest, if fewer). Small steps are where the head
-    weighs most (a batch-1 verification on CPU: the forward's head over its sequence bucket,
-    then the drafts' over 1 + K rows); larger buckets keep ``forward_step`` and read the head
-    again for the drafts (``spec_logits_step``), since each bucket here costs one more forward
-    executable at warm-up."""
+    requests. Small steps are where the head weighs most (a batch-1 verification on CPU: the
+    forward's head over its sequence bucket, then the drafts' over 1 + K rows); larger buckets
+    keep ``forward_step`` and read the head again for the drafts (``spec_logits_step``), since
+    each bucket here costs one more forward executable at warm-up."""
     rows = min(spec_row_buckets(runner)[-1], ONE_HEAD_ROWS)
     most = rows * (runner.num_spec_tokens + 1)
     out = []

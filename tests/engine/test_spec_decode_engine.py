@@ -163,8 +163,8 @@ def test_small_verification_steps_read_the_lm_head_once(
     )
     greedy, _, want = baseline
     engine = make_engine(speculative=NGRAM)
-    assert base.runner.one_head_buckets == {16, 32}  # 4 rows x (1 + 4) tokens fit in 32
-    got = run(engine, greedy[:3])  # the copy prompts: drafts, steps of <= 128 tokens
+    assert base.runner.one_head_buckets == {16}  # the first bucket holding 1 + K tokens
+    got = run(engine, greedy[:3])  # the copy prompts: drafts, verification steps <= 15 tokens
     _check(engine, got, want)
     assert calls["one"] > 0 and calls["again"] == 0, calls
 
