@@ -184,16 +184,12 @@ def estimate_activation_bytes(config, arch, dtype, tensor_parallel_size: int, ba
     """
     import numpy as np
 
-    from jaxserve.model.attention import min_token_bucket, token_bucket_multiple
-    from jaxserve.worker.batch_builder import resolve_token_buckets, seq_bucket
+    from jaxserve.worker.batch_builder import backend_token_buckets, seq_bucket
     from jaxserve.worker.compilation import PROMPT_LOGPROBS_CHUNK, peak_activation_bytes
 
     sched = config.scheduler
-    buckets = resolve_token_buckets(
-        config.runner.token_buckets,
-        sched.max_num_batched_tokens,
-        multiple=token_bucket_multiple(backend),
-        min_bucket=min_token_bucket(backend),
+    buckets = backend_token_buckets(
+        backend, config.runner.token_buckets, sched.max_num_batched_tokens
     )
     t = buckets[-1]
     s = seq_bucket(t, sched.max_num_seqs)

@@ -29,6 +29,7 @@ from typing import Any
 from jaxserve.tune.simulate import Setting, SimResult, simulate
 from jaxserve.tune.step_model import StepTimeModel, calibrate_engine, calibration_prompts
 from jaxserve.tune.trace import PRESET_NAMES, Trace, load_jsonl_trace, preset_trace
+from jaxserve.worker.batch_builder import backend_token_buckets
 
 WORKLOAD_OVERRIDES = (
     "num_prompts",
@@ -111,18 +112,21 @@ def parse_grid(text: str | None, default: Any, kind: Any, name: str) -> list:
 
 
 def grid_settings(
-    base: Setting, grids: dict[str, list], token_buckets: tuple[int, ...]
+    base: Setting, grids: dict[str, list], token_buckets: tuple[int, ...], backend: str
 ) -> list[Setting]:
-    """Every combination of the grids over ``base`` (configured buckets kept where they still
-    reach the budget, else the runner's default buckets for that budget)."""
+    """Every combination of the grids over ``base``, each with the buckets its runner would
+    compile: the configured ones where they still reach the budget, else the default ladder
+    of attention ``backend`` for that budget (``backend_token_buckets``: from one token on
+    the CPU's backend, from 16 with the Pallas kernels)."""
     names = list(grids)
     out = []
     for values in itertools.product(*(grids[n] for n in names)):
         s = dataclasses.replace(base, **dict(zip(names, values)))
+        budget = s.max_num_batched_tokens
         buckets = (
-            token_buckets
-            if token_buckets and max(token_buckets) >= s.max_num_batched_tokens
-            else ()
+            tuple(token_buckets)
+            if token_buckets and max(token_buckets) >= budget
+            else backend_token_buckets(backend, (), budget)
         )
         out.append(dataclasses.replace(s, token_buckets=buckets))
     return out
@@ -253,6 +257,19 @@ def calibrate(engine_args: Any) -> tuple[StepTimeModel, Any]:
     return model, engine.config
 
 
+def target_backend(config: Any) -> str:
+    """The attention backend the target's runner resolves (``--attention-backend`` on this
+    machine's platform): its token-bucket rules shape the simulated steps."""
+    import jax
+
+    from jaxserve.model.attention_backends import resolve_attention_backend
+
+    runner = config.runner
+    return resolve_attention_backend(
+        runner.attention_backend, jax.devices()[0].platform, interpret=runner.pallas_interpret
+    )
+
+
 def token_source() -> Any:
     """Random prompt tokens from the bundled model's vocabulary (as ``bench serve`` draws them)."""
     from jaxserve.bench.workloads import TokenSource
@@ -332,7 +349,7 @@ def run_tune(args: argparse.Namespace) -> int:
         name: parse_grid(getattr(args, name + "_grid"), getattr(base, name), kind, name)
         for name, kind in GRID_FLAGS
     }
-    settings = grid_settings(base, grids, config.runner.token_buckets)
+    settings = grid_settings(base, grids, config.runner.token_buckets, target_backend(config))
     report = tune(trace, model, settings, args.slo_ttft_p99, args.slo_tpot_p99)
     print(report["workload"])
     print(format_table(report["results"]))

@@ -186,7 +186,9 @@ class Shapes:
 
     Args:
       max_num_batched_tokens, max_num_seqs: the scheduler's knobs.
-      token_buckets: configured buckets (empty: the runner's default for the budget).
+      token_buckets: the runner's buckets (empty: ``resolve_token_buckets``' default ladder
+        for the budget, from 16 tokens, that of the Pallas backends; ``jaxserve tune`` passes
+        its target backend's own, ``backend_token_buckets``).
     """
 
     def __init__(

@@ -94,6 +94,27 @@ def resolve_token_buckets(
     return tuple(int(b) for b in configured)
 
 
+def backend_token_buckets(
+    backend: str, configured: tuple[int, ...], max_num_batched_tokens: int
+) -> tuple[int, ...]:
+    """``resolve_token_buckets`` under the rules of attention ``backend`` (one of
+    ``jaxserve.model.attention.ATTENTION_BACKENDS``): its bucket multiple and its default
+    ladder's first bucket. The runner, the memory plan and ``jaxserve tune``'s simulator all
+    take their buckets from here, so the three agree.
+
+    Raises:
+      ValueError: as ``resolve_token_buckets``.
+    """
+    from jaxserve.model.attention import min_token_bucket, token_bucket_multiple
+
+    return resolve_token_buckets(
+        tuple(configured),
+        max_num_batched_tokens,
+        multiple=token_bucket_multiple(backend),
+        min_bucket=min_token_bucket(backend),
+    )
+
+
 def seq_bucket(token_bucket: int, max_num_seqs: int) -> int:
     """Sequence bucket S of a token bucket T: ``next_power_of_2(min(T, max_num_seqs))``.
 

@@ -112,6 +112,37 @@ def forward_step(
     return logits, hidden, kv_caches
 
 
+@functools.partial(jax.jit, static_argnames="graph", donate_argnames="kv_caches")
+def forward_hidden_step(graph: StepGraph, params: list, kv_caches: list, inputs: StepInputs):
+    """``forward_step`` without the LM head: ``(hidden [T, E], kv_caches)``. A verification
+    step of a small bucket runs it, then ``verify_logits_step`` reads the head once for the
+    sampled and the verified rows together (the head is most of a small step's weights)."""
+    graph.traces["forward_hidden"] += 1
+    model = merge_model(graph, params)
+    return model(step_input_ids(inputs), inputs.positions, kv_caches, step_metadata(graph, inputs))
+
+
+@functools.partial(jax.jit, static_argnames="graph")
+def verify_logits_step(
+    graph: StepGraph,
+    params: list,
+    hidden: jax.Array,
+    logits_indices: jax.Array,
+    spec_indices: jax.Array,
+):
+    """Speculative decoding, one LM-head pass: ``hidden [T, E]`` (``forward_hidden_step``'s),
+    ``logits_indices [S]`` (``StepInputs``) and ``spec_indices [R * W]`` int32
+    (``VerifyPlan.indices``) -> ``(logits [S, V], spec_logits [R * W, V])`` float32, what
+    ``forward_step`` and ``spec_logits_step`` return for them, from one ``[S + R * W, E]``
+    matmul instead of two reads of the head."""
+    graph.traces["verify_logits"] += 1
+    model = merge_model(graph, params)
+    rows = jnp.concatenate([logits_indices, spec_indices])
+    logits = gather_logits(model.compute_logits(hidden[rows]), graph.mesh)
+    num_seqs = logits_indices.shape[0]
+    return logits[:num_seqs], logits[num_seqs:]
+
+
 def merge_model(graph: StepGraph, params: list) -> nnx.Module:
     """Inside a step function: the model of ``graph`` with the state leaves ``params``."""
     return nnx.merge(graph.graphdef, jax.tree.unflatten(graph.state_def, params))
@@ -257,6 +288,8 @@ class RunnerFields(Protocol):
     kv_spec: KVCacheSpec | None
     kv_caches: list | None
     aot_forward: dict[int, Any]
+    aot_forward_hidden: dict[int, Any]
+    one_head_buckets: frozenset[int]
     aot_prompt_logprobs: dict[int, Any]
     aot_draft_prefill: dict[int, Any]
     draft: Any  # jaxserve.worker.draft_model.DraftModel | None
@@ -513,21 +546,64 @@ def spec_row_buckets(runner: RunnerFields, token_bucket: int | None = None) -> l
     return out + [r]
 
 
+ONE_HEAD_ROWS = 1
+"""Verification steps of up to this many drafted requests (all-drafts steps: R x (1 + K)
+tokens) read the LM head once (``one_head_buckets``). Each bucket this covers compiles one more
+forward at warm-up (~7 s each for SmolLM2 on the 2-core CPU: 3 buckets at K = 4; one bucket,
+16 tokens, with the GPU's ladder), so it covers the case where the head weighs most, a lone
+request's verification."""
+
+
+def one_head_buckets(runner: RunnerFields) -> list[int]:
+    """The token buckets whose verification steps read the LM head once
+    (``forward_hidden_step`` + ``verify_logits_step``): from 2 tokens (the least a verified
+    sequence carries) to the first bucket that holds an all-drafts step of ``ONE_HEAD_ROWS``
+    requests. Small steps are where the head weighs most (a batch-1 verification on CPU: the
+    forward's head over its sequence bucket, then the drafts' over 1 + K rows); larger buckets
+    keep ``forward_step`` and read the head again for the drafts (``spec_logits_step``), since
+    each bucket here costs one more forward executable at warm-up."""
+    rows = min(spec_row_buckets(runner)[-1], ONE_HEAD_ROWS)
+    most = rows * (runner.num_spec_tokens + 1)
+    out = []
+    for t in runner.token_buckets:
+        if t >= 2:
+            out.append(t)
+        if t >= most:
+            break
+    return out
+
+
 def warmup_speculative(runner: RunnerFields) -> None:
-    """Runs, on all-padding inputs, the speculative step functions of the warm row buckets
+    """Compiles the one-head forward of ``one_head_buckets`` ahead of time, and runs, on
+    all-padding inputs, the speculative step functions of the warm row buckets
     (``spec_row_buckets``): the gather of the verified positions' hidden states (per token
-    bucket), their logits and sampler variants, and with a draft model its device-side
-    acceptance and its proposals. Each input is the output of the step function that feeds it
-    at serving time (jit caches key on how an argument is placed)."""
+    bucket), their logits (the one-head pass's too) and sampler variants, and with a draft
+    model its device-side acceptance and its proposals. Each input is the output of the step
+    function that feeds it at serving time (jit caches key on how an argument is placed)."""
     graph, state, k = runner.graph, runner.params, runner.num_spec_tokens
     width = k + 1
     gathered: dict[int, jax.Array] = {}
     last = None
+    # (steps with adapter tokens run the LoRA forward, whose head stays in it)
+    one_head = runner.one_head_buckets
     for size in runner.token_buckets:
         logits_info, hidden_info, _ = runner.aot_forward[size].out_info
         hidden = jax.device_put(
             np.zeros(hidden_info.shape, hidden_info.dtype), hidden_info.sharding
         )
+        if size in one_head:
+            pad = padding_inputs(runner, size)
+            fwd = forward_hidden_step.lower(graph, state, runner.kv_caches, pad).compile()
+            runner.aot_forward_hidden[size] = fwd
+            hidden_h = jax.device_put(
+                np.zeros(hidden_info.shape, hidden_info.dtype), fwd.out_info[0].sharding
+            )
+            for r in spec_row_buckets(runner, size):
+                jax.block_until_ready(
+                    verify_logits_step(
+                        graph, state, hidden_h, pad.logits_indices, np.zeros(r * width, np.int32)
+                    )
+                )
         for r in spec_row_buckets(runner, size):
             gathered[r] = gather_rows(hidden, np.zeros(r * width, np.int32))
         if last is None:

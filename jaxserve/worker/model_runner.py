@@ -61,7 +61,7 @@ from jaxserve.core.runner_output import (
     TokenLogprobs,
 )
 from jaxserve.lora.manager import LoRAManager
-from jaxserve.model.attention import cache_head_dim, min_token_bucket, token_bucket_multiple
+from jaxserve.model.attention import cache_head_dim, token_bucket_multiple
 from jaxserve.model.attention_backends import resolve_attention_backend
 from jaxserve.model.layers.moe import attach_expert_load_recorder
 from jaxserve.model.quant_config import kv_cache_dtype_name
@@ -72,12 +72,13 @@ from jaxserve.worker.batch_builder import (
     BatchBuilder,
     InputBatch,
     StepBatch,
-    resolve_token_buckets,
+    backend_token_buckets,
     seq_bucket,
 )
 from jaxserve.worker.compilation import (
     WARMUP_SAMPLING,
     StepGraph,
+    forward_hidden_step,
     forward_step,
     gather_rows,
     pool_step,
@@ -85,6 +86,7 @@ from jaxserve.worker.compilation import (
     sample_step,
     spec_logits_step,
     spec_sample_step,
+    verify_logits_step,
 )
 from jaxserve.worker.draft_model import DraftModel
 from jaxserve.worker.kv_offload import HostKVCache, num_host_blocks, staging_memory_kind
@@ -268,11 +270,8 @@ class ModelRunner:
             hybrid=not config.cache.disable_hybrid_kv_cache_manager,
             max_model_len=sched.max_model_len,
         )
-        self.token_buckets = resolve_token_buckets(
-            config.runner.token_buckets,
-            sched.max_num_batched_tokens,
-            multiple=token_bucket_multiple(self.backend),
-            min_bucket=min_token_bucket(self.backend),
+        self.token_buckets = backend_token_buckets(
+            self.backend, config.runner.token_buckets, sched.max_num_batched_tokens
         )
         self.seq_buckets = tuple(
             sorted({seq_bucket(t, self.max_num_seqs) for t in self.token_buckets})
@@ -301,6 +300,9 @@ class ModelRunner:
         self.warm_buckets: set[int] = set()  # token buckets compiled by warmup()
         # token bucket -> executable compiled ahead of time by warmup(); steps call these
         self.aot_forward: dict[int, Any] = {}
+        # token bucket -> the forward without the LM head, for verification steps that read
+        # the head once (compilation.one_head_buckets; speculative decoding only)
+        self.aot_forward_hidden: dict[int, Any] = {}
         self.aot_prompt_logprobs: dict[int, Any] = {}
         self._seeds: dict[str, int] = {}
         # ((req_ids, S), SamplingMetadata, StepBatch) of the latest step, when its rows allow the
@@ -525,6 +527,10 @@ class ModelRunner:
         """Speculative decoding's K (0 = off) and, for the n-gram method, its proposer (the
         engine tests share one runner between engines with and without it)."""
         self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
+        # the token buckets whose verification steps read the LM head once
+        self.one_head_buckets = (
+            frozenset(compilation.one_head_buckets(self)) if self.num_spec_tokens else frozenset()
+        )
         self.ngram = (
             NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
@@ -671,11 +677,25 @@ class ModelRunner:
             self.timing.idle_s += t1 - self._idle_since
             self.timing.num_idle_gaps += 1
         self._num_in_flight += 1
+        verify = plan_verification(batch, self.num_spec_tokens)
+        one_head = (
+            verify is not None and lora is None and batch.token_bucket in self.one_head_buckets
+        )
+        spec_logits = None
         if lora is not None:  # adapter tokens in the step (#33)
             aot = self.aot_forward_lora.get(batch.token_bucket)
             args = (self.params, self.kv_caches, batch.inputs, lora)
             logits, hidden, self.kv_caches = (
                 aot(*args) if aot is not None else forward_step(graph, *args)
+            )
+        elif one_head:  # a small verification step: the LM head read once
+            aot = self.aot_forward_hidden.get(batch.token_bucket)
+            args = (self.params, self.kv_caches, batch.inputs)
+            hidden, self.kv_caches = (
+                aot(*args) if aot is not None else forward_hidden_step(graph, *args)
+            )
+            logits, spec_logits = verify_logits_step(
+                graph, self.params, hidden, batch.inputs.logits_indices, verify.indices
             )
         elif (aot := self.aot_forward.get(batch.token_bucket)) is not None:
             logits, hidden, self.kv_caches = aot(self.params, self.kv_caches, batch.inputs)
@@ -701,11 +721,11 @@ class ModelRunner:
                 md.needs_full_sort,
                 md.any_token_mask,
             )
-        verify = plan_verification(batch, self.num_spec_tokens)
         spec_sampled = None
         if verify is not None:  # the drafts' positions, sampled as the sampler above would
-            spec_hidden = gather_rows(hidden, verify.indices)
-            spec_logits = spec_logits_step(graph, self.params, spec_hidden)
+            if spec_logits is None:  # a larger bucket: the head again, at the drafts
+                spec_hidden = gather_rows(hidden, verify.indices)
+                spec_logits = spec_logits_step(graph, self.params, spec_hidden)
             spec_sampled = spec_sample_step(
                 graph, spec_logits, md.expand(verify.rows, verify.width)
             )

@@ -137,6 +137,38 @@ def test_greedy_identical_with_speculation(make_engine, run, baseline, knobs):
         assert engine.get_stats().num_preemptions_total > 0
 
 
+def test_small_verification_steps_read_the_lm_head_once(
+    base, make_engine, run, baseline, monkeypatch
+):
+    """A verification step in a small bucket (``ModelRunner.one_head_buckets``) runs the
+    forward without its head, then one head pass over the sampled and the verified rows
+    (``verify_logits_step``), never the drafts' second pass (``spec_logits_step``); its
+    outputs are those of the non-speculative engine."""
+    from jaxserve.worker import model_runner
+
+    calls = {"one": 0, "again": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(
+        model_runner, "verify_logits_step", counting("one", model_runner.verify_logits_step)
+    )
+    monkeypatch.setattr(
+        model_runner, "spec_logits_step", counting("again", model_runner.spec_logits_step)
+    )
+    greedy, _, want = baseline
+    engine = make_engine(speculative=NGRAM)
+    assert base.runner.one_head_buckets == {16}  # the first bucket holding 1 + K tokens
+    got = run(engine, greedy[:3])  # the copy prompts: drafts, verification steps <= 15 tokens
+    _check(engine, got, want)
+    assert calls["one"] > 0 and calls["again"] == 0, calls
+
+
 def test_batch1_speculation_overlaps_the_next_step(base, make_engine, run, baseline):
     """Async scheduling, one speculating request: each engine step collects and updates the
     step in flight, dispatches the next (its drafts known), and makes the outputs while that

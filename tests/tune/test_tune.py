@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.bench.workloads import TokenSource
 from jaxserve.cli import main
-from jaxserve.tune.grid import recommend
+from jaxserve.tune.grid import grid_settings, recommend
 from jaxserve.tune.simulate import Setting, simulate
 from jaxserve.tune.step_model import FEATURES, StepSample, StepTimeModel
 from jaxserve.tune.trace import Trace, TraceRequest, load_jsonl_trace, preset_trace
@@ -163,6 +163,31 @@ def test_recommend_best_under_slo():
     assert recommend(rows, None, None)[0] is rows[0]
     assert recommend(rows, 0.5, None)[0] is rows[1]
     assert recommend(rows, 0.1, None) == (None, [])
+
+
+def test_grid_settings_carry_the_target_backends_buckets():
+    """Each simulated setting steps in the buckets its runner would compile: on the CPU's
+    backend the default ladder starts at one token (a lone decode is a 1-token step, not 16),
+    with the Pallas kernels at 16; configured buckets are kept while they reach the budget."""
+    grids = {"max_num_batched_tokens": [64, 256]}
+    cpu = grid_settings(_setting(), grids, (), "xla")
+    assert [s.token_buckets for s in cpu] == [
+        (1, 2, 4, 8, 16, 32, 64),
+        (1, 2, 4, 8, 16, 32, 64, 128, 256),
+    ]
+    gpu = grid_settings(_setting(), grids, (), "pallas-gpu")
+    assert [s.token_buckets[0] for s in gpu] == [16, 16]
+    tpu = grid_settings(_setting(), {"max_num_batched_tokens": [100]}, (), "pallas-tpu")
+    assert tpu[0].token_buckets[-1] == 104  # the TPU kernel's multiple of 8
+    kept = grid_settings(_setting(), grids, (8, 128), "xla")
+    assert [s.token_buckets for s in kept] == [(8, 128), (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    # a one-token decode of the CPU ladder is its own step shape in the replay
+    trace = Trace([TraceRequest(0.0, list(range(1, 9)), 4)])
+    per_bucket = StepTimeModel((0.0, 0.001, 0.0, 0.0, 0.0))  # 1 ms per padded token
+    assert (
+        simulate(trace, cpu[0], per_bucket).tpot_s[0]
+        < simulate(trace, gpu[0], per_bucket).tpot_s[0]
+    )
 
 
 def test_cli_grid_json_plot_and_recommendation(tmp_path, capsys):
