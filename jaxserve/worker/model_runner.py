@@ -731,7 +731,9 @@ class ModelRunner:
             )
         plp = None
         if batch.prompt_logprob_targets is not None:
-            aot = self.aot_prompt_logprobs.get(batch.token_bucket)
+            # (the AOT executable was compiled for forward_step's hidden states; the one-head
+            # forward's may be placed otherwise on a mesh: its jit then compiles on first use)
+            aot = None if one_head else self.aot_prompt_logprobs.get(batch.token_bucket)
             targets = batch.prompt_logprob_targets
             plp = (
                 aot(self.params, hidden, targets)

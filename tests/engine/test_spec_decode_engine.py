@@ -169,6 +169,64 @@ def test_small_verification_steps_read_the_lm_head_once(
     assert calls["one"] > 0 and calls["again"] == 0, calls
 
 
+def test_prompt_logprobs_beside_a_one_head_verification(
+    base, make_engine, run, baseline, monkeypatch
+):
+    """A prompt scored (``prompt_logprobs``) in the same small step as a verification: the
+    one-head forward's hidden states feed the prompt scoring (its jitted function, not the
+    executable compiled for ``forward_step``'s hidden states), which gives what it gives
+    without speculation."""
+    from jaxserve.worker import model_runner
+
+    jitted = {"calls": 0}
+    real = model_runner.prompt_logprobs_step
+
+    def counted(*args, **kwargs):
+        jitted["calls"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "prompt_logprobs_step", counted)
+    greedy, _, want = baseline
+    tok = base.tokenizer
+    scored = (
+        "scored",
+        tok.encode("The king said"),
+        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2),
+    )
+    plain = make_engine()
+    ref = run(plain, [scored])["scored"]
+    # the synchronous loop: an async step would dispatch the prefill while copy0 waits for
+    # its step in flight (its drafts), so the two would not share a step
+    engine = make_engine(speculative=NGRAM, async_scheduling=False)
+    engine.add_request(*greedy[0])  # copy0: drafts from its first decoded tokens on
+    done, added = {}, []
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        drafting = engine.get_stats().spec_decode_num_drafts_total > 0
+        if drafting and jitted["calls"] == 0 and len(added) < 12 and "copy0" not in done:
+            # a prompt to score each step until one prefills beside a verification (copy0
+            # has no drafts on some steps: the proposer finds no match)
+            rid = f"scored{len(added)}"
+            engine.add_request(rid, *scored[1:])
+            added.append(rid)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert jitted["calls"] > 0  # a step held both (every bucket's executable is warm)
+    assert set(done) == {"copy0", *added}
+    assert _outputs({"copy0": done["copy0"]}) == {"copy0": _outputs(want)["copy0"]}
+    for rid in added:
+        got = done[rid]
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert len(got.prompt_logprobs) == len(ref.prompt_logprobs)
+        for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert math.isclose(a[t].logprob, b[t].logprob, rel_tol=1e-4, abs_tol=1e-4)
+    _assert_drained(engine)
+
+
 def test_batch1_speculation_overlaps_the_next_step(base, make_engine, run, baseline):
     """Async scheduling, one speculating request: each engine step collects and updates the
     step in flight, dispatches the next (its drafts known), and makes the outputs while that
