@@ -112,12 +112,16 @@ def parse_grid(text: str | None, default: Any, kind: Any, name: str) -> list:
 
 
 def grid_settings(
-    base: Setting, grids: dict[str, list], token_buckets: tuple[int, ...], backend: str
+    base: Setting,
+    grids: dict[str, list],
+    token_buckets: tuple[int, ...],
+    backend: str | None = None,
 ) -> list[Setting]:
     """Every combination of the grids over ``base``, each with the buckets its runner would
     compile: the configured ones where they still reach the budget, else the default ladder
     of attention ``backend`` for that budget (``backend_token_buckets``: from one token on
-    the CPU's backend, from 16 with the Pallas kernels)."""
+    the CPU's backend, from 16 with the Pallas kernels; ``ModelRunner.backend``). Without a
+    backend: the ladder from 16 (the Pallas backends')."""
     names = list(grids)
     out = []
     for values in itertools.product(*(grids[n] for n in names)):
@@ -126,7 +130,7 @@ def grid_settings(
         buckets = (
             tuple(token_buckets)
             if token_buckets and max(token_buckets) >= budget
-            else backend_token_buckets(backend, (), budget)
+            else backend_token_buckets(backend or "pallas-gpu", (), budget)
         )
         out.append(dataclasses.replace(s, token_buckets=buckets))
     return out
