@@ -261,6 +261,22 @@ def calibrate(engine_args: Any) -> tuple[StepTimeModel, Any]:
     return model, engine.config
 
 
+def no_recommendation(results: list[dict[str, Any]], max_model_len: int) -> str:
+    """Why ``recommend`` found no setting: every one refused requests (what is too long), or
+    none meets the SLOs."""
+    refused = [r for r in results if r["rejected"]]
+    if refused and len(refused) == len(results):
+        least = min(r["rejected"] for r in refused)
+        total = refused[0]["requests"] + refused[0]["rejected"]
+        return (
+            f"no recommendation: every setting refused requests (at least {least} of {total}: "
+            f"prompt + output tokens over --max-model-len {max_model_len} or the KV pool); "
+            "raise --max-model-len or shorten the workload (--long-input-len, "
+            "--long-output-len)"
+        )
+    return "no setting meets the SLOs (or every one that does refused requests); widen the grid"
+
+
 def target_backend(config: Any) -> str:
     """The attention backend the target's runner resolves (``--attention-backend`` on this
     machine's platform): its token-bucket rules shape the simulated steps."""
@@ -359,7 +375,7 @@ def run_tune(args: argparse.Namespace) -> int:
     print(format_table(report["results"]))
     best = report["recommended"]
     if best is None:
-        print("no setting meets the SLOs (or every one rejected requests); widen the grid")
+        print(no_recommendation(report["results"], sched.max_model_len))
     else:
         print(
             f"recommended: {serve_flags(best)}  (predicted {best['output_throughput']:.1f} "

@@ -243,6 +243,23 @@ def test_cli_grid_json_plot_and_recommendation(tmp_path, capsys):
     assert exc.value.code == 2
 
 
+def test_cli_says_when_every_setting_refuses_requests(tmp_path, capsys):
+    """Long requests over --max-model-len disqualify every setting: the CLI says which limit
+    refused them and how many, not only that no setting met the SLOs (exit 0, as documented)."""
+    calib = tmp_path / "calib.json"
+    StepTimeModel((0.005, 0.0002, 0.0, 0.001, 0.0)).save(str(calib))
+    argv = ["tune", "--workload", "mixed", "--num-prompts", "12", "--input-len", "32"]
+    argv += ["--output-len", "8", "--long-input-len", "400", "--long-output-len", "8"]
+    argv += ["--long-fraction", "0.5", "--request-rate", "20", "--calibration", str(calib)]
+    argv += ["--max-model-len", "256", "--num-gpu-blocks-override", "64", "--max-num-seqs", "4"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "every setting refused requests" in out and "--max-model-len 256" in out
+    assert "recommended:" not in out
+
+
 def test_preset_trace_is_what_bench_serve_sends():
     """validate.bench_serve_preset relies on it: same preset, sizes and seed -> same requests."""
     from jaxserve.bench.commands import resolve, workload_spec
