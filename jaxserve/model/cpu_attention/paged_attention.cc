@@ -42,7 +42,7 @@ struct Problem {
   const int32_t* ctx;       // [S]
   const int32_t* qsl;       // [S + 1]
   float* out;               // [T, Hkv, G, D]
-  int64_t T, Hkv, G, D, S, P, block_size;
+  int64_t T, Hkv, G, D, S, P, block_size, num_blocks;
   int64_t num_seqs, min_q, max_q, split_keys, window;  // window 0: none
   float scale, soft_cap;                               // soft_cap 0: none
 };
@@ -88,9 +88,11 @@ void RunItem(const Problem& pb, const T* kc, const T* vc, const Item& it, float*
   const int32_t* table = pb.tables + it.seq * pb.P;
   for (int64_t b0 = it.key_begin; b0 < it.key_end; b0 = (b0 / bs + 1) * bs) {
     const int64_t b1 = std::min((b0 / bs + 1) * bs, it.key_end), n = b1 - b0;
-    const int64_t at = (table[b0 / bs] * bs + b0 % bs) * stride;
+    const int64_t page = table[b0 / bs];
+    if (page < 0 || page >= pb.num_blocks) continue;  // not a block of this cache: skipped
+    const int64_t at = (page * bs + b0 % bs) * stride;
     if (b1 < it.key_end) {  // the next block's keys and values, while this one computes
-      const int64_t next = table[b1 / bs] * bs * stride;
+      const int64_t next = std::clamp<int64_t>(table[b1 / bs], 0, pb.num_blocks - 1) * bs * stride;
       const int64_t len = std::min(bs, it.key_end - b1) * stride;
       Prefetch(kc + next, len);
       Prefetch(vc + next, len);
@@ -183,8 +185,9 @@ void Attend(const Problem& pb, const T* kc, const T* vc, ffi::ThreadPool* pool) 
   for (int64_t s = 0; s < std::min(pb.num_seqs, pb.S); ++s) {
     const int64_t q_len = pb.qsl[s + 1] - pb.qsl[s];
     if (q_len < pb.min_q || q_len > pb.max_q) continue;
-    const int64_t last = pb.ctx[s] - 1;  // the last query token's position
-    if (last < 0 || pb.qsl[s] + q_len > pb.T) continue;
+    // the last query token's position (at most the block table's reach: no read outside it)
+    const int64_t last = std::min<int64_t>(pb.ctx[s], pb.P * pb.block_size) - 1;
+    if (last < 0 || pb.qsl[s] < 0 || pb.qsl[s] + q_len > pb.T) continue;
     int64_t begin = 0;
     if (pb.window > 0) begin = std::max<int64_t>(0, last - q_len + 1 - pb.window + 1);
     first_item.push_back(items.size());
@@ -234,12 +237,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   auto td = block_tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged attention: q must be 4-D, caches 4-D, tables 2-D");
-  if (k_cache.element_type() != v_cache.element_type())
-    return ffi::Error::InvalidArgument("paged attention: k and v caches differ in dtype");
+  if (k_cache.element_type() != v_cache.element_type() ||
+      !std::equal(kd.begin(), kd.end(), v_cache.dimensions().begin(), v_cache.dimensions().end()))
+    return ffi::Error::InvalidArgument("paged attention: k and v caches differ in dtype or shape");
   Problem pb{q.typed_data(),  block_tables.typed_data(), context_lens.typed_data(),
              query_start_loc.typed_data(), out->typed_data()};
   pb.T = qd[0], pb.Hkv = qd[1], pb.G = qd[2], pb.D = qd[3];
-  pb.S = td[0], pb.P = td[1], pb.block_size = kd[1];
+  pb.S = td[0], pb.P = td[1], pb.block_size = kd[1], pb.num_blocks = kd[0];
   if (kd[2] != pb.Hkv || kd[3] != pb.D)
     return ffi::Error::InvalidArgument("paged attention: cache [N, bs, Hkv, D] does not match q");
   pb.num_seqs = num_seqs.typed_data()[0];
