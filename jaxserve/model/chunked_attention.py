@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.model import cpu_attention
+
 _HI = lax.Precision.HIGHEST
 
 
@@ -91,6 +93,7 @@ def chunked_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     tiling: CpuAttentionTiling = DEFAULT_TILING,
+    native: bool | None = None,
 ) -> jax.Array:
     """Ragged paged attention (the reference's signature and semantics), tiled for XLA CPU.
 
@@ -102,6 +105,10 @@ def chunked_paged_attention(
         ``[S + 1]``; num_seqs: int32 ``[]`` (see ``PagedAttentionMetadata``).
       sm_scale, soft_cap, sliding_window: as in ``paged_attention``.
       tiling: static work sizes (``CpuAttentionTiling``).
+      native: run the rows of short queries (decode rows, and the ``short_rows`` pass) in our
+        C++ kernel (``jaxserve.model.cpu_attention``), which reads the cache in place instead
+        of gathering it; None: where it can (the default backend is the CPU, the kernel
+        built, the cache dtype one it reads). Prefill tiles stay in jnp either way.
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``; scores and softmax in float32; rows of padding tokens are
@@ -127,12 +134,21 @@ def chunked_paged_attention(
     use_prefill = num_tokens > short
     use_long = use_prefill and long > 0 and num_tokens >= long_min
     pad = max(short * use_short, tiling.prefill_rows * use_prefill, long * use_long)
+    if native is None:
+        native = _native_ok(k_cache.dtype)
     with jax.named_scope("ragged_attention"):
-        out = jnp.zeros((num_tokens + pad, num_kv_heads, group, head_dim))
-        decode = real & (q_len == 1)
-        out = _decode_pass(
-            out, *step, decode, keys=tiling.decode_keys, items=tiling.decode_items, **scores
-        )
+        if native:  # decode and verification rows read the cache in place (C++ kernel)
+            rows = cpu_attention.paged_attention_rows(
+                q_f32, *step[1:], num_seqs, min_q_len=1, max_q_len=max(short, 1), **scores
+            )
+            out = jnp.pad(rows, ((0, pad), (0, 0), (0, 0), (0, 0)))
+            use_short = False
+        else:
+            out = jnp.zeros((num_tokens + pad, num_kv_heads, group, head_dim))
+            decode = real & (q_len == 1)
+            out = _decode_pass(
+                out, *step, decode, keys=tiling.decode_keys, items=tiling.decode_items, **scores
+            )
         if use_short:  # verification rows (1 + K tokens) in tiles of their size
             short_len = jnp.where(real & (q_len > 1) & (q_len <= short), q_len, 0)
             out = _prefill_pass(
@@ -160,6 +176,16 @@ def chunked_paged_attention(
                 **scores,
             )
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _native_ok(cache_dtype) -> bool:
+    """Whether ``native=None`` means the C++ kernel: on the CPU backend, for a dtype it reads,
+    once it has built (``cpu_attention.available``)."""
+    if jax.default_backend() != "cpu":
+        return False
+    if not any(jnp.dtype(cache_dtype) == d for d in cpu_attention.KERNEL_DTYPES):
+        return False
+    return cpu_attention.available()
 
 
 def _whole_blocks(keys: int, block_size: int, pages_per_seq: int) -> int:

@@ -2,7 +2,7 @@
 
 Prompt checks follow vLLM's ``OpenAIServing._validate_input``: a prompt must be non-empty, its
 token ids inside the vocabulary, and no longer than ``max_model_len``; a ``max_tokens`` beyond
-what max_model_len leaves is a 400 (OpenAI's and vLLM's rule). With chunked prefill off, a prompt
+what max_model_len leaves is clamped to it (vLLM 0.32's ``get_max_tokens``). With chunked prefill off, a prompt
 must also fit the scheduler's token budget whole (it could never be scheduled otherwise).
 Violations are ``APIError`` 400s that name the field and the lengths.
 """
@@ -423,17 +423,19 @@ def resolve_max_tokens(
 ) -> int:
     """The output cap of one prompt: ``requested``, or what max_model_len leaves when None.
 
-    Length policy of the server and the batch CLI (OpenAI's and vLLM's server's): a
-    ``max_tokens`` beyond what max_model_len leaves after the prompt is a 400 naming the field
-    and the three numbers. (The offline ``LLM`` API still clamps, see
-    ``jaxserve.engine.llm_engine``.) A missing ``max_tokens`` means "up to max_model_len".
+    Length policy of the server and the batch CLI, vLLM's (0.32, ``get_max_tokens``): a
+    ``max_tokens`` beyond what max_model_len leaves after the prompt is clamped to what it
+    leaves (the request ends with ``finish_reason: "length"`` there), as the offline ``LLM``
+    API does; a prompt that leaves no room is a 400. (OpenAI answers 400 to both; vLLM's
+    clients, the benchmark among them, send ``max_tokens`` without counting the prompt's
+    tokens as the server will.) A missing ``max_tokens`` means "up to max_model_len".
     A ``max_new_tokens`` in the generation config (``--generation-config``) caps both, as in
     vLLM.
     ``max_tokens: 0`` is allowed (score the prompt only).
 
     Raises:
-      APIError: 400 when the prompt leaves no room, or less room than asked for (names the
-        lengths); a negative or non-integer ``requested`` is left to SamplingParams.
+      APIError: 400 when the prompt leaves no room (names the lengths); a negative or
+        non-integer ``requested`` is left to SamplingParams.
     """
     room = info.max_model_len - prompt_len
     if requested == 0:
@@ -447,17 +449,9 @@ def resolve_max_tokens(
     cap = info.default_sampling.get("max_tokens")  # generation_config's max_new_tokens
     if requested is None:
         return room if cap is None else min(room, cap)
-    if isinstance(requested, int) and not isinstance(requested, bool) and requested > room:
-        raise bad_request(
-            f"{field} is too large: {field} is {requested}, but this model's maximum context "
-            f"length (max_model_len) is {info.max_model_len} tokens and the prompt has "
-            f"{prompt_len} tokens, which leaves {room} ({requested} > {info.max_model_len} - "
-            f"{prompt_len})",
-            param=field,
-        )
-    if cap is not None and isinstance(requested, int) and not isinstance(requested, bool):
-        return min(requested, cap)  # vLLM caps requests at max_new_tokens too
-    return requested
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+        return requested  # SamplingParams names the field
+    return min(requested, room, room if cap is None else cap)  # vLLM caps at max_new_tokens too
 
 
 def check_queue(llm: EngineClient, info: ServingInfo) -> None:

@@ -158,20 +158,23 @@ def test_stop_check_cost_does_not_grow_with_output():
 # ---- lengths ----------------------------------------------------------------------------------
 
 
-def test_prompt_plus_max_tokens_over_max_model_len_is_400(client):
-    """OpenAI and vLLM answer 400 when prompt + max_tokens cannot fit; it used to be clamped."""
+def test_prompt_plus_max_tokens_over_max_model_len_is_clamped(client):
+    """As vLLM 0.32: a max_tokens beyond what max_model_len leaves after the prompt is clamped to
+    it (finish_reason "length" there); a prompt that leaves no room is a 400 (see below)."""
     prompt = [1] + [500] * 250  # 251 tokens of 256
-    error = assert_error(
-        client.post(COMPL, json={"prompt": prompt, "max_tokens": 6}), 400, "max_tokens"
+    for max_tokens in (6, 10**6, None):  # None: up to max_model_len
+        body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        out = client.post(COMPL, json=body).json()
+        assert out["usage"]["completion_tokens"] == 5, out
+        assert out["choices"][0]["finish_reason"] == "length"
+    assert client.post(COMPL, json={"prompt": prompt, "max_tokens": 4}).status_code == 200
+    chat = client.post(CHAT, json={"messages": MSG, "max_completion_tokens": 10**6})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["finish_reason"] in (
+        "stop",
+        "length",
     )
-    assert "256" in error["message"] and "251" in error["message"] and "6" in error["message"]
-    assert client.post(COMPL, json={"prompt": prompt, "max_tokens": 5}).status_code == 200
-    no_cap = client.post(COMPL, json={"prompt": prompt, "max_tokens": None}).json()
-    assert no_cap["usage"]["completion_tokens"] == 5  # no max_tokens: up to max_model_len
     assert_error(
-        client.post(CHAT, json={"messages": MSG, "max_completion_tokens": 10**6}),
-        400,
-        "max_completion_tokens",
+        client.post(COMPL, json={"prompt": [1] + [500] * 255, "max_tokens": 1}), 400, "prompt"
     )
 
 

@@ -1,17 +1,20 @@
 """The xla backend's tiled attention against the whole-row oracle
-(``ragged_paged_attention_reference``): ragged mixes of prefill chunks and decodes, decode rows
+(``ragged_paged_attention_reference``), with its decode and short rows in jnp and in our C++
+kernel: ragged mixes of prefill chunks and decodes, decode rows
 of very different contexts, prefill chunks over several query tiles and key chunks, chunks of
 2..rows tokens, padding tokens and sequences, soft cap and sliding window, bfloat16."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.model import cpu_attention
 from jaxserve.model.chunked_attention import CpuAttentionTiling, chunked_paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -50,13 +53,20 @@ def make_args(rng, seqs, *, num_tokens, num_seq_slots, hkv, group, head_dim, blo
     )
 
 
+# The jnp passes, and the C++ kernel for decode and short rows where it builds (it must on a
+# machine with a compiler: tests/model/test_cpu_attention.py).
+NATIVE = (False, True) if cpu_attention.available() else (False,)
+
+
 def check(args, seqs, tiling, *, atol=2e-5, **kw):
     ref = ragged_paged_attention_reference(*args, **kw)
-    got = jax.jit(lambda *a: chunked_paged_attention(*a, tiling=tiling, **kw))(*args)
     real = sum(q for q, _ in seqs)
-    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
-    np.testing.assert_allclose(got[:real], ref[:real], atol=atol, rtol=0)
-    np.testing.assert_array_equal(got[real:], 0.0)  # padding tokens
+    ref = np.asarray(ref, np.float32)
+    for native in NATIVE:
+        attend = functools.partial(chunked_paged_attention, tiling=tiling, native=native, **kw)
+        got = np.asarray(jax.jit(attend)(*args), np.float32)
+        np.testing.assert_allclose(got[:real], ref[:real], atol=atol, rtol=0, err_msg=f"{native=}")
+        np.testing.assert_array_equal(got[real:], 0.0)  # padding tokens
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,18 @@ def test_compressed_tensors_fixture_matches_its_fake_quantization(name):
     golden = np.load(os.path.join(quant_path(name), "golden.npz"))
     for i in range(2):
         got = dense_logits(model, golden[f"prompt_{i}"].tolist())
-        np.testing.assert_allclose(got, golden[f"logits_{i}"], atol=tol, rtol=0)
+        ref = golden[f"logits_{i}"]
+        if name == "w8a8":
+            # INT8 activations are rounded to nearest per token, so a float32 sum that ends 1 ulp
+            # from torch's (matmul accumulation order differs by CPU: AVX-512 vs AVX2 kernels)
+            # can move one activation across a rounding boundary: on an AVX-512 EPYC, prompt 0's
+            # last token is 0.027 off and every other row 1.2e-6. Allow that in one row (the
+            # double-rounded division this test once caught was 0.072 off).
+            off = np.abs(got - ref).max(-1) > tol
+            assert off.sum() <= 1, f"rows {np.flatnonzero(off)} differ by more than {tol}"
+            np.testing.assert_allclose(got[off], ref[off], atol=0.05, rtol=0)
+            got, ref = got[~off], ref[~off]
+        np.testing.assert_allclose(got, ref, atol=tol, rtol=0)
 
 
 def test_static_fp8_fixture_reads_its_kv_scales_and_serves_an_fp8_cache():

@@ -155,7 +155,7 @@ def _responses(ok: str) -> dict[str, Any]:
 INT32_MAX = 2**31 - 1
 
 UNEXPRESSED = (
-    "prompt + max_tokens (or max_completion_tokens) must fit max_model_len tokens",
+    "the prompt must leave room in max_model_len tokens (max_tokens beyond it is clamped)",
     "min_tokens <= max_tokens",
     "best_of, when given, equals n",
     "top_logprobs needs logprobs: true",

@@ -1,0 +1,179 @@
+"""Our C++ paged-attention kernel for CPUs (an XLA FFI custom call), built at first use.
+
+The jnp path (``jaxserve.model.chunked_attention``) must gather a copy of every key chunk it
+reads out of the paged cache before XLA can multiply it, and on CPU that copy, not the
+arithmetic, is what a decode row costs (benchmarks/RESULTS.md, #34: ~5-6 GB/s). This kernel
+reads the keys and values where they lie, block by block through the block table, with an
+online softmax per query row: for the rows of short queries (decode rows and speculative
+verification's 1 + K), whose work is reading the cache. Prefill chunks stay on the jnp path,
+whose tiles are matrix products.
+
+Built like PyTorch's inductor builds its CPU kernels: the source ships in the package
+(``paged_attention.cc``), and the first process that needs it compiles it with the system's
+C++ compiler (``$CXX``, else ``g++``, else ``c++``) against jaxlib's FFI headers, into a cache
+directory (``$JAXSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxserve``, else
+``~/.cache/jaxserve``) keyed by the source, jaxlib's version, the compiler and the CPU, so
+later processes load it in milliseconds. ``available()`` says whether it loaded; when it
+cannot be built (no compiler), the "xla" attention backend keeps the jnp path and says why
+once in the log. ``JAXSERVE_CPU_KERNEL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
+_TARGET = "jaxserve_paged_attention_cpu"
+_SYMBOL = "JaxservePagedAttentionCpu"
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
+"""Cache dtypes the kernel reads (others, FP8 and float16, keep the jnp path)."""
+
+
+def cache_dir() -> pathlib.Path:
+    """Where built kernels are kept (see the module docstring)."""
+    root = os.environ.get("JAXSERVE_CACHE_DIR")
+    if root:
+        return pathlib.Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return pathlib.Path(xdg or pathlib.Path.home() / ".cache") / "jaxserve"
+
+
+def _cpu_name() -> str:
+    """The CPU's model and feature flags (the build uses ``-march=native``)."""
+    lines = []
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features", "CPU part")):
+                lines.append(line)
+            elif not line.strip() and lines:
+                break  # the first processor's block is enough
+    except OSError:
+        pass
+    return "\n".join(lines) or platform.processor()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(cxx: str) -> pathlib.Path:
+    """The kernel's shared library, compiled now unless the cache holds it (atomic rename, so
+    processes building at once do not see half a file)."""
+    import jaxlib
+
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), jaxlib.__version__.encode(), cxx.encode(), *_FLAGS):
+        key.update(part if isinstance(part, bytes) else part.encode())
+    key.update(_cpu_name().encode())
+    lib = cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = pathlib.Path(tmp) / lib.name
+        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(out)]
+        run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if run.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
+        os.replace(out, lib)
+    return lib
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds (or finds) and registers the kernel; None when it is ready, else why not."""
+    if os.environ.get("JAXSERVE_CPU_KERNEL", "1") == "0":
+        return "JAXSERVE_CPU_KERNEL=0"
+    cxx = _compiler()
+    if cxx is None:
+        return "no C++ compiler (set CXX, or install g++)"
+    try:
+        lib = ctypes.CDLL(str(_build(cxx)))
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), "cpu")
+    except (OSError, RuntimeError, AttributeError) as e:
+        return f"it did not build or load: {e}"
+    return None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built and registered (builds it on the first call; logs why not
+    once)."""
+    why = _load()
+    if why is not None:
+        logger.warning("CPU paged-attention kernel unavailable (%s); decode rows use jnp", why)
+    else:
+        logger.info("CPU paged-attention kernel loaded (decode and verification rows)")
+    return why is None
+
+
+def paged_attention_rows(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    min_q_len: int = 1,
+    max_q_len: int = 1,
+    split_keys: int = 512,
+) -> jax.Array:
+    """Paged attention of the sequences with ``min_q_len <= q_len <= max_q_len`` query tokens.
+
+    Args:
+      q: float32 ``[T, Hkv, G, D]`` queries, grouped by KV head.
+      k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, a dtype of ``KERNEL_DTYPES``.
+      block_tables: int32 ``[S, P]``; context_lens: int32 ``[S]``; query_start_loc: int32
+        ``[S + 1]``; num_seqs: int32 ``[]`` (as ``chunked_paged_attention``).
+      sm_scale, soft_cap, sliding_window: as ``paged_attention``.
+      min_q_len, max_q_len: which sequences (by query tokens in this step) it attends.
+      split_keys: keys per work item (a long context is split so every thread has work).
+
+    Returns:
+      float32 ``[T, Hkv, G, D]``: the attended sequences' rows; every other row zero.
+
+    Raises:
+      RuntimeError: the kernel is not ``available()``.
+    """
+    if not available():
+        raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {_load()}")
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(
+        q.astype(jnp.float32),
+        k_cache,
+        v_cache,
+        block_tables.astype(jnp.int32),
+        context_lens.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32),
+        jnp.asarray(num_seqs, jnp.int32),
+        sm_scale=np.float32(sm_scale),
+        soft_cap=np.float32(soft_cap or 0.0),
+        sliding_window=int(sliding_window or 0),
+        min_q_len=int(min_q_len),
+        max_q_len=int(max_q_len),
+        split_keys=int(split_keys),
+    )

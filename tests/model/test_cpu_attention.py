@@ -1,0 +1,168 @@
+"""Our C++ paged-attention kernel for CPUs (``jaxserve.model.cpu_attention``): it builds where
+there is a compiler, attends exactly the rows it is asked for (decode and verification rows,
+split keys merged, sliding window, soft cap, bfloat16) against the whole-row oracle, and the
+engine falls back to jnp, saying why, where it cannot build."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_chunked_attention import make_args
+
+from jaxserve.model import chunked_attention, cpu_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+# (query_len, context_len): decode rows at block edges and one key, verification rows (1 + K)
+# fresh and after a prefix, a prefill chunk the kernel must leave alone.
+SEQS = [(1, 33), (4, 40), (1, 1), (12, 30), (1, 150), (5, 5), (1, 64), (3, 97)]
+
+
+def test_builds_where_there_is_a_compiler():
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    assert cpu_attention.available(), cpu_attention._load()
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not cpu_attention.available():
+        pytest.skip(f"kernel unavailable: {cpu_attention._load()}")
+
+
+@pytest.mark.parametrize(
+    "dtype,split_keys,soft_cap,sliding_window",
+    [
+        (jnp.float32, 512, None, None),
+        (jnp.float32, 16, None, None),  # contexts split in 16-key items, merged
+        (jnp.float32, 24, 20.0, None),  # splits not on block edges
+        (jnp.float32, 8, None, 21),  # window inside the splits, and past a whole split
+        (jnp.bfloat16, 32, None, 7),
+    ],
+)
+def test_rows_match_the_oracle(kernel, dtype, split_keys, soft_cap, sliding_window):
+    rng = np.random.default_rng(split_keys)
+    args = make_args(
+        rng,
+        SEQS,
+        num_tokens=40,  # 28 real tokens + padding
+        num_seq_slots=10,  # padding sequences
+        hkv=2,
+        group=3,
+        head_dim=24,
+        block_size=8,
+        pages=20,
+    )
+    args = tuple(a.astype(dtype) if a.dtype == jnp.float32 else a for a in args)
+    kw = dict(sm_scale=0.3, soft_cap=soft_cap, sliding_window=sliding_window)
+    ref = np.asarray(ragged_paged_attention_reference(*args, **kw), np.float32)
+    q = args[0].astype(jnp.float32).reshape(40, 2, 3, 24)
+    got = jax.jit(
+        lambda q, *a: cpu_attention.paged_attention_rows(
+            q, *a, min_q_len=1, max_q_len=5, split_keys=split_keys, **kw
+        )
+    )(q, *args[1:])
+    got = np.asarray(got).reshape(40, 6, 24)
+    atol = 2e-5 if dtype == jnp.float32 else 2e-2
+    start = 0
+    for q_len, _ in SEQS:
+        rows = slice(start, start + q_len)
+        if q_len <= 5:  # attended
+            np.testing.assert_allclose(got[rows], ref[rows], atol=atol, rtol=0)
+        else:  # left to the prefill tiles
+            np.testing.assert_array_equal(got[rows], 0.0)
+        start += q_len
+    np.testing.assert_array_equal(got[start:], 0.0)  # padding tokens
+
+
+_SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as Ps
+from jaxserve.model.chunked_attention import chunked_paged_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from test_chunked_attention import make_args
+from test_cpu_attention import SEQS
+assert len(jax.devices()) == 2, jax.devices()
+args = make_args(np.random.default_rng(0), SEQS, num_tokens=32, num_seq_slots=8, hkv=2, group=2,
+                 head_dim=16, block_size=8, pages=20)
+heads, cache, rep = Ps(None, "model", None), Ps(None, None, "model", None), Ps()
+attend = jax.jit(jax.shard_map(
+    lambda *a: chunked_paged_attention(*a, sm_scale=0.25, native=True),
+    mesh=Mesh(np.array(jax.devices()), ("model",)),
+    in_specs=(heads, cache, cache, rep, rep, rep, rep), out_specs=heads, check_vma=False))
+ref = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.25))
+np.testing.assert_allclose(np.asarray(attend(*args))[:28], ref[:28], atol=2e-5, rtol=0)
+empty = (*args[:5], jnp.zeros_like(args[5]), jnp.int32(0))
+np.testing.assert_array_equal(np.asarray(attend(*empty)), 0.0)
+print("SHARDED OK")
+"""
+
+
+def test_tensor_parallel_shards_and_empty_batches(kernel):
+    """Under shard_map over KV heads (2 host devices, a subprocess) each shard runs the kernel
+    on its own heads; a step with no sequence is all zeros."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2")
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parent), *sys.path])
+    run = subprocess.run(
+        [sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "SHARDED OK" in run.stdout, run.stderr[-3000:]
+
+
+def test_without_a_compiler_the_jnp_path_runs_and_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
+    cpu_attention._load.cache_clear()
+    cpu_attention.available.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert not cpu_attention.available()
+        assert "no C++ compiler" in caplog.text
+        assert not chunked_attention._native_ok(jnp.float32)
+        with pytest.raises(RuntimeError, match="unavailable: no C\\+\\+ compiler"):
+            cpu_attention.paged_attention_rows(
+                *make_args(
+                    np.random.default_rng(0),
+                    [(1, 4)],
+                    num_tokens=1,
+                    num_seq_slots=1,
+                    hkv=1,
+                    group=1,
+                    head_dim=8,
+                    block_size=8,
+                    pages=1,
+                ),
+                sm_scale=1.0,
+            )
+        monkeypatch.setenv("JAXSERVE_CPU_KERNEL", "0")
+        monkeypatch.setattr(cpu_attention, "_compiler", lambda: "/usr/bin/g++")
+        cpu_attention._load.cache_clear()
+        assert cpu_attention._load() == "JAXSERVE_CPU_KERNEL=0"
+    finally:
+        cpu_attention._load.cache_clear()
+        cpu_attention.available.cache_clear()
+
+
+def test_a_failed_build_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_attention, "_compiler", lambda: shutil.which("false") or "/bin/false")
+    cpu_attention._load.cache_clear()
+    try:
+        why = cpu_attention._load()
+        assert why is not None and why.startswith("it did not build or load")
+        assert not list(tmp_path.glob("*.so"))  # nothing half-written left to load later
+    finally:
+        cpu_attention._load.cache_clear()
+        cpu_attention.available.cache_clear()
+
+
+def test_fp8_and_float16_caches_keep_the_jnp_path():
+    assert not chunked_attention._native_ok(jnp.float8_e4m3fn)
+    assert not chunked_attention._native_ok(jnp.float16)
