@@ -13,6 +13,8 @@ per case the wall ms and the process CPU ms per call (minimum over ``--repeats``
 the steadier one on a shared box, and with ``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false
 intra_op_parallelism_threads=1"`` it is the work itself). ``--oracle`` also runs the oracle on
 the cases where it fits (P = 32/128) and prints the largest difference.
+On the CPU backend the decode and short rows run in our C++ kernel (``jaxserve.model.cpu_attention``)
+where it builds; ``JAXSERVE_CPU_KERNEL=0`` times the jnp passes instead (run both, interleaved).
 The script only calls ``chunked_paged_attention(..., sm_scale=...)``, so pointing
 ``PYTHONPATH`` at an older tree times that tree's path on the same cases.
 """

@@ -31,6 +31,13 @@ def test_builds_where_there_is_a_compiler():
     assert cpu_attention.available(), cpu_attention._load()
 
 
+def test_loading_leaves_the_processs_floats_alone(kernel):
+    """Built with -ffast-math but not linked with it: a library linked so would set flush-to-zero
+    for the whole process as it loads (hypothesis, numpy and every caller lose subnormals)."""
+    tiny = np.float32(1e-39)  # subnormal
+    assert tiny * np.float32(1.0) == tiny and tiny / np.float32(2.0) > 0
+
+
 @pytest.fixture(scope="module")
 def kernel():
     if not cpu_attention.available():

@@ -40,7 +40,11 @@ logger = logging.getLogger(__name__)
 _SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
 _TARGET = "jaxserve_paged_attention_cpu"
 _SYMBOL = "JaxservePagedAttentionCpu"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+# -ffast-math at compile time only (vectorized expf from glibc's libmvec, reassociated sums):
+# linking with it would add crtfastmath.o, whose constructor turns on flush-to-zero for the
+# whole process when the library loads (subnormal floats would vanish everywhere).
+_COMPILE = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")
+_LINK = ("-shared", *(("-lmvec",) if platform.machine() in ("x86_64", "AMD64") else ()))
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
 """Cache dtypes the kernel reads (others, FP8 and float16, keep the jnp path)."""
 
@@ -81,7 +85,13 @@ def _build(cxx: str) -> pathlib.Path:
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), jaxlib.__version__.encode(), cxx.encode(), *_FLAGS):
+    for part in (
+        _SOURCE.read_bytes(),
+        jaxlib.__version__.encode(),
+        cxx.encode(),
+        *_COMPILE,
+        *_LINK,
+    ):
         key.update(part if isinstance(part, bytes) else part.encode())
     key.update(_cpu_name().encode())
     lib = cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
@@ -89,11 +99,15 @@ def _build(cxx: str) -> pathlib.Path:
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        out = pathlib.Path(tmp) / lib.name
-        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(out)]
-        run = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if run.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
+        obj, out = pathlib.Path(tmp) / "kernel.o", pathlib.Path(tmp) / lib.name
+        include = f"-I{jax.ffi.include_dir()}"
+        for cmd in (
+            [cxx, *_COMPILE, include, "-c", str(_SOURCE), "-o", str(obj)],
+            [cxx, str(obj), *_LINK, "-o", str(out)],
+        ):
+            run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if run.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
         os.replace(out, lib)
     return lib
 
