@@ -180,12 +180,15 @@ def test_killed_replica_fails_in_flight_reroutes_the_rest_and_restarts(cluster):
     assert errors and errors[-1]["error"]["code"] == "replica_died", events[-3:]
     # Requests sent now never wait on the dead replica: the ones routed there before the
     # ingress noticed (forced here: the router still counts it up) are re-routed unstarted.
+    # (Ray may have restarted it by the last of the four: a warm-up takes seconds on CPU since
+    # the C++ decode kernel, so only the first request is sure to find it dead.)
     t0 = time.monotonic()
     ingress.router.update(victim, up=True)
+    rerouted = ingress.num_rerouted
     served_by = [_complete(client, f"after the crash {k}")[0] for k in range(4)]
-    assert set(served_by) == {1 - victim} and time.monotonic() - t0 < 60
-    assert ingress.num_rerouted >= 1
-    assert client.get("/health").json() == {"replicas": 2, "replicas_up": 1}
+    assert served_by[0] == 1 - victim and time.monotonic() - t0 < 60
+    assert ingress.num_rerouted > rerouted  # one was routed to the dead replica, then moved
+    assert client.get("/health").json()["replicas"] == 2
     # Ray restarts the replica; the ingress sees it back and routes to it again.
     deadline = time.monotonic() + 150
     while client.get("/health").json()["replicas_up"] < 2:
