@@ -134,9 +134,7 @@ def prepare_chat(request: ChatCompletionRequest, info: ServingInfo, tokenizer: A
         raise error from exc
     check_prompt_ids(prompt_ids, info, field="messages")
     field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(
-        request.requested_max_tokens, len(prompt_ids), info, field=field
-    )
+    max_tokens = resolve_max_tokens(request.requested_max_tokens, len(prompt_ids), info)
     try:
         params = request.to_sampling_params(max_tokens, info.default_sampling)
         params.check_vocab(info.vocab_size)

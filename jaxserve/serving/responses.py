@@ -373,9 +373,7 @@ def prepare_responses(
         error.param = "input"
         raise error from exc
     check_prompt_ids(prompt_ids, info, field="input")
-    max_tokens = resolve_max_tokens(
-        request.max_output_tokens, len(prompt_ids), info, field="max_output_tokens"
-    )
+    max_tokens = resolve_max_tokens(request.max_output_tokens, len(prompt_ids), info)
     params = _sampling_params(request, max_tokens, constraint, info)
     check_sampler_memory(params, info)
     params = apply_tool_plan(request, params, tools, tokenizer, info)

@@ -2,8 +2,8 @@
 
 Prompt checks follow vLLM's ``OpenAIServing._validate_input``: a prompt must be non-empty, its
 token ids inside the vocabulary, and no longer than ``max_model_len``; a ``max_tokens`` beyond
-what max_model_len leaves is clamped to it (vLLM 0.32's ``get_max_tokens``). With chunked prefill off, a prompt
-must also fit the scheduler's token budget whole (it could never be scheduled otherwise).
+what max_model_len leaves is clamped to it (vLLM 0.32's ``get_max_tokens``). With chunked
+prefill off, a prompt must also fit the scheduler's token budget whole (it could never be scheduled otherwise).
 Violations are ``APIError`` 400s that name the field and the lengths.
 """
 
@@ -418,9 +418,7 @@ def check_prompt_ids(ids: list[int], info: ServingInfo, field: str = "prompt") -
         )
 
 
-def resolve_max_tokens(
-    requested: int | None, prompt_len: int, info: ServingInfo, field: str = "max_tokens"
-) -> int:
+def resolve_max_tokens(requested: int | None, prompt_len: int, info: ServingInfo) -> int:
     """The output cap of one prompt: ``requested``, or what max_model_len leaves when None.
 
     Length policy of the server and the batch CLI, vLLM's (0.32, ``get_max_tokens``): a
@@ -447,11 +445,12 @@ def resolve_max_tokens(
             param="prompt",
         )
     cap = info.default_sampling.get("max_tokens")  # generation_config's max_new_tokens
+    limit = room if cap is None else min(room, cap)  # vLLM caps requests at it too
     if requested is None:
-        return room if cap is None else min(room, cap)
+        return limit
     if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
         return requested  # SamplingParams names the field
-    return min(requested, room, room if cap is None else cap)  # vLLM caps at max_new_tokens too
+    return min(requested, limit)
 
 
 def check_queue(llm: EngineClient, info: ServingInfo) -> None:

@@ -315,7 +315,7 @@ def test_resolve_max_tokens():
     assert resolve_max_tokens(None, 30, INFO) == 70
     assert resolve_max_tokens(70, 30, INFO) == 70
     for over in (71, 10**30):  # clamped to what max_model_len leaves (vLLM 0.32)
-        assert resolve_max_tokens(over, 30, INFO, field="max_completion_tokens") == 70
+        assert resolve_max_tokens(over, 30, INFO) == 70
     assert resolve_max_tokens(0, 100, INFO) == 0
     assert resolve_max_tokens(-1, 30, INFO) == -1  # left to SamplingParams (a 400 there)
     for requested in (None, 1):

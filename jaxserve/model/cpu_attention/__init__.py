@@ -74,8 +74,9 @@ def _cpu_name() -> str:
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     return None
 
 
@@ -84,16 +85,9 @@ def _build(cxx: str) -> pathlib.Path:
     processes building at once do not see half a file)."""
     import jaxlib
 
-    key = hashlib.sha256()
-    for part in (
-        _SOURCE.read_bytes(),
-        jaxlib.__version__.encode(),
-        cxx.encode(),
-        *_COMPILE,
-        *_LINK,
-    ):
-        key.update(part if isinstance(part, bytes) else part.encode())
-    key.update(_cpu_name().encode())
+    key = hashlib.sha256(_SOURCE.read_bytes())
+    for part in (jaxlib.__version__, cxx, *_COMPILE, *_LINK, _cpu_name()):
+        key.update(part.encode())
     lib = cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib

@@ -16,7 +16,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -26,8 +25,6 @@
 namespace ffi = xla::ffi;
 
 namespace {
-
-inline float Load(const float* p, int64_t i) { return p[i]; }
 
 inline float Load(const uint16_t* p, int64_t i) {  // bfloat16 -> float32 (exact)
   uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
