@@ -130,9 +130,9 @@ def available() -> bool:
     once)."""
     why = _load()
     if why is not None:
-        logger.warning("CPU paged-attention kernel unavailable (%s); decode rows use jnp", why)
+        logger.warning("CPU paged-attention kernel unavailable (%s); attention runs in jnp", why)
     else:
-        logger.info("CPU paged-attention kernel loaded (decode and verification rows)")
+        logger.info("CPU paged-attention kernel loaded")
     return why is None
 
 
