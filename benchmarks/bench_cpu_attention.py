@@ -1,19 +1,21 @@
 """CPU attention: the path the "xla" backend runs (``jaxserve.model.chunked_attention``)
 at realistic step shapes, against the whole-row oracle (``ragged_paged_attention_reference``)
 where the oracle fits, one jitted call per case, at the shapes of the tiny peer checkpoint (Hq 4,
-Hkv 2, D 32, block 32).
+Hkv 2, D 32, block 32) or others (``--heads 9:3:64`` SmolLM2's, ``--heads 32:8:128`` Llama-3-8B's).
 
-  JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_cpu_attention.py [--oracle] [CASE ...]
+  JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_cpu_attention.py [--oracle] [--heads HQ:HKV:D]
+      [CASE ...]
 
 Cases (T = token bucket, S = sequence bucket, P = block-table width): decodes of one sequence at
 2k / 6k / 12k tokens of context (P = 512, ``max_model_len`` 16,384); 16 decodes at ~600; 100
 decodes at 129-191 (P = 32); a fresh 512-token prefill, 4 fresh 128-token prefills; a 512-token
 prefill chunk ending at 2k / 6k / 12k; 15 decodes beside a 497-token prefill (T = 512). Prints
-per case the wall ms and the process CPU ms per call (minimum over ``--repeats``; CPU time is
+per case the wall ms, the process CPU ms per call (minimum over ``--repeats``; CPU time is
 the steadier one on a shared box, and with ``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false
-intra_op_parallelism_threads=1"`` it is the work itself). ``--oracle`` also runs the oracle on
+intra_op_parallelism_threads=1"`` it is the work itself) and GFLOP/s (the causal pairs' 4 D
+flops per query head, over the wall time). ``--oracle`` also runs the oracle on
 the cases where it fits (P = 32/128) and prints the largest difference.
-On the CPU backend the decode and short rows run in our C++ kernel (``jaxserve.model.cpu_attention``)
+On the CPU backend the whole step (decode, short and prefill rows) runs in our C++ kernel (``jaxserve.model.cpu_attention``)
 where it builds; ``JAXSERVE_CPU_KERNEL=0`` times the jnp passes instead (run both, interleaved).
 The script only calls ``chunked_paged_attention(..., sm_scale=...)``, so pointing
 ``PYTHONPATH`` at an older tree times that tree's path on the same cases.
@@ -92,23 +94,28 @@ def time_call(f, args, repeats: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    global HQ, HKV, D
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("cases", nargs="*", help=f"case names (default: all): {list(CASES)}")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--oracle", action="store_true", help="also run the oracle (P <= 128)")
+    parser.add_argument("--heads", default=f"{HQ}:{HKV}:{D}", help="query heads:KV heads:head size")
     args = parser.parse_args()
+    HQ, HKV, D = (int(x) for x in args.heads.split(":"))
     rng = np.random.default_rng(0)
     cache = (NUM_BLOCKS, BS, HKV, D)
     kc = jnp.asarray(rng.standard_normal(cache, np.float32))
     vc = jnp.asarray(rng.standard_normal(cache, np.float32))
     chunked = jax.jit(lambda *a: chunked_paged_attention(*a, sm_scale=D**-0.5))
     oracle = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=D**-0.5))
-    print(f"{'case':36s} {'wall ms':>9s} {'CPU ms':>9s}", flush=True)
+    print(f"{'case':36s} {'wall ms':>9s} {'CPU ms':>9s} {'GFLOP/s':>8s}", flush=True)
     for name in args.cases or CASES:
         q, bt, ctx, qsl, n = make_case(rng, *CASES[name])
         call = (q, kc, vc, bt, ctx, qsl, n)
         wall, cpu = time_call(chunked, call, args.repeats)
-        line = f"{name:36s} {wall:9.2f} {cpu:9.2f}"
+        _, _, _, q_lens, ctx_lens = CASES[name]
+        pairs = sum(q_len * (c - q_len + (q_len + 1) / 2) for q_len, c in zip(q_lens, ctx_lens))
+        line = f"{name:36s} {wall:9.2f} {cpu:9.2f} {4 * D * HQ * pairs / wall / 1e6:8.1f}"
         if args.oracle and bt.shape[1] <= 128:
             o_wall, o_cpu = time_call(oracle, call, max(1, args.repeats // 3))
             real = int(qsl[int(n)])

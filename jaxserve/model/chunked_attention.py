@@ -105,10 +105,11 @@ def chunked_paged_attention(
         ``[S + 1]``; num_seqs: int32 ``[]`` (see ``PagedAttentionMetadata``).
       sm_scale, soft_cap, sliding_window: as in ``paged_attention``.
       tiling: static work sizes (``CpuAttentionTiling``).
-      native: run the rows of short queries (decode rows, and the ``short_rows`` pass) in our
-        C++ kernel (``jaxserve.model.cpu_attention``), which reads the cache in place instead
-        of gathering it; None: where it can (the default backend is the CPU, the kernel
-        built, the cache dtype one it reads). Prefill tiles stay in jnp either way.
+      native: run the step in our C++ kernel (``jaxserve.model.cpu_attention``), which reads
+        the cache in place instead of gathering it: the rows of short queries (decode rows,
+        and the ``short_rows`` pass), and the prefill chunks too where the head size is one of
+        its ``PREFILL_HEAD_DIMS`` (else they stay in jnp tiles); None: where it can (the
+        default backend is the CPU, the kernel built, the cache dtype one it reads).
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``; scores and softmax in float32; rows of padding tokens are
@@ -138,9 +139,18 @@ def chunked_paged_attention(
         native = _native_ok(k_cache.dtype)
     with jax.named_scope("ragged_attention"):
         if native:  # decode and verification rows read the cache in place (C++ kernel)
+            prefill = use_prefill and head_dim in cpu_attention.PREFILL_HEAD_DIMS
             rows = cpu_attention.paged_attention_rows(
-                q_f32, *step[1:], num_seqs, min_q_len=1, max_q_len=max(short, 1), **scores
+                q_f32,
+                *step[1:],
+                num_seqs,
+                min_q_len=1,
+                max_q_len=max(short, 1),
+                prefill=prefill,
+                **scores,
             )
+            if prefill:  # prefill chunks too, in the kernel's query tiles
+                return rows[:num_tokens].reshape(q.shape).astype(q.dtype)
             out = jnp.pad(rows, ((0, pad), (0, 0), (0, 0), (0, 0)))
             use_short = False
         else:

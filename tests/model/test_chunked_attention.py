@@ -1,6 +1,6 @@
 """The xla backend's tiled attention against the whole-row oracle
-(``ragged_paged_attention_reference``), with its decode and short rows in jnp and in our C++
-kernel: ragged mixes of prefill chunks and decodes, decode rows
+(``ragged_paged_attention_reference``), in jnp and in our C++ kernel (the whole step; prefill
+too at head sizes it compiles): ragged mixes of prefill chunks and decodes, decode rows
 of very different contexts, prefill chunks over several query tiles and key chunks, chunks of
 2..rows tokens, padding tokens and sequences, soft cap and sliding window, bfloat16."""
 
@@ -53,8 +53,8 @@ def make_args(rng, seqs, *, num_tokens, num_seq_slots, hkv, group, head_dim, blo
     )
 
 
-# The jnp passes, and the C++ kernel for decode and short rows where it builds (it must on a
-# machine with a compiler: tests/model/test_cpu_attention.py).
+# The jnp passes, and the C++ kernel where it builds (it must on a machine with a compiler:
+# tests/model/test_cpu_attention.py).
 NATIVE = (False, True) if cpu_attention.available() else (False,)
 
 

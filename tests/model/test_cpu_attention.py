@@ -89,6 +89,100 @@ def test_rows_match_the_oracle(kernel, dtype, split_keys, soft_cap, sliding_wind
     np.testing.assert_array_equal(got[start:], 0.0)  # padding tokens
 
 
+# Prefill chunks: several query tiles (a tile is ~128 rows of tokens x G), fresh and after a
+# cached prefix, chunk ends inside and on key panels (32 keys), next to decode and short rows.
+PREFILL_SEQS = [(70, 200), (1, 33), (5, 40), (40, 40), (9, 9), (100, 300), (1, 1), (33, 90)]
+
+
+@pytest.mark.parametrize(
+    "head_dim,group,block_size,dtype,soft_cap,sliding_window",
+    [
+        (16, 1, 8, jnp.float32, None, None),
+        (32, 2, 32, jnp.float32, None, None),
+        (32, 4, 16, jnp.float32, 20.0, None),
+        (64, 3, 16, jnp.float32, None, 37),  # window inside a tile and across panels
+        (128, 2, 16, jnp.bfloat16, None, None),
+        (80, 8, 32, jnp.float32, 30.0, 70),
+    ],
+)
+def test_prefill_tiles_match_the_oracle(
+    kernel, head_dim, group, block_size, dtype, soft_cap, sliding_window
+):
+    rng = np.random.default_rng(head_dim + group)
+    num_tokens = sum(q for q, _ in PREFILL_SEQS) + 11  # padding tokens
+    args = make_args(
+        rng,
+        PREFILL_SEQS,
+        num_tokens=num_tokens,
+        num_seq_slots=10,
+        hkv=2,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        pages=-(-300 // block_size) + 2,
+    )
+    args = tuple(a.astype(dtype) if a.dtype == jnp.float32 else a for a in args)
+    kw = dict(sm_scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=sliding_window)
+    ref = np.asarray(ragged_paged_attention_reference(*args, **kw), np.float32)
+    q = args[0].astype(jnp.float32).reshape(num_tokens, 2, group, head_dim)
+    attend = jax.jit(
+        lambda q, *a: cpu_attention.paged_attention_rows(
+            q, *a, min_q_len=1, max_q_len=8, prefill=True, **kw
+        )
+    )
+    got = np.asarray(attend(q, *args[1:])).reshape(num_tokens, 2 * group, head_dim)
+    real = sum(q for q, _ in PREFILL_SEQS)
+    atol = 2e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got[:real], ref[:real], atol=atol, rtol=0)
+    np.testing.assert_array_equal(got[real:], 0.0)
+
+
+def test_prefill_skips_block_ids_outside_the_cache(kernel):
+    """A block table entry outside the cache (a bug upstream) is skipped, not read: its keys
+    are masked, the other sequences' rows are exact."""
+    seqs = [(40, 40), (33, 90)]
+    args = make_args(
+        np.random.default_rng(1),
+        seqs,
+        num_tokens=73,
+        num_seq_slots=2,
+        hkv=2,
+        group=2,
+        head_dim=32,
+        block_size=16,
+        pages=8,
+    )
+    ref = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.2), np.float32)
+    tables = np.asarray(args[3]).copy()
+    tables[0, 1] = 10**6  # keys 16..31 of sequence 0
+    q = args[0].reshape(73, 2, 2, 32)
+    got = cpu_attention.paged_attention_rows(
+        q, args[1], args[2], jnp.asarray(tables), *args[4:], sm_scale=0.2, prefill=True
+    )
+    got = np.asarray(got).reshape(73, 4, 32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got[:16], ref[:16], atol=2e-5, rtol=0)  # before the bad block
+    np.testing.assert_allclose(got[40:], ref[40:], atol=2e-5, rtol=0)
+
+
+def test_prefill_needs_a_compiled_head_size(kernel):
+    args = make_args(
+        np.random.default_rng(0),
+        [(4, 4)],
+        num_tokens=4,
+        num_seq_slots=1,
+        hkv=1,
+        group=1,
+        head_dim=24,
+        block_size=8,
+        pages=1,
+    )
+    with pytest.raises(ValueError, match="head size"):
+        cpu_attention.paged_attention_rows(
+            args[0].reshape(4, 1, 1, 24), *args[1:], sm_scale=1.0, prefill=True
+        )
+
+
 _SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, PartitionSpec as Ps

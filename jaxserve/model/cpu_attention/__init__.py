@@ -5,8 +5,8 @@ reads out of the paged cache before XLA can multiply it, and on CPU that copy, n
 arithmetic, is what a decode row costs (benchmarks/RESULTS.md, #34: ~5-6 GB/s). This kernel
 reads the keys and values where they lie, block by block through the block table, with an
 online softmax per query row: for the rows of short queries (decode rows and speculative
-verification's 1 + K), whose work is reading the cache. Prefill chunks stay on the jnp path,
-whose tiles are matrix products.
+verification's 1 + K), whose work is reading the cache, and for prefill chunks in query tiles
+whose scores and weighted values are register-blocked products over panels of 32 keys.
 
 Built like PyTorch's inductor builds its CPU kernels: the source ships in the package
 (``paged_attention.cc``), and the first process that needs it compiles it with the system's
@@ -47,6 +47,8 @@ _COMPILE = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17"
 _LINK = ("-shared", *(("-lmvec",) if platform.machine() in ("x86_64", "AMD64") else ()))
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
 """Cache dtypes the kernel reads (others, FP8 and float16, keep the jnp path)."""
+PREFILL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+"""Head sizes its prefill tiles are compiled for (others keep the jnp prefill path)."""
 
 
 def cache_dir() -> pathlib.Path:
@@ -128,9 +130,9 @@ def available() -> bool:
     once)."""
     why = _load()
     if why is not None:
-        logger.warning("CPU paged-attention kernel unavailable (%s); decode rows use jnp", why)
+        logger.warning("CPU paged-attention kernel unavailable (%s); attention runs in jnp", why)
     else:
-        logger.info("CPU paged-attention kernel loaded (decode and verification rows)")
+        logger.info("CPU paged-attention kernel loaded")
     return why is None
 
 
@@ -149,8 +151,10 @@ def paged_attention_rows(
     min_q_len: int = 1,
     max_q_len: int = 1,
     split_keys: int = 512,
+    prefill: bool = False,
 ) -> jax.Array:
-    """Paged attention of the sequences with ``min_q_len <= q_len <= max_q_len`` query tokens.
+    """Paged attention of the sequences with ``min_q_len <= q_len <= max_q_len`` query tokens,
+    and with ``prefill`` those with more too (prefill chunks, in query tiles).
 
     Args:
       q: float32 ``[T, Hkv, G, D]`` queries, grouped by KV head.
@@ -159,16 +163,24 @@ def paged_attention_rows(
         ``[S + 1]``; num_seqs: int32 ``[]`` (as ``chunked_paged_attention``).
       sm_scale, soft_cap, sliding_window: as ``paged_attention``.
       min_q_len, max_q_len: which sequences (by query tokens in this step) it attends.
-      split_keys: keys per work item (a long context is split so every thread has work).
+      split_keys: keys per work item of the short rows (a long context is split so every
+        thread has work).
+      prefill: also attend the sequences with more than ``max_q_len`` query tokens; needs a
+        head size in ``PREFILL_HEAD_DIMS``.
 
     Returns:
       float32 ``[T, Hkv, G, D]``: the attended sequences' rows; every other row zero.
 
     Raises:
       RuntimeError: the kernel is not ``available()``.
+      ValueError: ``prefill`` with a head size outside ``PREFILL_HEAD_DIMS``.
     """
     if not available():
         raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {_load()}")
+    if prefill and q.shape[-1] not in PREFILL_HEAD_DIMS:
+        raise ValueError(
+            f"prefill tiles need a head size in {PREFILL_HEAD_DIMS}, got {q.shape[-1]}"
+        )
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32),
@@ -184,4 +196,5 @@ def paged_attention_rows(
         min_q_len=int(min_q_len),
         max_q_len=int(max_q_len),
         split_keys=int(split_keys),
+        prefill=bool(prefill),
     )
