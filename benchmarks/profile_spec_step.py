@@ -6,6 +6,9 @@ step, beside the wall time per device step (the rest of it: host work).
 
 CPU, the bundled model and its draft (one request at a time, greedy):
   .venv/bin/python benchmarks/profile_spec_step.py --output-len 64
+n-gram only (no draft model needed), e.g. SmolLM2:
+  .venv/bin/python benchmarks/profile_spec_step.py --model smollm2 --quantization none \
+      --max-model-len 1024 --max-num-seqs 4 --output-len 48 --workloads ngram-copy
 """
 
 from __future__ import annotations
@@ -38,13 +41,18 @@ def main(argv=None) -> None:
     from jaxserve.config import SpeculativeConfig
     from jaxserve.worker import model_runner as mr
 
-    bench = bench_mod.Bench(args, with_draft=True)
+    # --workloads ngram-copy: the n-gram rows only (no draft model needed)
+    with_draft = "draft" in args.workloads.split(",")
+    if with_draft and args.draft is None:
+        raise SystemExit("--draft: the draft rows need a draft model (or --workloads ngram-copy)")
+    bench = bench_mod.Bench(args, with_draft=with_draft)
     runner, draft = bench.runner, bench.draft
     table: dict[str, float] = collections.defaultdict(float)
     for name in ("forward_step", "sample_step", "spec_logits_step", "spec_sample_step"):
         setattr(mr, name, _timed(name, getattr(mr, name), table))
-    draft.prefill = _timed("draft_prefill", draft.prefill, table)
-    draft.propose = _timed("draft_propose", draft.propose, table)
+    if with_draft:
+        draft.prefill = _timed("draft_prefill", draft.prefill, table)
+        draft.propose = _timed("draft_propose", draft.propose, table)
     for name, aot in list(runner.aot_forward.items()):  # the warmed-up forwards
         runner.aot_forward[name] = _timed("forward_step", aot, table)
     specs = {
@@ -55,15 +63,14 @@ def main(argv=None) -> None:
             prompt_lookup_max=args.ngram_max,
             prompt_lookup_min=1,
         ),
-        "draft_model": SpeculativeConfig(
+    }
+    prompts = {"ngram": list(bench_mod.COPY_PROMPTS[: args.num_prompts])}
+    if with_draft:
+        specs["draft_model"] = SpeculativeConfig(
             method="draft_model", model=args.draft, num_speculative_tokens=args.draft_k
-        ),
-    }
-    prompts = {
-        "ngram": list(bench_mod.COPY_PROMPTS[: args.num_prompts]),
-        "draft_model": bench_mod.corpus_prompts(args.corpus, args.num_prompts),
-    }
-    for workload in ("ngram", "draft_model"):
+        )
+        prompts["draft_model"] = bench_mod.corpus_prompts(args.corpus, args.num_prompts)
+    for workload in prompts:
         for mode in ("off", workload):
             for _ in range(2):  # the first run compiles what warm-up did not
                 table.clear()
