@@ -183,6 +183,55 @@ def test_prefill_needs_a_compiled_head_size(kernel):
         )
 
 
+_NARROW = """
+import jax, jax.numpy as jnp, numpy as np
+from jaxserve.model import cpu_attention
+cpu_attention._COMPILE = (*cpu_attention._COMPILE, "-mno-avx512f")
+assert cpu_attention.available(), cpu_attention._load()
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from test_chunked_attention import make_args
+from test_cpu_attention import PREFILL_SEQS
+for head_dim, group, window in ((32, 2, None), (64, 3, 37)):
+    T = sum(q for q, _ in PREFILL_SEQS) + 5
+    args = make_args(np.random.default_rng(head_dim), PREFILL_SEQS, num_tokens=T, num_seq_slots=10,
+                     hkv=2, group=group, head_dim=head_dim, block_size=16, pages=21)
+    kw = dict(sm_scale=head_dim**-0.5, sliding_window=window)
+    ref = np.asarray(ragged_paged_attention_reference(*args, **kw))
+    q = args[0].reshape(T, 2, group, head_dim)
+    got = cpu_attention.paged_attention_rows(q, *args[1:], max_q_len=8, prefill=True, **kw)
+    got = np.asarray(got).reshape(T, 2 * group, head_dim)
+    np.testing.assert_allclose(got[: T - 5], ref[: T - 5], atol=2e-5, rtol=0)
+print("NARROW OK")
+"""
+
+
+@pytest.mark.skipif(
+    "avx512f" not in cpu_attention._cpu_name(), reason="the default build is the narrow one here"
+)
+def test_builds_and_matches_without_avx512(kernel, tmp_path):
+    """CPUs without AVX-512 (AVX2: 16 vector registers) get smaller register blocks: built
+    here with -mno-avx512f (a subprocess, its own cache) and checked against the oracle."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", JAXSERVE_CACHE_DIR=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parent), *sys.path])
+    run = subprocess.run(
+        [sys.executable, "-c", _NARROW], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "NARROW OK" in run.stdout, run.stderr[-3000:]
+    assert not any("zmm" in line for line in _disassemble(tmp_path))
+
+
+def _disassemble(cache: pathlib.Path) -> list[str]:
+    """objdump of the library built into ``cache`` (empty without objdump)."""
+    objdump = shutil.which("objdump")
+    libs = list(cache.glob("*.so"))
+    assert len(libs) == 1, libs
+    if objdump is None:
+        return []
+    out = subprocess.run([objdump, "-d", str(libs[0])], capture_output=True, text=True)
+    return out.stdout.splitlines()
+
+
 _SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, PartitionSpec as Ps
