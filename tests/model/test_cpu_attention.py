@@ -10,6 +10,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -311,6 +312,22 @@ def test_a_failed_build_is_reported(monkeypatch, tmp_path):
     finally:
         cpu_attention._load.cache_clear()
         cpu_attention.available.cache_clear()
+
+
+def test_a_new_build_deletes_builds_unused_for_a_month(kernel, monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
+    stale, recent = tmp_path / "paged_attention_cpu-old.so", tmp_path / "paged_attention_cpu-new.so"
+    other = tmp_path / "notes.txt"  # not a kernel build: never touched
+    for f in (stale, recent, other):
+        f.write_bytes(b"x")
+    month = time.time() - (cpu_attention.STALE_DAYS + 1) * 86400
+    os.utime(stale, (month, month))
+    os.utime(other, (month, month))
+    lib = cpu_attention._build(cpu_attention._compiler())
+    assert lib.exists() and recent.exists() and other.exists() and not stale.exists()
+    os.utime(lib, (month, month))  # found again: marked as used, so kept
+    assert cpu_attention._build(cpu_attention._compiler()) == lib
+    assert lib.stat().st_mtime > month + 86400
 
 
 def test_fp8_and_float16_caches_keep_the_jnp_path():

@@ -13,7 +13,8 @@ Built like PyTorch's inductor builds its CPU kernels: the source ships in the pa
 C++ compiler (``$CXX``, else ``g++``, else ``c++``) against jaxlib's FFI headers, into a cache
 directory (``$JAXSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxserve``, else
 ``~/.cache/jaxserve``) keyed by the source, jaxlib's version, the compiler and the CPU, so
-later processes load it in milliseconds. ``available()`` says whether it loaded; when it
+later processes load it in milliseconds (builds unused for ``STALE_DAYS`` days are deleted
+when a new one is built). ``available()`` says whether it loaded; when it
 cannot be built (no compiler), the "xla" attention backend keeps the jnp path and says why
 once in the log. ``JAXSERVE_CPU_KERNEL=0`` turns it off.
 """
@@ -30,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -92,8 +94,10 @@ def _build(cxx: str) -> pathlib.Path:
         key.update(part.encode())
     lib = cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
     if lib.exists():
+        _touch(lib)
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
+    _prune(lib.parent)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         obj, out = pathlib.Path(tmp) / "kernel.o", pathlib.Path(tmp) / lib.name
         include = f"-I{jax.ffi.include_dir()}"
@@ -106,6 +110,30 @@ def _build(cxx: str) -> pathlib.Path:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
         os.replace(out, lib)
     return lib
+
+
+STALE_DAYS = 30
+"""A build no process has loaded for this many days is deleted when another is built (other
+jaxserve versions, compilers or venvs sharing the cache keep theirs while they use them)."""
+
+
+def _touch(lib: pathlib.Path) -> None:
+    """Marks ``lib`` as used now (its mtime), so that ``_prune`` keeps it."""
+    try:
+        os.utime(lib)
+    except OSError:
+        pass  # a read-only cache: the build stays, unpruned
+
+
+def _prune(root: pathlib.Path) -> None:
+    """Deletes the kernel builds in ``root`` unused for ``STALE_DAYS`` days."""
+    cutoff = time.time() - STALE_DAYS * 86400
+    for old in root.glob("paged_attention_cpu-*.so"):
+        try:
+            if old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:
+            pass  # another process pruned it first, or it is not ours to delete
 
 
 @functools.cache
