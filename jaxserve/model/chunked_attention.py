@@ -138,7 +138,7 @@ def chunked_paged_attention(
     if native is None:
         native = _native_ok(k_cache.dtype)
     with jax.named_scope("ragged_attention"):
-        if native:  # decode and verification rows read the cache in place (C++ kernel)
+        if native:  # the C++ kernel reads the cache in place
             prefill = use_prefill and head_dim in cpu_attention.PREFILL_HEAD_DIMS
             rows = cpu_attention.paged_attention_rows(
                 q_f32,

@@ -178,7 +178,7 @@ inline V16 LoadV(const float* p) {
 }
 inline void StoreV(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
 inline V16 Splat(float x) { return V16{} + x; }
-// exp(x) for x <= 0 in float32 (relative error ~2e-7; below -87 it returns ~1e-38, not 0):
+// exp(x) for x <= 88 in float32 (relative error ~2e-7; below -87 it returns ~1e-38, not 0):
 // 2^k * 2^f with k = round(x log2 e) and a degree-6 polynomial for 2^f, f in [-1/2, 1/2]
 // (Cephes' exp2f coefficients).
 inline V16 Exp(V16 x) {
