@@ -342,9 +342,9 @@ void RunTile(const Problem& pb, const T* kc, const T* vc, const Tile& tl) {
         if (pb.soft_cap > 0.f) x = SoftCap(x, pb.soft_cap);
         if (!whole) {
           const float key = static_cast<float>(k0 + j);
-          auto on = valid[j] ? (pos >= key) : (pos < pos);
+          auto on = pos >= key;  // causal
           if (pb.window > 0) on &= pos - window < key;
-          x = on ? x : Splat(kNeg);
+          x = valid[j] ? (on ? x : Splat(kNeg)) : Splat(kNeg);  // a hole: masked whole
         }
         StoreV(sj, x);
         mx = mx > x ? mx : x;
