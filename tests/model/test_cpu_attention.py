@@ -39,12 +39,6 @@ def test_loading_leaves_the_processs_floats_alone(kernel):
     assert tiny * np.float32(1.0) == tiny and tiny / np.float32(2.0) > 0
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    if not cpu_kernels.available():
-        pytest.skip(f"kernel unavailable: {cpu_kernels._load()}")
-
-
 @pytest.mark.parametrize(
     "dtype,split_keys,soft_cap,sliding_window",
     [

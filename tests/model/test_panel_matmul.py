@@ -22,12 +22,6 @@ from jaxserve.model.quant_config import WeightScheme
 from jaxserve.model.sharding import make_mesh, pack_cpu_linears
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    if not cpu_kernels.available():
-        pytest.skip(f"kernel unavailable: {cpu_kernels._load()}")
-
-
 @pytest.mark.parametrize(
     "m,k,n",
     [(1, 576, 192), (5, 64, 70), (8, 33, 32), (9, 17, 31), (37, 100, 200), (3, 1, 5)]
