@@ -15,7 +15,7 @@ the steadier one on a shared box, and with ``XLA_FLAGS="--xla_cpu_multi_thread_e
 intra_op_parallelism_threads=1"`` it is the work itself) and GFLOP/s (the causal pairs' 4 D
 flops per query head, over the wall time). ``--oracle`` also runs the oracle on
 the cases where it fits (P = 32/128) and prints the largest difference.
-On the CPU backend the whole step (decode, short and prefill rows) runs in our C++ kernel (``jaxserve.model.cpu_attention``)
+On the CPU backend the whole step (decode, short and prefill rows) runs in our C++ kernel (``jaxserve.model.cpu_kernels``)
 where it builds; ``JAXSERVE_CPU_KERNEL=0`` times the jnp passes instead (run both, interleaved).
 The script only calls ``chunked_paged_attention(..., sm_scale=...)``, so pointing
 ``PYTHONPATH`` at an older tree times that tree's path on the same cases.

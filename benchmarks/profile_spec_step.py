@@ -48,13 +48,17 @@ def main(argv=None) -> None:
     bench = bench_mod.Bench(args, with_draft=with_draft)
     runner, draft = bench.runner, bench.draft
     table: dict[str, float] = collections.defaultdict(float)
-    for name in ("forward_step", "sample_step", "spec_logits_step", "spec_sample_step"):
+    names = ("forward_step", "sample_step", "spec_logits_step", "spec_sample_step")
+    names += ("forward_hidden_step", "verify_logits_step")  # a small verification step
+    for name in names:
         setattr(mr, name, _timed(name, getattr(mr, name), table))
     if with_draft:
         draft.prefill = _timed("draft_prefill", draft.prefill, table)
         draft.propose = _timed("draft_propose", draft.propose, table)
     for name, aot in list(runner.aot_forward.items()):  # the warmed-up forwards
         runner.aot_forward[name] = _timed("forward_step", aot, table)
+    for name, aot in list(runner.aot_forward_hidden.items()):
+        runner.aot_forward_hidden[name] = _timed("forward_hidden_step", aot, table)
     specs = {
         "off": None,
         "ngram": SpeculativeConfig(
@@ -64,7 +68,12 @@ def main(argv=None) -> None:
             prompt_lookup_min=1,
         ),
     }
-    prompts = {"ngram": list(bench_mod.COPY_PROMPTS[: args.num_prompts])}
+    if args.copy_prompts == "chat":  # the bench's chat copy tasks (a chat model)
+        tok = bench.base.tokenizer
+        copy = [tok.encode_chat([{"role": "user", "content": t}]) for t in bench_mod.COPY_TASKS]
+    else:
+        copy = list(bench_mod.COPY_PROMPTS)
+    prompts = {"ngram": [copy[i % len(copy)] for i in range(args.num_prompts)]}
     if with_draft:
         specs["draft_model"] = SpeculativeConfig(
             method="draft_model", model=args.draft, num_speculative_tokens=args.draft_k
@@ -74,7 +83,7 @@ def main(argv=None) -> None:
         for mode in ("off", workload):
             for _ in range(2):  # the first run compiles what warm-up did not
                 table.clear()
-                res = bench.run(specs[mode], prompts[workload], 1, True)
+                res = bench.run(specs[mode], prompts[workload], 1, args.copy_prompts == "text")
             n, steps = res["tokens"], res["device_steps"]
             calls = ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in sorted(table.items()))
             print(

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxserve.model import cpu_attention
+from jaxserve.model import cpu_kernels
 
 _HI = lax.Precision.HIGHEST
 
@@ -105,7 +105,7 @@ def chunked_paged_attention(
         ``[S + 1]``; num_seqs: int32 ``[]`` (see ``PagedAttentionMetadata``).
       sm_scale, soft_cap, sliding_window: as in ``paged_attention``.
       tiling: static work sizes (``CpuAttentionTiling``).
-      native: run the step in our C++ kernel (``jaxserve.model.cpu_attention``), which reads
+      native: run the step in our C++ kernel (``jaxserve.model.cpu_kernels``), which reads
         the cache in place instead of gathering it: the rows of short queries (decode rows,
         and the ``short_rows`` pass), and the prefill chunks too where the head size is one of
         its ``PREFILL_HEAD_DIMS`` (else they stay in jnp tiles); None: where it can (the
@@ -139,8 +139,8 @@ def chunked_paged_attention(
         native = _native_ok(k_cache.dtype)
     with jax.named_scope("ragged_attention"):
         if native:  # the C++ kernel reads the cache in place
-            prefill = use_prefill and head_dim in cpu_attention.PREFILL_HEAD_DIMS
-            rows = cpu_attention.paged_attention_rows(
+            prefill = use_prefill and head_dim in cpu_kernels.PREFILL_HEAD_DIMS
+            rows = cpu_kernels.paged_attention_rows(
                 q_f32,
                 *step[1:],
                 num_seqs,
@@ -190,12 +190,12 @@ def chunked_paged_attention(
 
 def _native_ok(cache_dtype) -> bool:
     """Whether ``native=None`` means the C++ kernel: on the CPU backend, for a dtype it reads,
-    once it has built (``cpu_attention.available``)."""
+    once it has built (``cpu_kernels.available``)."""
     if jax.default_backend() != "cpu":
         return False
-    if not any(jnp.dtype(cache_dtype) == d for d in cpu_attention.KERNEL_DTYPES):
+    if not any(jnp.dtype(cache_dtype) == d for d in cpu_kernels.KERNEL_DTYPES):
         return False
-    return cpu_attention.available()
+    return cpu_kernels.available()
 
 
 def _whole_blocks(keys: int, block_size: int, pages_per_seq: int) -> int:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model import cpu_attention
+from jaxserve.model import cpu_kernels
 from jaxserve.model.chunked_attention import CpuAttentionTiling, chunked_paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -55,7 +55,7 @@ def make_args(rng, seqs, *, num_tokens, num_seq_slots, hkv, group, head_dim, blo
 
 # The jnp passes, and the C++ kernel where it builds (it must on a machine with a compiler:
 # tests/model/test_cpu_attention.py).
-NATIVE = (False, True) if cpu_attention.available() else (False,)
+NATIVE = (False, True) if cpu_kernels.available() else (False,)
 
 
 def check(args, seqs, tiling, *, atol=2e-5, **kw):

@@ -1,4 +1,4 @@
-"""Our C++ paged-attention kernel for CPUs (``jaxserve.model.cpu_attention``): it builds where
+"""Our C++ paged-attention kernel for CPUs (``jaxserve.model.cpu_kernels``): it builds where
 there is a compiler, attends exactly the rows it is asked for (decode and verification rows,
 split keys merged, sliding window, soft cap, bfloat16) against the whole-row oracle, and the
 engine falls back to jnp, saying why, where it cannot build."""
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from test_chunked_attention import make_args
 
-from jaxserve.model import chunked_attention, cpu_attention
+from jaxserve.model import chunked_attention, cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 # (query_len, context_len): decode rows at block edges and one key, verification rows (1 + K)
@@ -29,7 +29,7 @@ SEQS = [(1, 33), (4, 40), (1, 1), (12, 30), (1, 150), (5, 5), (1, 64), (3, 97)]
 def test_builds_where_there_is_a_compiler():
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler on this machine")
-    assert cpu_attention.available(), cpu_attention._load()
+    assert cpu_kernels.available(), cpu_kernels._load()
 
 
 def test_loading_leaves_the_processs_floats_alone(kernel):
@@ -37,12 +37,6 @@ def test_loading_leaves_the_processs_floats_alone(kernel):
     for the whole process as it loads (hypothesis, numpy and every caller lose subnormals)."""
     tiny = np.float32(1e-39)  # subnormal
     assert tiny * np.float32(1.0) == tiny and tiny / np.float32(2.0) > 0
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    if not cpu_attention.available():
-        pytest.skip(f"kernel unavailable: {cpu_attention._load()}")
 
 
 @pytest.mark.parametrize(
@@ -73,7 +67,7 @@ def test_rows_match_the_oracle(kernel, dtype, split_keys, soft_cap, sliding_wind
     ref = np.asarray(ragged_paged_attention_reference(*args, **kw), np.float32)
     q = args[0].astype(jnp.float32).reshape(40, 2, 3, 24)
     got = jax.jit(
-        lambda q, *a: cpu_attention.paged_attention_rows(
+        lambda q, *a: cpu_kernels.paged_attention_rows(
             q, *a, min_q_len=1, max_q_len=5, split_keys=split_keys, **kw
         )
     )(q, *args[1:])
@@ -127,7 +121,7 @@ def test_prefill_tiles_match_the_oracle(
     ref = np.asarray(ragged_paged_attention_reference(*args, **kw), np.float32)
     q = args[0].astype(jnp.float32).reshape(num_tokens, 2, group, head_dim)
     attend = jax.jit(
-        lambda q, *a: cpu_attention.paged_attention_rows(
+        lambda q, *a: cpu_kernels.paged_attention_rows(
             q, *a, min_q_len=1, max_q_len=8, prefill=True, **kw
         )
     )
@@ -157,7 +151,7 @@ def test_prefill_skips_block_ids_outside_the_cache(kernel):
     tables = np.asarray(args[3]).copy()
     tables[0, 1] = 10**6  # keys 16..31 of sequence 0
     q = args[0].reshape(73, 2, 2, 32)
-    got = cpu_attention.paged_attention_rows(
+    got = cpu_kernels.paged_attention_rows(
         q, args[1], args[2], jnp.asarray(tables), *args[4:], sm_scale=0.2, prefill=True
     )
     got = np.asarray(got).reshape(73, 4, 32)
@@ -179,16 +173,16 @@ def test_prefill_needs_a_compiled_head_size(kernel):
         pages=1,
     )
     with pytest.raises(ValueError, match="head size"):
-        cpu_attention.paged_attention_rows(
+        cpu_kernels.paged_attention_rows(
             args[0].reshape(4, 1, 1, 24), *args[1:], sm_scale=1.0, prefill=True
         )
 
 
 _NARROW = """
 import jax, jax.numpy as jnp, numpy as np
-from jaxserve.model import cpu_attention
-cpu_attention._COMPILE = (*cpu_attention._COMPILE, "-mno-avx512f")
-assert cpu_attention.available(), cpu_attention._load()
+from jaxserve.model import cpu_kernels
+cpu_kernels._COMPILE = (*cpu_kernels._COMPILE, "-mno-avx512f")
+assert cpu_kernels.available(), cpu_kernels._load()
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from test_chunked_attention import make_args
 from test_cpu_attention import PREFILL_SEQS
@@ -199,19 +193,24 @@ for head_dim, group, window in ((32, 2, None), (64, 3, 37)):
     kw = dict(sm_scale=head_dim**-0.5, sliding_window=window)
     ref = np.asarray(ragged_paged_attention_reference(*args, **kw))
     q = args[0].reshape(T, 2, group, head_dim)
-    got = cpu_attention.paged_attention_rows(q, *args[1:], max_q_len=8, prefill=True, **kw)
+    got = cpu_kernels.paged_attention_rows(q, *args[1:], max_q_len=8, prefill=True, **kw)
     got = np.asarray(got).reshape(T, 2 * group, head_dim)
     np.testing.assert_allclose(got[: T - 5], ref[: T - 5], atol=2e-5, rtol=0)
+rng = np.random.default_rng(0)
+x, w = rng.standard_normal((9, 50), np.float32), rng.standard_normal((50, 70), np.float32)
+got = cpu_kernels.panel_matmul(jnp.asarray(x), cpu_kernels.pack_panels(w), 70)
+np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, atol=1e-4, rtol=0)
 print("NARROW OK")
 """
 
 
 @pytest.mark.skipif(
-    "avx512f" not in cpu_attention._cpu_name(), reason="the default build is the narrow one here"
+    "avx512f" not in cpu_kernels._cpu_name(), reason="the default build is the narrow one here"
 )
 def test_builds_and_matches_without_avx512(kernel, tmp_path):
     """CPUs without AVX-512 (AVX2: 16 vector registers) get smaller register blocks: built
-    here with -mno-avx512f (a subprocess, its own cache) and checked against the oracle."""
+    here with -mno-avx512f (a subprocess, its own cache) and checked against the oracle (the
+    panel matmul against numpy)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", JAXSERVE_CACHE_DIR=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parent), *sys.path])
@@ -269,16 +268,16 @@ def test_tensor_parallel_shards_and_empty_batches(kernel):
 
 
 def test_without_a_compiler_the_jnp_path_runs_and_says_why(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
-    cpu_attention._load.cache_clear()
-    cpu_attention.available.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    cpu_kernels._load.cache_clear()
+    cpu_kernels.available.cache_clear()
     try:
         with caplog.at_level("WARNING"):
-            assert not cpu_attention.available()
+            assert not cpu_kernels.available()
         assert "no C++ compiler" in caplog.text
         assert not chunked_attention._native_ok(jnp.float32)
         with pytest.raises(RuntimeError, match="unavailable: no C\\+\\+ compiler"):
-            cpu_attention.paged_attention_rows(
+            cpu_kernels.paged_attention_rows(
                 *make_args(
                     np.random.default_rng(0),
                     [(1, 4)],
@@ -293,25 +292,25 @@ def test_without_a_compiler_the_jnp_path_runs_and_says_why(monkeypatch, caplog):
                 sm_scale=1.0,
             )
         monkeypatch.setenv("JAXSERVE_CPU_KERNEL", "0")
-        monkeypatch.setattr(cpu_attention, "_compiler", lambda: "/usr/bin/g++")
-        cpu_attention._load.cache_clear()
-        assert cpu_attention._load() == "JAXSERVE_CPU_KERNEL=0"
+        monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "/usr/bin/g++")
+        cpu_kernels._load.cache_clear()
+        assert cpu_kernels._load() == "JAXSERVE_CPU_KERNEL=0"
     finally:
-        cpu_attention._load.cache_clear()
-        cpu_attention.available.cache_clear()
+        cpu_kernels._load.cache_clear()
+        cpu_kernels.available.cache_clear()
 
 
 def test_a_failed_build_is_reported(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_compiler", lambda: shutil.which("false") or "/bin/false")
-    cpu_attention._load.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: shutil.which("false") or "/bin/false")
+    cpu_kernels._load.cache_clear()
     try:
-        why = cpu_attention._load()
+        why = cpu_kernels._load()
         assert why is not None and why.startswith("it did not build or load")
         assert not list(tmp_path.glob("*.so"))  # nothing half-written left to load later
     finally:
-        cpu_attention._load.cache_clear()
-        cpu_attention.available.cache_clear()
+        cpu_kernels._load.cache_clear()
+        cpu_kernels.available.cache_clear()
 
 
 def test_a_new_build_deletes_builds_unused_for_a_month(kernel, monkeypatch, tmp_path):
@@ -320,13 +319,13 @@ def test_a_new_build_deletes_builds_unused_for_a_month(kernel, monkeypatch, tmp_
     other = tmp_path / "notes.txt"  # not a kernel build: never touched
     for f in (stale, recent, other):
         f.write_bytes(b"x")
-    month = time.time() - (cpu_attention.STALE_DAYS + 1) * 86400
+    month = time.time() - (cpu_kernels.STALE_DAYS + 1) * 86400
     os.utime(stale, (month, month))
     os.utime(other, (month, month))
-    lib = cpu_attention._build(cpu_attention._compiler())
+    lib = cpu_kernels._build(cpu_kernels._compiler())
     assert lib.exists() and recent.exists() and other.exists() and not stale.exists()
     os.utime(lib, (month, month))  # found again: marked as used, so kept
-    assert cpu_attention._build(cpu_attention._compiler()) == lib
+    assert cpu_kernels._build(cpu_kernels._compiler()) == lib
     assert lib.stat().st_mtime > month + 86400
 
 

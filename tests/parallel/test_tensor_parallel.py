@@ -74,6 +74,11 @@ def test_placement_splits_heads_and_kv_heads(tp_results, model, tp):
     p = tp_results[(model, tp, "xla")]["placement"]
     replicas = kv_head_replicas(arch.num_heads, arch.num_kv_heads, tp)
     heads = arch.num_heads * q_head_replicas(arch.num_heads, tp)  # copies only when tp > heads
+    assert p["q_proj_packed"] == (tp == 1)  # one CPU device: packed for the panel matmul
+    if tp == 1:
+        assert p["q_proj"] == [-(-heads * arch.head_dim // 32), arch.hidden_size, 32]
+        assert p["q_proj_shard"] == p["q_proj"]
+        return
     assert p["q_proj"] == [arch.hidden_size, heads, arch.head_dim]
     assert p["q_proj_shard"] == [arch.hidden_size, heads // tp, arch.head_dim]
     kv_heads = arch.num_kv_heads * replicas  # the cache holds the replicated heads

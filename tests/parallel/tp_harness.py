@@ -115,10 +115,20 @@ def run(
             "mesh": dict(runner.mesh.shape),
             "q_proj_shard": list(q.addressable_shards[0].data.shape),
             "q_proj": list(q.shape),
+            # one CPU device: packed for the panel matmul (Linear.pack_panels)
+            "q_proj_packed": _q_layer(runner).packed,
             "k_cache_shard": list(k_cache.addressable_shards[0].data.shape),
             "k_cache": list(k_cache.shape),
         },
     }
+
+
+def _q_layer(runner):
+    """Layer 0's q_proj ``Linear`` of the runner's model (its static attributes)."""
+    from flax import nnx
+
+    model = nnx.merge(runner.graphdef, runner.state)
+    return model.layers[0].self_attn.q_proj
 
 
 def main() -> None:

@@ -27,6 +27,13 @@ The seam's contract, for the two features that use it:
   ``--enable-lora``) adds no operation. A quantized base weight changes nothing here: the
   delta is added to ``project``'s output, whatever represents the base weight.
 
+* **Packed panels** (#32, CPU only: ``pack_panels``): a float32 weight re-laid as
+  ``[ceil(N / 32), K, 32]`` column panels for our C++ matmul (``jaxserve.model.cpu_kernels``),
+  which reads it at the memory's pace for the few rows of a decode or verification step where
+  XLA's dot slows with every row. ``place_model`` packs them on a one-device CPU mesh, after
+  every other transform of the weight (head replication is for meshes; LoRA pools stay as
+  they are: the delta adds to ``project``'s output).
+
 Without quantization the layer is one ``einsum`` and an optional bias add. It
 compiles to the flops of the per-projection einsums it replaced; o_proj now contracts its
 (heads, head_dim) axes in order, which saves two transposes per layer (bytes accessed -2.3%
@@ -41,8 +48,10 @@ import string
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from jaxserve.model import cpu_kernels
 from jaxserve.model.layers.lora import LoraBatch, lora_delta
 from jaxserve.model.layers.params import logical_param
 from jaxserve.model.layers.quant import BlockQuant, ChannelQuant, QuantMethod
@@ -97,6 +106,7 @@ class Linear(nnx.Module):
         self.in_axes, self.out_axes = tuple(in_axes), tuple(out_axes)
         self.quant: QuantMethod | None = None  # static: how a quantized weight multiplies
         self.quant_params: tuple[str, ...] = ()
+        self.packed = False  # static: weight is pack_panels' [P, K, 32] (CPU kernel)
         self.weight = logical_param(rngs, (*in_shape, *out_shape), dtype, (*in_axes, *out_axes))
         self.bias = (
             logical_param(None, out_shape, dtype, tuple(out_axes), "zeros") if bias else None
@@ -129,6 +139,13 @@ class Linear(nnx.Module):
     def project(self, x: jax.Array) -> jax.Array:
         """The matmul alone, ``x [..., *in_shape]`` -> ``[..., *out_shape]`` in x's dtype
         (what a quantized weight replaces)."""
+        if self.packed:
+            lead = x.shape[: x.ndim - self.num_in_axes]
+            n = math.prod(self.out_shape)
+            y = cpu_kernels.panel_matmul(
+                x.reshape(-1, math.prod(self.in_shape)), self.weight[...], n
+            )
+            return y.astype(x.dtype).reshape(*lead, *self.out_shape)
         if self.quant is None:
             w = self.weight[...]
             return jnp.einsum(_equation(self.num_in_axes, w.ndim - self.num_in_axes), x, w)
@@ -136,6 +153,31 @@ class Linear(nnx.Module):
         if isinstance(self.quant, ChannelQuant):
             return self.quant.project(params, x, self.num_in_axes)
         return self.quant.project(params, x, self.in_shape, self.out_shape)
+
+    def can_pack_panels(self) -> bool:
+        """Whether ``pack_panels`` applies: a wide float32 weight, not packed yet."""
+        return not self.packed and self.quant is None and self.weight[...].dtype == jnp.float32
+
+    def pack_panels(self) -> None:
+        """Re-lays the weight as ``cpu_kernels.pack_panels`` of its ``[K, N]`` matrix, in place
+        (host copy, then the device): ``project`` then calls ``cpu_kernels.panel_matmul``.
+        Call it last: ``repeat_output`` / ``repeat_input`` and quantization expect the
+        ``[*in, *out]`` weight.
+
+        Raises:
+          ValueError: ``can_pack_panels()`` is False.
+        """
+        if not self.can_pack_panels():
+            raise ValueError("pack_panels: only a wide float32 weight, packed once, packs")
+        w = self.weight[...]
+        k = math.prod(self.in_shape)
+        packed = cpu_kernels.pack_panels(np.asarray(w).reshape(k, -1))
+        self.weight = nnx.Param(
+            jax.device_put(packed, w.sharding),
+            out_sharding=(None, None, None),
+            eager_sharding=False,
+        )
+        self.packed = True
 
     def quant_specs(self, method: QuantMethod) -> dict[str, tuple]:
         """{name: (shape, dtype, logical axes)} of this layer's parameters under ``method``."""

@@ -1,6 +1,6 @@
 // Paged attention on CPUs: an XLA FFI custom call that reads each sequence's keys and values
 // where they lie in the paged cache, block by block, instead of gathering a copy of them first
-// (what the jnp path must do; see jaxserve/model/cpu_attention/__init__.py for the build and
+// (what the jnp path must do; see jaxserve/model/cpu_kernels/__init__.py for the build and
 // the contract).
 //
 // Rows of short queries (decode rows, speculative verification rows): work item (sequence,
@@ -25,17 +25,17 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <iterator>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxserve::ParallelFor;
 
 namespace {
 
@@ -385,35 +385,6 @@ void RunTileAnyD(const Problem& pb, const T* kc, const T* vc, const Tile& tl) {
   }
 }
 constexpr int64_t kPrefillDims[] = {16, 32, 64, 80, 96, 128, 256};
-
-// Runs `n` tasks on the caller and the intra-op pool; returns when all have finished.
-template <typename F>
-void ParallelFor(ffi::ThreadPool* pool, int64_t n, F&& f) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto st = std::make_shared<State>();
-  auto work = [st, n, &f] {
-    int64_t i, finished = 0;
-    while ((i = st->next.fetch_add(1)) < n) {
-      f(i);
-      ++finished;
-    }
-    if (finished && st->done.fetch_add(finished) + finished == n) {
-      std::lock_guard<std::mutex> lock(st->mu);
-      st->cv.notify_all();
-    }
-  };
-  const int64_t helpers = pool ? std::min<int64_t>(pool->num_threads(), n - 1) : 0;
-  // A helper that starts after the work is done finds nothing to do and touches only `st`;
-  // `f` is referenced only while items remain, i.e. before this function returns.
-  for (int64_t h = 0; h < helpers; ++h) pool->Schedule([work] { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(st->mu);
-  st->cv.wait(lock, [&] { return st->done.load() == n; });
-}
 
 template <typename T>
 void Attend(const Problem& pb, const T* kc, const T* vc, ffi::ThreadPool* pool) {

@@ -1,4 +1,7 @@
-"""Our C++ paged-attention kernel for CPUs (an XLA FFI custom call), built at first use.
+"""Our C++ kernels for CPUs (XLA FFI custom calls), built at first use: paged attention, and
+the matmul of float32 weights packed in column panels.
+
+**Paged attention** (``paged_attention.cc``, ``paged_attention_rows``).
 
 The jnp path (``jaxserve.model.chunked_attention``) must gather a copy of every key chunk it
 reads out of the paged cache before XLA can multiply it, and on CPU that copy, not the
@@ -8,15 +11,23 @@ online softmax per query row: for the rows of short queries (decode rows and spe
 verification's 1 + K), whose work is reading the cache, and for prefill chunks in query tiles
 whose scores and weighted values are register-blocked products over panels of 32 keys.
 
-Built like PyTorch's inductor builds its CPU kernels: the source ships in the package
-(``paged_attention.cc``), and the first process that needs it compiles it with the system's
+**Panel matmul** (``panel_matmul.cc``, ``panel_matmul``; ``Linear.pack_panels`` packs a
+layer for it). XLA CPU's dot reads a weight at ~17 GB/s for one row of x and slows as rows are
+added (it packs the weight first, every call): a speculative verification's 1 + K rows cost
+~1.7x a decode row's (benchmarks/RESULTS.md, #32). Packed once, on load, into panels of 32
+output columns ``[P, K, 32]``, the weight is read in contiguous runs at the memory's pace for
+up to 8 rows at a time; ``place_model`` packs every float32 ``Linear`` of a one-device CPU
+model (``pack_cpu_linears``).
+
+Built like PyTorch's inductor builds its CPU kernels: the sources ship in the package
+(``*.cc``, ``*.h``), and the first process that needs them compiles them with the system's
 C++ compiler (``$CXX``, else ``g++``, else ``c++``) against jaxlib's FFI headers, into a cache
 directory (``$JAXSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxserve``, else
 ``~/.cache/jaxserve``) keyed by the source, jaxlib's version, the compiler and the CPU, so
 later processes load it in milliseconds (builds unused for ``STALE_DAYS`` days are deleted
-when a new one is built). ``available()`` says whether it loaded; when it
-cannot be built (no compiler), the "xla" attention backend keeps the jnp path and says why
-once in the log. ``JAXSERVE_CPU_KERNEL=0`` turns it off.
+when a new one is built). ``available()`` says whether it loaded; when it cannot be built (no
+compiler), the "xla" attention backend keeps the jnp path, weights stay unpacked (XLA's dot),
+and the log says why once. ``JAXSERVE_CPU_KERNEL=0`` turns both off.
 """
 
 from __future__ import annotations
@@ -39,9 +50,14 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
+_HERE = pathlib.Path(__file__).parent
+_SOURCES = (_HERE / "paged_attention.cc", _HERE / "panel_matmul.cc")
+_HEADERS = (_HERE / "parallel_for.h",)
 _TARGET = "jaxserve_paged_attention_cpu"
-_SYMBOL = "JaxservePagedAttentionCpu"
+_MATMUL_TARGET = "jaxserve_panel_matmul_cpu"
+_SYMBOLS = {_TARGET: "JaxservePagedAttentionCpu", _MATMUL_TARGET: "JaxservePanelMatmulCpu"}
+PANEL = 32
+"""Output columns per panel of a packed weight (``panel_matmul.cc``'s ``kPanel``)."""
 # -ffast-math at compile time only (vectorized expf from glibc's libmvec, reassociated sums):
 # linking with it would add crtfastmath.o, whose constructor turns on flush-to-zero for the
 # whole process when the library loads (subnormal floats would vanish everywhere).
@@ -85,26 +101,30 @@ def _compiler() -> str | None:
 
 
 def _build(cxx: str) -> pathlib.Path:
-    """The kernel's shared library, compiled now unless the cache holds it (atomic rename, so
+    """The kernels' shared library, compiled now unless the cache holds it (atomic rename, so
     processes building at once do not see half a file)."""
     import jaxlib
 
-    key = hashlib.sha256(_SOURCE.read_bytes())
+    key = hashlib.sha256()
+    for src in (*_SOURCES, *_HEADERS):
+        key.update(src.read_bytes())
     for part in (jaxlib.__version__, cxx, *_COMPILE, *_LINK, _cpu_name()):
         key.update(part.encode())
-    lib = cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    lib = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if lib.exists():
         _touch(lib)
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     _prune(lib.parent)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        obj, out = pathlib.Path(tmp) / "kernel.o", pathlib.Path(tmp) / lib.name
+        objs = [str(pathlib.Path(tmp) / f"{src.stem}.o") for src in _SOURCES]
+        out = pathlib.Path(tmp) / lib.name
         include = f"-I{jax.ffi.include_dir()}"
-        for cmd in (
-            [cxx, *_COMPILE, include, "-c", str(_SOURCE), "-o", str(obj)],
-            [cxx, str(obj), *_LINK, "-o", str(out)],
-        ):
+        cmds = [
+            [cxx, *_COMPILE, include, f"-I{_HERE}", "-c", str(src), "-o", obj]
+            for src, obj in zip(_SOURCES, objs, strict=True)
+        ]
+        for cmd in (*cmds, [cxx, *objs, *_LINK, "-o", str(out)]):
             run = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if run.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
@@ -126,9 +146,11 @@ def _touch(lib: pathlib.Path) -> None:
 
 
 def _prune(root: pathlib.Path) -> None:
-    """Deletes the kernel builds in ``root`` unused for ``STALE_DAYS`` days."""
+    """Deletes the kernel builds in ``root`` unused for ``STALE_DAYS`` days (and those of the
+    attention-only library before it, ``paged_attention_cpu-*.so``)."""
     cutoff = time.time() - STALE_DAYS * 86400
-    for old in root.glob("paged_attention_cpu-*.so"):
+    builds = [*root.glob("cpu_kernels-*.so"), *root.glob("paged_attention_cpu-*.so")]
+    for old in builds:
         try:
             if old.stat().st_mtime < cutoff:
                 old.unlink()
@@ -146,7 +168,8 @@ def _load() -> str | None:
         return "no C++ compiler (set CXX, or install g++)"
     try:
         lib = ctypes.CDLL(str(_build(cxx)))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), "cpu")
+        for target, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), "cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         return f"it did not build or load: {e}"
     return None
@@ -154,13 +177,15 @@ def _load() -> str | None:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel is built and registered (builds it on the first call; logs why not
-    once)."""
+    """Whether the kernels are built and registered (builds them on the first call; logs why
+    not once)."""
     why = _load()
     if why is not None:
-        logger.warning("CPU paged-attention kernel unavailable (%s); attention runs in jnp", why)
+        logger.warning(
+            "CPU kernels unavailable (%s); attention runs in jnp, matmuls in XLA's dot", why
+        )
     else:
-        logger.info("CPU paged-attention kernel loaded")
+        logger.info("CPU kernels loaded (paged attention, panel matmul)")
     return why is None
 
 
@@ -204,7 +229,7 @@ def paged_attention_rows(
       ValueError: ``prefill`` with a head size outside ``PREFILL_HEAD_DIMS``.
     """
     if not available():
-        raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {_load()}")
+        raise RuntimeError(f"the CPU kernels are unavailable: {_load()}")
     if prefill and q.shape[-1] not in PREFILL_HEAD_DIMS:
         raise ValueError(
             f"prefill tiles need a head size in {PREFILL_HEAD_DIMS}, got {q.shape[-1]}"
@@ -226,3 +251,51 @@ def paged_attention_rows(
         split_keys=int(split_keys),
         prefill=bool(prefill),
     )
+
+
+def pack_panels(w: np.ndarray | jax.Array) -> np.ndarray:
+    """A weight ``[K, N]`` (input rows, output columns) packed for ``panel_matmul``: float32
+    ``[ceil(N / PANEL), K, PANEL]``, panel p holding columns ``[PANEL p, PANEL p + PANEL)`` row
+    after row, the last panel's missing columns zero. On the host (numpy): done once on load.
+
+    Raises:
+      ValueError: ``w`` is not 2-D.
+    """
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"pack_panels: expected a [K, N] weight, got shape {w.shape}")
+    k, n = w.shape
+    p = -(-n // PANEL)
+    if n != p * PANEL:
+        w = np.pad(w, ((0, 0), (0, p * PANEL - n)))
+    return np.ascontiguousarray(w.reshape(k, p, PANEL).transpose(1, 0, 2))
+
+
+def panel_matmul(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
+    """``x · W`` for a weight packed by ``pack_panels``, inside a jitted step on CPU.
+
+    Args:
+      x: ``[M, K]``, any float dtype (multiplied in float32).
+      w: float32 ``[P, K, PANEL]``, ``pack_panels`` of ``W [K, n]``.
+      n: W's output columns (``<= P * PANEL``).
+
+    Returns:
+      float32 ``[M, n]``; the products accumulate over K in order, in float32 (XLA's dot sums in
+      another order: results agree to float32 rounding, not bit for bit).
+
+    Raises:
+      RuntimeError: the kernels are not ``available()``.
+      ValueError: shapes that do not match.
+    """
+    if not available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {_load()}")
+    if x.ndim != 2 or w.ndim != 3 or w.shape[1:] != (x.shape[1], PANEL) or n > w.shape[0] * PANEL:
+        raise ValueError(
+            f"panel_matmul: x {x.shape} and packed w {w.shape} (n={n}) do not match "
+            f"([M, K] and [P, K, {PANEL}], n <= P * {PANEL})"
+        )
+    call = jax.ffi.ffi_call(
+        _MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * PANEL), jnp.float32)
+    )
+    y = call(x.astype(jnp.float32), w)
+    return y if y.shape[1] == n else y[:, :n]
