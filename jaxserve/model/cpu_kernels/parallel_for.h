@@ -12,6 +12,8 @@
 
 namespace jaxserve {
 
+constexpr int64_t kSpinsBeforeYield = 4096;  // ~50-150 us of pause instructions
+
 inline void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -24,8 +26,8 @@ inline void CpuRelax() {
 // caller is one of the pool's threads, so it asks for num_threads() - 1 helpers (one per other
 // core, not one more thread than cores), and it spins for the tasks helpers still hold rather
 // than sleeping on a condition variable: a wake-up costs tens of microseconds, and a step
-// calls this once per projection and layer (~200 times for a 30-layer model). The spin never
-// waits on a task nobody runs: a helper takes a task only once it is running, and the caller
+// calls this once per projection and layer (~200 times for a 30-layer model). The wait never
+// depends on a task nobody runs: a helper takes a task only once it is running, and the caller
 // itself works through every task left.
 template <typename F>
 void ParallelFor(xla::ffi::ThreadPool* pool, int64_t n, F&& f) {
@@ -47,7 +49,15 @@ void ParallelFor(xla::ffi::ThreadPool* pool, int64_t n, F&& f) {
   // `f` is referenced only while tasks remain, i.e. before this function returns.
   for (int64_t h = 0; h < helpers; ++h) pool->Schedule([work] { work(); });
   work();
-  while (st->done.load(std::memory_order_acquire) != n) CpuRelax();
+  // Spin briefly (the last items finish within microseconds of each other), then yield: on a
+  // box with more runnable threads than cores, a helper holding an item may need this core.
+  for (int64_t spins = 0; st->done.load(std::memory_order_acquire) != n; ++spins) {
+    if (spins < kSpinsBeforeYield) {
+      CpuRelax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
 }
 
 }  // namespace jaxserve
