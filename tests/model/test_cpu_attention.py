@@ -197,9 +197,10 @@ for head_dim, group, window in ((32, 2, None), (64, 3, 37)):
     got = np.asarray(got).reshape(T, 2 * group, head_dim)
     np.testing.assert_allclose(got[: T - 5], ref[: T - 5], atol=2e-5, rtol=0)
 rng = np.random.default_rng(0)
-x, w = rng.standard_normal((9, 50), np.float32), rng.standard_normal((50, 70), np.float32)
-got = cpu_kernels.panel_matmul(jnp.asarray(x), cpu_kernels.pack_panels(w), 70)
-np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, atol=1e-4, rtol=0)
+for m in (9, 71):  # 2-row blocks; from 64 rows 6 x 16 blocks (and the rest)
+    x, w = rng.standard_normal((m, 50), np.float32), rng.standard_normal((50, 70), np.float32)
+    got = cpu_kernels.panel_matmul(jnp.asarray(x), cpu_kernels.pack_panels(w), 70)
+    np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, atol=1e-4, rtol=0)
 print("NARROW OK")
 """
 

@@ -6,12 +6,12 @@
 // p holds output columns [32p, 32p + 32) row after row, so one panel is one contiguous read.
 // Work item: a run of panels; each streams its panel once per block of up to 8 rows of x,
 // with the block's 8 x 32 outputs in registers (16 vectors of 16 lanes on AVX-512; blocks of
-// 2 rows on AVX2). A decode
-// step has 1 row and a speculative verification 1 + K: their cost is reading W once, which XLA
-// CPU's dot does at ~17 GB/s for one row and slower as rows are added (it packs W first);
-// panels read at the memory's pace for any row count up to 8 (benchmarks/RESULTS.md, #32).
-// Prefill steps (hundreds of rows) run the same blocks from the cache, within a few percent
-// of XLA's dot.
+// 2 rows on AVX2). A decode step has 1 row and a speculative verification 1 + K: their cost is
+// reading W once, which XLA CPU's dot does at ~17 GB/s for one row and slower as rows are
+// added (it packs W first); panels read at the memory's pace for any row count up to 8
+// (benchmarks/RESULTS.md, #32). From 64 rows (prefill chunks) the blocks are the arithmetic's:
+// 6 rows x 64 columns over pairs of panels on AVX-512 (within a few percent of XLA's dot),
+// 6 rows x 16 columns on AVX2.
 
 #include <algorithm>
 #include <cstdint>
@@ -113,6 +113,33 @@ inline void PairBlock(const float* x, const float* p0, float* y, int64_t K, int6
     for (int v = 0; v < 4; ++v) StoreV(y + (m0 + r) * ldy + n0 + v * kLanes, acc[r][v]);
   }
 }
+#else
+// Many rows on AVX2: 6 rows x 16 columns (12 ymm accumulators, BLIS's Haswell block), each
+// half of a panel in turn: 8 loads per 12 FMAs where 2 x 32 take 6 per 8.
+constexpr int kPairRows = 6;
+
+// Rows [m0, m0 + kPairRows) times columns [c, c + 16) of one panel -> y at n0 + c.
+inline void HalfBlock(const float* x, const float* panel, float* y, int64_t K, int64_t ldy,
+                      int64_t m0, int64_t n0, int64_t c) {
+  V acc[kPairRows][2];
+  const float* xr[kPairRows];
+  for (int r = 0; r < kPairRows; ++r) {
+    acc[r][0] = acc[r][1] = V{};
+    xr[r] = x + (m0 + r) * K;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const V w0 = LoadV(panel + k * kPanel + c), w1 = LoadV(panel + k * kPanel + c + kLanes);
+    for (int r = 0; r < kPairRows; ++r) {
+      const V xv = V{} + xr[r][k];
+      acc[r][0] += xv * w0;
+      acc[r][1] += xv * w1;
+    }
+  }
+  for (int r = 0; r < kPairRows; ++r) {
+    StoreV(y + (m0 + r) * ldy + n0 + c, acc[r][0]);
+    StoreV(y + (m0 + r) * ldy + n0 + c + kLanes, acc[r][1]);
+  }
+}
 #endif
 
 // The last M % kRows rows: one block of R = rem rows (R < kRows).
@@ -125,12 +152,12 @@ inline void Tail(const float* x, const float* panel, float* y, int64_t K, int64_
   }
 }
 
-// Every row of x times one panel -> y's columns n0 ... n0 + 32.
-void Panel(const float* x, const float* panel, float* y, int64_t M, int64_t K, int64_t ldy,
-           int64_t n0) {
-  int64_t m = 0;
+// Rows [m0, M) of x times one panel -> y's columns n0 ... n0 + 32.
+void Rows(const float* x, const float* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
+          int64_t M, int64_t n0) {
+  int64_t m = m0;
   // the first block reads the panel from memory, the others from the cache: no prefetch
-  if (M >= kRows) Block<kRows>(x, panel, y, K, ldy, m, n0), m = kRows;
+  if (M - m >= kRows) Block<kRows>(x, panel, y, K, ldy, m, n0), m += kRows;
   for (; m + kRows <= M; m += kRows) Block<kRows, false>(x, panel, y, K, ldy, m, n0);
   Tail<kRows - 1>(x, panel, y, K, ldy, m, M - m, n0);
 }
@@ -145,12 +172,25 @@ void Panels(const float* x, const float* w, float* y, int64_t M, int64_t K, int6
       int64_t m = 0;
       for (; m + kPairRows <= M; m += kPairRows) PairBlock(x, p0, y, K, ldy, m, p * kPanel);
       for (int64_t q = p; q < p + 2; ++q) {  // the last M % kPairRows rows, panel by panel
-        Tail<kRows - 1>(x, w + q * K * kPanel, y, K, ldy, m, M - m, q * kPanel);
+        Rows(x, w + q * K * kPanel, y, K, ldy, m, M, q * kPanel);
       }
     }
   }
+#else
+  if (M >= kPairMinRows) {
+    const int64_t body = M / kPairRows * kPairRows;
+    for (; p < end; ++p) {
+      const float* panel = w + p * K * kPanel;
+      for (int64_t c = 0; c < kPanel; c += 2 * kLanes) {
+        for (int64_t m = 0; m < body; m += kPairRows) {
+          HalfBlock(x, panel, y, K, ldy, m, p * kPanel, c);
+        }
+      }
+      Rows(x, panel, y, K, ldy, body, M, p * kPanel);  // the last M % kPairRows rows
+    }
+  }
 #endif
-  for (; p < end; ++p) Panel(x, w + p * K * kPanel, y, M, K, ldy, p * kPanel);
+  for (; p < end; ++p) Rows(x, w + p * K * kPanel, y, K, ldy, 0, M, p * kPanel);
 }
 
 ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
