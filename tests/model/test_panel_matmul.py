@@ -47,8 +47,11 @@ def test_empty_and_mismatched_shapes(kernel):
     assert not np.asarray(zero).any()
     with pytest.raises(ValueError, match="do not match"):
         cpu_kernels.panel_matmul(jnp.ones((2, 5)), w, 40)
+    for n in (65, 32, -1):  # P = ceil(n / 32) is 2 here
+        with pytest.raises(ValueError, match="do not match"):
+            cpu_kernels.panel_matmul(jnp.ones((2, 4)), w, n)
     with pytest.raises(ValueError, match="do not match"):
-        cpu_kernels.panel_matmul(jnp.ones((2, 4)), w, 65)
+        cpu_kernels.panel_matmul(jnp.ones((2, 4)), jnp.asarray(w, jnp.bfloat16), 40)
     with pytest.raises(ValueError, match=r"\[K, N\]"):
         cpu_kernels.pack_panels(np.ones((2, 3, 4), np.float32))
 
@@ -80,6 +83,8 @@ def test_packed_linear_equals_the_einsum(kernel, in_shape, out_shape, bias):
     got = np.asarray(run(layer, x))
     assert got.shape == (2, 5, *outs)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    # bfloat16 x with the float32 weight: float32 out, as the einsum's
+    assert run(layer, x.astype(jnp.bfloat16)).dtype == jnp.float32
     with pytest.raises(ValueError, match="packed once"):
         layer.pack_panels()
 

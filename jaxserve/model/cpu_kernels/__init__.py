@@ -277,7 +277,7 @@ def panel_matmul(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
     Args:
       x: ``[M, K]``, any float dtype (multiplied in float32).
       w: float32 ``[P, K, PANEL]``, ``pack_panels`` of ``W [K, n]``.
-      n: W's output columns (``<= P * PANEL``).
+      n: W's output columns (``P == ceil(n / PANEL)``).
 
     Returns:
       float32 ``[M, n]``; the products accumulate over K in order, in float32 (XLA's dot sums in
@@ -285,14 +285,21 @@ def panel_matmul(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
 
     Raises:
       RuntimeError: the kernels are not ``available()``.
-      ValueError: shapes that do not match.
+      ValueError: shapes that do not match, or ``w`` not float32.
     """
     if not available():
         raise RuntimeError(f"the CPU kernels are unavailable: {_load()}")
-    if x.ndim != 2 or w.ndim != 3 or w.shape[1:] != (x.shape[1], PANEL) or n > w.shape[0] * PANEL:
+    if (
+        x.ndim != 2
+        or w.ndim != 3
+        or w.shape[1:] != (x.shape[1], PANEL)
+        or w.dtype != jnp.float32
+        or n < 0
+        or -(-n // PANEL) != w.shape[0]
+    ):
         raise ValueError(
-            f"panel_matmul: x {x.shape} and packed w {w.shape} (n={n}) do not match "
-            f"([M, K] and [P, K, {PANEL}], n <= P * {PANEL})"
+            f"panel_matmul: x {x.shape} and packed w {w.dtype}{list(w.shape)} (n={n}) do not "
+            f"match (x [M, K], w float32 [P, K, {PANEL}], P = ceil(n / {PANEL}))"
         )
     call = jax.ffi.ffi_call(
         _MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * PANEL), jnp.float32)

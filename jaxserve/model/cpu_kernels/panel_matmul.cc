@@ -32,9 +32,8 @@ constexpr int64_t kPrefetchRows = 32;
 
 // Register blocks: a block's rows x 32 columns of accumulators, the panel row's vectors and a
 // broadcast must fit the vector registers: 8 rows (16 zmm) with AVX-512's 32; 2 rows (8 ymm)
-// with AVX2's 16 (8 rows there spill and run 5x slower; 6 rows x 16 columns, the panel in
-// two halves, read one row 1.3x slower and 64 rows no faster: an AVX2 build timed on an
-// AVX-512 host).
+// with AVX2's 16 (8 rows there spill and run 5x slower; the 6 x 16 blocks of many rows below
+// read one row 1.3x slower: an AVX2 build timed on an AVX-512 host).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 constexpr int kRows = 8;
@@ -80,7 +79,7 @@ inline void Block(const float* x, const float* panel, float* y, int64_t K, int64
   }
 }
 
-constexpr int64_t kPairMinRows = 64;  // (AVX-512 builds pair panels from this many rows)
+constexpr int64_t kPairMinRows = 64;  // from this many rows, the blocks of many rows below
 
 #if defined(__AVX512F__)
 // Many rows (prefill chunks): two adjacent panels at once, 6 rows x 64 columns (24 zmm

@@ -145,7 +145,9 @@ class Linear(nnx.Module):
             y = cpu_kernels.panel_matmul(
                 x.reshape(-1, math.prod(self.in_shape)), self.weight[...], n
             )
-            return y.astype(x.dtype).reshape(*lead, *self.out_shape)
+            # the einsum's dtype: x's promoted with the float32 weight's
+            out = jnp.promote_types(x.dtype, self.weight.dtype)
+            return y.astype(out).reshape(*lead, *self.out_shape)
         if self.quant is None:
             w = self.weight[...]
             return jnp.einsum(_equation(self.num_in_axes, w.ndim - self.num_in_axes), x, w)
