@@ -275,6 +275,18 @@ class Bench:
         }
 
 
+def copy_prompts(bench: Bench, args: argparse.Namespace) -> list:
+    """The ``ngram-copy`` requests, ``--num-prompts`` of them (cycled): ``COPY_TASKS`` as chat
+    turns (token ids, chat-templated with the target's tokenizer) or ``COPY_PROMPTS`` as text,
+    by ``--copy-prompts``."""
+    if args.copy_prompts == "chat":
+        tok = bench.base.tokenizer
+        tasks = [tok.encode_chat([{"role": "user", "content": t}]) for t in COPY_TASKS]
+    else:
+        tasks = list(COPY_PROMPTS)
+    return [tasks[i % len(tasks)] for i in range(args.num_prompts)]
+
+
 def breakdown(res: dict) -> str:
     """One run's time per output token: engine steps, device steps, and ms in the scheduler,
     the runner's host work, the wait for the device and the output path."""
@@ -416,11 +428,7 @@ def main(argv=None) -> list[dict]:
         with open(args.draft_prompts, encoding="utf-8") as f:
             text = chat(json.load(f))
         draft_eos = True
-    if args.copy_prompts == "chat":
-        tasks = chat(COPY_TASKS)
-    else:
-        tasks = list(COPY_PROMPTS)
-    copy = [tasks[i % len(tasks)] for i in range(args.num_prompts)]
+    copy = copy_prompts(bench, args)
     results = []
     if "ngram-copy" in chosen:
         # a chat answer ends at its end of turn

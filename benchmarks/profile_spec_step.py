@@ -68,12 +68,7 @@ def main(argv=None) -> None:
             prompt_lookup_min=1,
         ),
     }
-    if args.copy_prompts == "chat":  # the bench's chat copy tasks (a chat model)
-        tok = bench.base.tokenizer
-        copy = [tok.encode_chat([{"role": "user", "content": t}]) for t in bench_mod.COPY_TASKS]
-    else:
-        copy = list(bench_mod.COPY_PROMPTS)
-    prompts = {"ngram": [copy[i % len(copy)] for i in range(args.num_prompts)]}
+    prompts = {"ngram": bench_mod.copy_prompts(bench, args)}  # the bench's copy requests
     if with_draft:
         specs["draft_model"] = SpeculativeConfig(
             method="draft_model", model=args.draft, num_speculative_tokens=args.draft_k

@@ -189,6 +189,12 @@ def available() -> bool:
     return why is None
 
 
+def _require() -> None:
+    """Raises RuntimeError, saying why, unless the kernels are ``available()``."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {_load()}")
+
+
 def paged_attention_rows(
     q: jax.Array,
     k_cache: jax.Array,
@@ -228,8 +234,7 @@ def paged_attention_rows(
       RuntimeError: the kernel is not ``available()``.
       ValueError: ``prefill`` with a head size outside ``PREFILL_HEAD_DIMS``.
     """
-    if not available():
-        raise RuntimeError(f"the CPU kernels are unavailable: {_load()}")
+    _require()
     if prefill and q.shape[-1] not in PREFILL_HEAD_DIMS:
         raise ValueError(
             f"prefill tiles need a head size in {PREFILL_HEAD_DIMS}, got {q.shape[-1]}"
@@ -287,8 +292,7 @@ def panel_matmul(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
       RuntimeError: the kernels are not ``available()``.
       ValueError: shapes that do not match, or ``w`` not float32.
     """
-    if not available():
-        raise RuntimeError(f"the CPU kernels are unavailable: {_load()}")
+    _require()
     if (
         x.ndim != 2
         or w.ndim != 3

@@ -51,95 +51,56 @@ inline V LoadV(const float* p) {
 }
 inline void StoreV(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 
-// Rows [m0, m0 + MR) of x times one panel -> their 32 columns at n0 of y [M, ldy].
-template <int MR, bool kPrefetch = true>
+// Rows [m0, m0 + MR) of x times NP adjacent panels (their columns [c, c + NV * kLanes) each)
+// -> y [M, ldy] at the same columns from n0. kPrefetch: fetch the panel kPrefetchRows ahead
+// (the first block of rows to read a panel, from memory; NP == 1, c == 0).
+template <int MR, int NP = 1, int NV = kVecs, bool kPrefetch = true>
 inline void Block(const float* x, const float* panel, float* y, int64_t K, int64_t ldy,
-                  int64_t m0, int64_t n0) {
-  V acc[MR][kVecs];
+                  int64_t m0, int64_t n0, int64_t c = 0) {
+  V acc[MR][NP * NV];
   const float* xr[MR];
   for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = V{};
+    for (int v = 0; v < NP * NV; ++v) acc[r][v] = V{};
     xr[r] = x + (m0 + r) * K;
   }
+  const int64_t stride = K * kPanel;  // from one panel to the next
   for (int64_t k = 0; k < K; ++k) {
     if constexpr (kPrefetch) {
       const float* ahead = panel + std::min(k + kPrefetchRows, K - 1) * kPanel;
       __builtin_prefetch(ahead);
       __builtin_prefetch(ahead + 16);
     }
-    V w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = LoadV(panel + k * kPanel + v * kLanes);
+    V w[NP * NV];
+    for (int j = 0; j < NP; ++j) {
+      const float* row = panel + j * stride + k * kPanel + c;
+      for (int v = 0; v < NV; ++v) w[j * NV + v] = LoadV(row + v * kLanes);
+    }
     for (int r = 0; r < MR; ++r) {
       const V xv = V{} + xr[r][k];
-      for (int v = 0; v < kVecs; ++v) acc[r][v] += xv * w[v];
+      for (int v = 0; v < NP * NV; ++v) acc[r][v] += xv * w[v];
     }
   }
   for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < kVecs; ++v) StoreV(y + (m0 + r) * ldy + n0 + v * kLanes, acc[r][v]);
+    float* out = y + (m0 + r) * ldy + n0 + c;
+    for (int j = 0; j < NP; ++j) {
+      for (int v = 0; v < NV; ++v) StoreV(out + j * kPanel + v * kLanes, acc[r][j * NV + v]);
+    }
   }
 }
 
-constexpr int64_t kPairMinRows = 64;  // from this many rows, the blocks of many rows below
-
+constexpr int64_t kManyMinRows = 64;  // from this many rows, the blocks of many rows below
+constexpr int kManyRows = 6;          // rows per block of many rows
+// Many rows (prefill chunks) take blocks shaped for the arithmetic, not the weight read. On
+// AVX-512: two adjacent panels at once, 6 rows x 64 columns (24 zmm accumulators), 10 loads per
+// 24 FMAs where 8 x 32 take 10 per 16 (SmolLM2's projections at 1,024 rows 916 -> 839 ms;
+// XLA's dot: 839). On AVX2: 6 rows x 16 columns (12 ymm, BLIS's Haswell block), each half of a
+// panel in turn, 8 loads per 12 FMAs where 2 x 32 take 6 per 8.
 #if defined(__AVX512F__)
-// Many rows (prefill chunks): two adjacent panels at once, 6 rows x 64 columns (24 zmm
-// accumulators), 10 loads per 24 FMAs where 8 x 32 take 10 per 16: SmolLM2's projections at
-// 1,024 rows 916 -> 839 ms (XLA's dot: 839).
-constexpr int kPairRows = 6;
-
-// Rows [m0, m0 + kPairRows) times panels p0 and p0 + K * kPanel -> y at columns n0 ... + 64.
-inline void PairBlock(const float* x, const float* p0, float* y, int64_t K, int64_t ldy,
-                      int64_t m0, int64_t n0) {
-  const float* p1 = p0 + K * kPanel;
-  V acc[kPairRows][4];
-  const float* xr[kPairRows];
-  for (int r = 0; r < kPairRows; ++r) {
-    for (int v = 0; v < 4; ++v) acc[r][v] = V{};
-    xr[r] = x + (m0 + r) * K;
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    const V w0 = LoadV(p0 + k * kPanel), w1 = LoadV(p0 + k * kPanel + 16);
-    const V w2 = LoadV(p1 + k * kPanel), w3 = LoadV(p1 + k * kPanel + 16);
-    for (int r = 0; r < kPairRows; ++r) {
-      const V xv = V{} + xr[r][k];
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-      acc[r][2] += xv * w2;
-      acc[r][3] += xv * w3;
-    }
-  }
-  for (int r = 0; r < kPairRows; ++r) {
-    for (int v = 0; v < 4; ++v) StoreV(y + (m0 + r) * ldy + n0 + v * kLanes, acc[r][v]);
-  }
-}
+constexpr int kManyPanels = 2, kManyVecs = kVecs;
 #else
-// Many rows on AVX2: 6 rows x 16 columns (12 ymm accumulators, BLIS's Haswell block), each
-// half of a panel in turn: 8 loads per 12 FMAs where 2 x 32 take 6 per 8.
-constexpr int kPairRows = 6;
-
-// Rows [m0, m0 + kPairRows) times columns [c, c + 16) of one panel -> y at n0 + c.
-inline void HalfBlock(const float* x, const float* panel, float* y, int64_t K, int64_t ldy,
-                      int64_t m0, int64_t n0, int64_t c) {
-  V acc[kPairRows][2];
-  const float* xr[kPairRows];
-  for (int r = 0; r < kPairRows; ++r) {
-    acc[r][0] = acc[r][1] = V{};
-    xr[r] = x + (m0 + r) * K;
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    const V w0 = LoadV(panel + k * kPanel + c), w1 = LoadV(panel + k * kPanel + c + kLanes);
-    for (int r = 0; r < kPairRows; ++r) {
-      const V xv = V{} + xr[r][k];
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-    }
-  }
-  for (int r = 0; r < kPairRows; ++r) {
-    StoreV(y + (m0 + r) * ldy + n0 + c, acc[r][0]);
-    StoreV(y + (m0 + r) * ldy + n0 + c + kLanes, acc[r][1]);
-  }
-}
+constexpr int kManyPanels = 1, kManyVecs = 2;
 #endif
+constexpr int64_t kManyCols = kManyVecs * kLanes;  // columns of a panel per block
 
 // The last M % kRows rows: one block of R = rem rows (R < kRows).
 template <int R>
@@ -157,38 +118,28 @@ void Rows(const float* x, const float* panel, float* y, int64_t K, int64_t ldy, 
   int64_t m = m0;
   // the first block reads the panel from memory, the others from the cache: no prefetch
   if (M - m >= kRows) Block<kRows>(x, panel, y, K, ldy, m, n0), m += kRows;
-  for (; m + kRows <= M; m += kRows) Block<kRows, false>(x, panel, y, K, ldy, m, n0);
+  for (; m + kRows <= M; m += kRows) Block<kRows, 1, kVecs, false>(x, panel, y, K, ldy, m, n0);
   Tail<kRows - 1>(x, panel, y, K, ldy, m, M - m, n0);
 }
 
 // Every row of x times panels [p, end) of w.
 void Panels(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t ldy,
             int64_t p, int64_t end) {
-#if defined(__AVX512F__)
-  if (M >= kPairMinRows) {
-    for (; p + 2 <= end; p += 2) {
-      const float* p0 = w + p * K * kPanel;
-      int64_t m = 0;
-      for (; m + kPairRows <= M; m += kPairRows) PairBlock(x, p0, y, K, ldy, m, p * kPanel);
-      for (int64_t q = p; q < p + 2; ++q) {  // the last M % kPairRows rows, panel by panel
-        Rows(x, w + q * K * kPanel, y, K, ldy, m, M, q * kPanel);
-      }
-    }
-  }
-#else
-  if (M >= kPairMinRows) {
-    const int64_t body = M / kPairRows * kPairRows;
-    for (; p < end; ++p) {
+  if (M >= kManyMinRows) {
+    const int64_t body = M / kManyRows * kManyRows;
+    for (; p + kManyPanels <= end; p += kManyPanels) {
       const float* panel = w + p * K * kPanel;
-      for (int64_t c = 0; c < kPanel; c += 2 * kLanes) {
-        for (int64_t m = 0; m < body; m += kPairRows) {
-          HalfBlock(x, panel, y, K, ldy, m, p * kPanel, c);
+      for (int64_t c = 0; c < kPanel; c += kManyCols) {
+        for (int64_t m = 0; m < body; m += kManyRows) {
+          Block<kManyRows, kManyPanels, kManyVecs, false>(x, panel, y, K, ldy, m, p * kPanel,
+                                                          c);
         }
       }
-      Rows(x, panel, y, K, ldy, body, M, p * kPanel);  // the last M % kPairRows rows
+      for (int64_t q = p; q < p + kManyPanels; ++q) {  // the last M % kManyRows rows
+        Rows(x, w + q * K * kPanel, y, K, ldy, body, M, q * kPanel);
+      }
     }
   }
-#endif
   for (; p < end; ++p) Rows(x, w + p * K * kPanel, y, K, ldy, 0, M, p * kPanel);
 }
 
@@ -212,7 +163,7 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // ~16 items: enough to balance a few threads, few enough that each is a long read (with
   // many rows, an even number of panels each, for the pairs)
   int64_t per_item = std::max<int64_t>(1, P / 16);
-  if (M >= kPairMinRows && per_item % 2) ++per_item;
+  if (M >= kManyMinRows && per_item % 2) ++per_item;
   const int64_t items = (P + per_item - 1) / per_item;
   ParallelFor(&pool, items, [&](int64_t i) {
     Panels(xp, wp, yp, M, K, ldy, i * per_item, std::min(P, (i + 1) * per_item));
